@@ -1,0 +1,236 @@
+"""Parallel layout and process groups, as an explicit object (no module-level globals).
+
+Ranks are ordered as Megatron orders them: tensor-parallel innermost, then data-parallel,
+then pipeline-parallel:
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+`ParallelLayout` is pure arithmetic and validates itself when constructed, so an impossible
+layout is refused before any process group exists. `ParallelState` is one rank's view of a
+layout: its coordinates, its neighbours and the process groups it belongs to.
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions; the data-parallel size is inferred."""
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int = 1
+
+    def __post_init__(self):
+        for flag, value in (
+            ("world size", self.world_size),
+            ("--tensor-model-parallel-size", self.tensor),
+            ("--pipeline-model-parallel-size", self.pipeline),
+            ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.world_size % (self.tensor * self.pipeline):
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
+                f"{self.tensor} x --pipeline-model-parallel-size {self.pipeline} = "
+                f"{self.tensor * self.pipeline}"
+            )
+        if self.virtual_pipeline > 1 and self.pipeline == 1:
+            raise ValueError(
+                f"--num-virtual-stages-per-pipeline-rank {self.virtual_pipeline} needs "
+                "--pipeline-model-parallel-size > 1"
+            )
+
+    @property
+    def data(self) -> int:
+        return self.world_size // (self.tensor * self.pipeline)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return (pp_rank * self.data + dp_rank) * self.tensor + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tensor, (rank // self.tensor) % self.data, rank // (self.tensor * self.data)
+
+    def tp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for t in range(self.tensor)]
+            for p in range(self.pipeline)
+            for d in range(self.data)
+        ]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for d in range(self.data)]
+            for p in range(self.pipeline)
+            for t in range(self.tensor)
+        ]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, d, p) for p in range(self.pipeline)]
+            for d in range(self.data)
+            for t in range(self.tensor)
+        ]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups: every TP x PP rank holding one replica of the model."""
+        return [
+            [self.rank_of(t, d, p) for p in range(self.pipeline) for t in range(self.tensor)]
+            for d in range(self.data)
+        ]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline (they hold the tied embeddings)."""
+        return [sorted({ranks[0], ranks[-1]}) for ranks in self.pp_groups()]
+
+    def check_model(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_query_groups: int | None = None,
+        kv_channels: int | None = None,
+    ) -> None:
+        """Refuse model shapes this layout cannot shard, naming the flags involved."""
+        if kv_channels is None and hidden_size % num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "
+                f"{num_attention_heads}"
+            )
+        if num_attention_heads % self.tensor:
+            raise ValueError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {self.tensor}"
+            )
+        groups = num_query_groups or num_attention_heads
+        if num_attention_heads % groups:
+            raise ValueError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--num-query-groups {groups}"
+            )
+        if groups % self.tensor:
+            raise ValueError(
+                f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
+                f"{self.tensor}"
+            )
+        if num_layers < self.pipeline * self.virtual_pipeline:
+            raise ValueError(
+                f"--num-layers {num_layers} is fewer than --pipeline-model-parallel-size "
+                f"{self.pipeline} x virtual stages {self.virtual_pipeline}"
+            )
+
+
+class ParallelState:
+    """One rank's coordinates, neighbours and process groups within a `ParallelLayout`.
+
+    Groups are None when their size is 1 and no process group was created for them, so a
+    single process without torch.distributed works (`ParallelState.single()`).
+    """
+
+    def __init__(self, layout: ParallelLayout, rank: int, groups: dict | None = None):
+        self.layout = layout
+        self.rank = rank
+        self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
+        groups = groups or {}
+        self.tp_group = groups.get("tp")
+        self.dp_group = groups.get("dp")
+        self.pp_group = groups.get("pp")
+        self.mp_group = groups.get("mp")
+        self.embedding_group = groups.get("embedding")
+        self.world_group = groups.get("world")
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        """A one-process state: every dimension of size 1, no process groups."""
+        return cls(ParallelLayout(1), 0)
+
+    @classmethod
+    def create(cls, layout: ParallelLayout, timeout_minutes: float | None = None) -> "ParallelState":
+        """Build every group of `layout`. Call on all ranks after init_process_group."""
+        if not dist.is_initialized():
+            if layout.world_size == 1:
+                return cls(layout, 0)
+            raise RuntimeError("torch.distributed must be initialised before ParallelState.create")
+        if dist.get_world_size() != layout.world_size:
+            raise ValueError(
+                f"layout expects world size {layout.world_size} but torch.distributed has "
+                f"{dist.get_world_size()} processes"
+            )
+        timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else None
+        groups = {"world": dist.group.WORLD}
+        for name, ranks in (
+            ("tp", layout.tp_groups()),
+            ("dp", layout.dp_groups()),
+            ("pp", layout.pp_groups()),
+            ("mp", layout.mp_groups()),
+        ):
+            groups[name], _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+        # Embedding groups may repeat a rank list (pp == 1), so they are built one by one;
+        # every rank must take part in creating every group.
+        rank = dist.get_rank()
+        for ranks in layout.embedding_groups():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups["embedding"] = group
+        return cls(layout, rank, groups)
+
+    # sizes
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline
+
+    @property
+    def vp_size(self) -> int:
+        return self.layout.virtual_pipeline
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    # pipeline position
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, stage 0 first."""
+        return [self.layout.rank_of(self.tp_rank, self.dp_rank, p) for p in range(self.pp_size)]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around, as interleaving needs)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of tensor-parallel rank 0 in this rank's TP group."""
+        return self.layout.rank_of(0, self.dp_rank, self.pp_rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
+            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vp={self.vp_size})"
+        )

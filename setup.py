@@ -1,0 +1,42 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining in plain PyTorch: TP, SP, PP, DP and ZeRO, testable on a CPU.",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    install_requires=[
+        # A range here; CPU install commands in the README pin torch==2.13.0 so that pip
+        # does not pull the CUDA build on machines without a GPU.
+        "torch>=2.6",
+        "numpy",
+        "pyyaml",
+        "sentencepiece",
+    ],
+    extras_require={
+        "gpu": ["triton"],
+        "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],
+        "hf": ["transformers", "safetensors", "tokenizers"],
+        "plot": ["matplotlib"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "transformers",
+            "safetensors",
+            "tokenizers",
+            "tiktoken",
+            "triton",
+            "megatron-core",
+            "matplotlib",
+            "tensorboard",
+            "wandb",
+            "psutil",
+        ],
+    },
+)
