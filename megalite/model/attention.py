@@ -1,0 +1,76 @@
+"""Causal self-attention with grouped-query support, split over the TP group by heads.
+
+The fused QKV projection is laid out per query group, as Megatron lays it out:
+[q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...], so a column-parallel split
+gives each TP rank whole groups.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.model.recompute import checkpointed
+from megalite.model.rope import apply_rotary
+from megalite.parallel import comm
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+from megalite.parallel.random import rng_fork_if
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as e:
+        raise RuntimeError("--use-flash-attn needs the flash_attn package, which is not importable") from e
+    return flash_attn_func
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        self.config, self.rng_tracker = config, rng_tracker
+        self.head_dim = config.kv_channels
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        dtype = getattr(torch, config.params_dtype)
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, tp_group=tp_group, bias=config.add_bias_linear or config.add_qkv_bias,
+            sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
+            params_dtype=dtype, device=device)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, tp_group=tp_group,
+            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+            init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
+
+    def core_attention(self, q, k, v, attention_mask):
+        """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
+        s, b = q.shape[:2]
+        dropout = self.config.attention_dropout if self.training else 0.0
+        with rng_fork_if(self.rng_tracker, dropout > 0):
+            if self.config.use_flash_attn and attention_mask is None and q.is_cuda:
+                out = _flash_attn_func()(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         dropout_p=dropout, causal=True)
+                return out.transpose(0, 1).reshape(s, b, -1)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=attention_mask is None,
+                                                 enable_gqa=self.groups != self.heads)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.config.recompute_granularity == "selective":
+            context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)

@@ -1,0 +1,109 @@
+"""GPT model configuration covering the GPT-2 and Llama families."""
+
+from dataclasses import dataclass, field, fields, replace
+
+
+@dataclass
+class GPTConfig:
+    """Shape and behaviour of a GPT model. Field names follow Megatron's flags."""
+
+    num_layers: int
+    """Number of transformer layers (--num-layers)."""
+    hidden_size: int
+    """Model width h (--hidden-size)."""
+    num_attention_heads: int
+    """Query heads (--num-attention-heads)."""
+    vocab_size: int
+    """True vocabulary size of the tokenizer; the embedding is padded beyond it."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the learned position table or rotary cache covers."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (--num-query-groups); None means MHA."""
+    kv_channels: int | None = None
+    """Width of one attention head (--kv-channels); None means hidden_size // heads."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width (--ffn-hidden-size); None means 4 * hidden_size."""
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (GPT-2) or 'rope' (Llama)."""
+    rotary_base: float = 10000.0
+    """RoPE theta (--rotary-base)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that are rotated (--rotary-percent)."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' or 'RMSNorm' (--normalization)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm (--norm-epsilon)."""
+    activation: str = "gelu"
+    """'gelu' (exact erf), 'openai_gelu' (tanh approximation, GPT-2) or 'swiglu'."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer; False is --disable-bias-linear."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even when add_bias_linear is False (Qwen-style)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the input embedding."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this times the TP size."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation; output projections use std / sqrt(2 * num_layers)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (--attention-dropout)."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP outputs and on embeddings (--hidden-dropout)."""
+    sequence_parallel: bool = False
+    """Split norms, dropouts and residuals along the sequence over the TP group."""
+    recompute_granularity: str | None = None
+    """None, 'full' (whole layers) or 'selective' (core attention only)."""
+    recompute_method: str = "uniform"
+    """With full recompute: 'uniform' or 'block' (--recompute-method)."""
+    recompute_num_layers: int | None = None
+    """With full recompute: layers per recomputed group (uniform) or recomputed layers per
+    stage (block); None recomputes every layer."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the training loss (as F.cross_entropy defines it)."""
+    attention_softmax_in_fp32: bool = True
+    """Kept for flag compatibility; scaled_dot_product_attention accumulates in fp32."""
+    fused_kernels: bool | None = None
+    """Triton kernels for norms, activations, rotary and cross-entropy; None means on CUDA."""
+    use_flash_attn: bool = False
+    """Use the flash_attn package for attention when it is installed (--use-flash-attn)."""
+    params_dtype: str = "float32"
+    """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
+    extra: dict = field(default_factory=dict)
+    """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        choices = {
+            "position_embedding_type": ("learned_absolute", "rope"),
+            "normalization": ("LayerNorm", "RMSNorm"),
+            "activation": ("gelu", "openai_gelu", "swiglu"),
+            "recompute_granularity": (None, "full", "selective"),
+            "recompute_method": ("uniform", "block"),
+            "params_dtype": ("float32", "bfloat16", "float16"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields: {', '.join(unknown)}")
+        return cls(**values)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)

@@ -1,0 +1,194 @@
+"""A GPT model built from tensor-parallel layers, any contiguous slice of which forms a
+pipeline stage.
+
+Layers live in `self.layers` under their global layer number ("layers.8" on whichever stage
+owns layer 8), so checkpoints reshard by name. The embedding exists only where
+`pre_process`, the final norm and output layer only where `post_process`.
+
+Activations are [seq, batch, hidden] (split along seq over TP with sequence parallelism);
+tokens, labels and the returned losses are [batch, seq].
+"""
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.model.config import GPTConfig
+from megalite.model.norms import build_norm
+from megalite.model.recompute import checkpointed
+from megalite.model.rope import rotary_cos_sin
+from megalite.model.transformer import TransformerLayer
+from megalite.parallel import comm
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megalite.parallel.random import rng_fork_if
+from megalite.parallel.sharding import mark_sequence_parallel
+from megalite.parallel.state import ParallelState
+
+# The word embedding's initialisation name: a last pipeline stage holding a tied copy of it
+# initialises that copy under this name, so both copies start identical.
+WORD_EMBEDDING = "embedding.word_embeddings"
+
+
+class Embedding(nn.Module):
+    """Word embeddings (vocab-parallel) plus learned absolute positions, then dropout."""
+
+    def __init__(self, config: GPTConfig, padded_vocab: int, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        self.config, self.tp_group, self.rng_tracker = config, tp_group, rng_tracker
+        dtype = getattr(torch, config.params_dtype)
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp_group=tp_group, sequence_parallel=config.sequence_parallel,
+            init_std=config.init_method_std, init_rows=config.vocab_size, params_dtype=dtype, device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    dtype=dtype, device=device)
+            mark_sequence_parallel(self.position_embeddings.weight, config.sequence_parallel)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        if self.position_embeddings is not None:
+            with torch.no_grad():
+                w = self.position_embeddings.weight
+                w.copy_(torch.empty(w.shape, device=w.device).normal_(0.0, self.config.init_method_std, generator=generator))
+
+    def forward(self, tokens, position_ids=None):
+        x = self.word_embeddings(tokens.t())  # [s(/tp), b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            pos = self.position_embeddings(position_ids.t())  # [s, b or 1, h]
+            if self.config.sequence_parallel:
+                pos = comm.split_dim(pos, 0, self.tp_group)
+            x = x + pos
+        p = self.config.hidden_dropout if self.training else 0.0
+        if p > 0:
+            with rng_fork_if(self.rng_tracker, self.config.sequence_parallel):
+                x = F.dropout(x, p, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    """GPT-2 or Llama family decoder, or one pipeline stage (chunk) of it.
+
+    Args:
+        config: model shape and behaviour.
+        pstate: parallel state (None: a single process).
+        rng_tracker: TP-rank RNG streams for dropout (None: dropout draws from the default stream).
+        layer_numbers: global numbers of the layers this chunk holds (default: all).
+        pre_process / post_process: whether this chunk holds the embedding / the output head
+            (default: first / last pipeline stage).
+        init_seed: weights are drawn per parameter from (init_seed, parameter name), so any
+            TP or PP layout starts from slices of the same full model.
+    """
+
+    def __init__(self, config: GPTConfig, pstate: ParallelState | None = None, *, rng_tracker=None,
+                 layer_numbers=None, pre_process=None, post_process=None, init_seed: int = 1234, device=None):
+        super().__init__()
+        pstate = pstate or ParallelState.single()
+        self.config, self.pstate, self.rng_tracker = config, pstate, rng_tracker
+        self.tp_group = pstate.tp_group
+        self.pre_process = pstate.is_first_stage if pre_process is None else pre_process
+        self.post_process = pstate.is_last_stage if post_process is None else post_process
+        self.padded_vocab = config.padded_vocab_size(pstate.tp_size)
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.share_embeddings = not config.untie_embeddings_and_output_weights
+
+        self.embedding = (Embedding(config, self.padded_vocab, self.tp_group, rng_tracker, device)
+                          if self.pre_process else None)
+        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device)
+                                     for n in layer_numbers})
+        self.final_layernorm = build_norm(config, device=device) if self.post_process else None
+        self.output_layer = None
+        if self.post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab, tp_group=self.tp_group, bias=False,
+                sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
+                init_rows=config.vocab_size, skip_weight=self.share_embeddings and self.pre_process,
+                params_dtype=getattr(torch, config.params_dtype), device=device)
+            if self.output_layer.weight is not None and self.share_embeddings:
+                # A tied copy of the word embedding on the last stage; kept equal to it by an
+                # all-reduce of gradients over the embedding group.
+                self.output_layer.weight.shared_embedding = True
+        if self.embedding is not None and self.share_embeddings and pstate.pp_size > 1:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        self.init_weights(init_seed)
+
+    def init_weights(self, seed: int) -> None:
+        for name, module in self.named_modules():
+            first_param = next(module.parameters(), None)
+            if first_param is None or not hasattr(module, "reset_parameters") \
+                    or not type(module).__module__.startswith("megalite."):
+                continue
+            init_name = WORD_EMBEDDING if module is self.output_layer and self.share_embeddings else name
+            generator = torch.Generator(device=first_param.device)
+            generator.manual_seed(zlib.crc32(f"{seed}:{init_name}".encode()))
+            module.reset_parameters(generator)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.share_embeddings and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def _rotary(self, seq_len: int, device):
+        if self.config.position_embedding_type != "rope":
+            return None
+        rot = int(self.config.kv_channels * self.config.rotary_percent)
+        key = (seq_len, str(device))
+        if getattr(self, "_rotary_cache_key", None) != key:
+            self._rotary_cache = rotary_cos_sin(seq_len, rot, self.config.rotary_base, device)
+            self._rotary_cache_key = key
+        return self._rotary_cache
+
+    def _run_layers(self, x, rotary, attention_mask):
+        layers = list(self.layers.values())
+        cfg = self.config
+        if cfg.recompute_granularity != "full":
+            for layer in layers:
+                x = layer(x, rotary, attention_mask)
+            return x
+
+        def run(chunk):
+            def fn(h):
+                for layer in chunk:
+                    h = layer(h, rotary, attention_mask)
+                return h
+            return fn
+
+        n = cfg.recompute_num_layers or 1
+        if cfg.recompute_method == "uniform":
+            for i in range(0, len(layers), n):
+                x = checkpointed(run(layers[i:i + n]), self.rng_tracker, x)
+        else:  # block: the first n layers of this chunk are recomputed, the rest are not
+            for i, layer in enumerate(layers):
+                x = checkpointed(run([layer]), self.rng_tracker, x) if i < n else layer(x, rotary, attention_mask)
+        return x
+
+    def forward(self, tokens=None, position_ids=None, attention_mask=None, labels=None, hidden_states=None):
+        """Returns per-token losses [b, s] (fp32) when `labels` is given on the last stage,
+        vocab-parallel logits [b, s, V/t] without labels, and hidden states [s(/t), b, h] on
+        other stages. `hidden_states` is the previous stage's output (not pre_process).
+        `attention_mask` is bool [b, 1, s, s], True where attention is not allowed; None
+        means causal."""
+        x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
+        seq_len = x.shape[0] * (self.pstate.tp_size if self.config.sequence_parallel else 1)
+        x = self._run_layers(x, self._rotary(seq_len, x.device), attention_mask)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
+                                            self.config.label_smoothing)
+        return loss.t()
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """sum(loss * mask) / sum(mask): one micro-batch's loss."""
+    if loss_mask is None:
+        return per_token_loss.mean()
+    loss_mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * loss_mask).sum() / loss_mask.sum()

@@ -1,0 +1,34 @@
+"""The transformer MLP: GeLU (GPT-2) or SwiGLU (Llama), column- then row-parallel."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+
+
+class MLP(nn.Module):
+    def __init__(self, config, tp_group=None, device=None):
+        super().__init__()
+        self.config = config
+        swiglu = config.activation == "swiglu"
+        dtype = getattr(torch, config.params_dtype)
+        # SwiGLU's fc1 holds [gate; up]; stride 2 gives each TP rank [gate_r; up_r].
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size * (2 if swiglu else 1), tp_group=tp_group,
+            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, stride=2 if swiglu else 1,
+            init_std=config.init_method_std, skip_bias_add=not swiglu, params_dtype=dtype, device=device)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
+
+    def forward(self, x):
+        if self.config.activation == "swiglu":
+            gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
+        y, bias = self.linear_fc1(x)
+        if bias is not None:
+            y = y + bias
+        approximate = "tanh" if self.config.activation == "openai_gelu" else "none"
+        return self.linear_fc2(F.gelu(y, approximate=approximate))

@@ -1,0 +1,31 @@
+"""A pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.model.attention import SelfAttention
+from megalite.model.mlp import MLP
+from megalite.model.norms import build_norm
+from megalite.parallel.random import rng_fork_if
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None):
+        super().__init__()
+        self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
+        self.input_layernorm = build_norm(config, device=device)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
+        self.pre_mlp_layernorm = build_norm(config, device=device)
+        self.mlp = MLP(config, tp_group, device)
+
+    def _dropout_add(self, x, residual):
+        p = self.config.hidden_dropout if self.training else 0.0
+        if p == 0:
+            return residual + x
+        # Under sequence parallelism each TP rank holds different tokens: draw per-rank masks.
+        with rng_fork_if(self.rng_tracker, self.config.sequence_parallel):
+            return residual + F.dropout(x, p, training=True)
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, attention_mask), x)
+        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

@@ -1,0 +1,69 @@
+"""Move full (unsharded) weights in and out of a possibly sharded GPTModel chunk."""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megalite.model.hf_mapping import hf_to_megalite, megalite_to_hf
+from megalite.parallel import comm
+from megalite.parallel.sharding import full_from_shards, is_sharded, param_shard_of_full
+
+
+def source_name(model, name: str) -> str:
+    """The full-model tensor a parameter holds (a tied output copy holds the word embedding)."""
+    if name == "output_layer.weight" and not model.config.untie_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+@torch.no_grad()
+def load_full_weights(model, get_full: Callable[[str], torch.Tensor]) -> None:
+    """Copy this rank's shard of every parameter from `get_full(name)` (full tensors)."""
+    rank, world = comm.group_rank(model.tp_group), comm.group_size(model.tp_group)
+    for name, param in model.named_parameters():
+        full = get_full(source_name(model, name))
+        shard = param_shard_of_full(param, full, rank, world)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: expected shape {tuple(param.shape)} for this rank, got {tuple(shard.shape)} "
+                             f"from a full tensor of shape {tuple(full.shape)}")
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def gather_full_weights(model, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors of this chunk's parameters (or of their gradients), gathered over the TP
+    group: a collective every TP rank must enter."""
+    group, world = model.tp_group, comm.group_size(model.tp_group)
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.grad if grads else param
+        if value is None:
+            continue
+        if is_sharded(param) and world > 1:
+            shards = [torch.empty_like(value) for _ in range(world)]
+            dist.all_gather(shards, value.contiguous(), group=group)
+            out[source_name(model, name)] = full_from_shards(shards, param.partition_dim, param.partition_stride)
+        else:
+            out[source_name(model, name)] = value.detach().clone()
+    return out
+
+
+def _chunk_scope(model) -> dict:
+    return {"layers": [int(n) for n in model.layers], "pre_process": model.pre_process,
+            "post_process": model.post_process}
+
+
+def load_hf_weights(model, hf_state_dict) -> None:
+    """Load a Hugging Face GPT2LMHeadModel / LlamaForCausalLM state dict into a model chunk."""
+    full = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, **_chunk_scope(model)))
+    if model.post_process and "output_layer.weight" not in full:  # tied: the last stage's copy
+        full.setdefault("embedding.word_embeddings.weight", dict(hf_to_megalite(
+            hf_state_dict.__getitem__, model.config, model.padded_vocab, layers=[]))["embedding.word_embeddings.weight"])
+    load_full_weights(model, full.__getitem__)
+
+
+def export_hf_weights(model) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of this chunk (a collective over the TP group)."""
+    full = gather_full_weights(model)
+    return dict(megalite_to_hf(full.__getitem__, model.config, **_chunk_scope(model)))
