@@ -1,0 +1,105 @@
+"""Model FLOPs, MFU and memory per parameter, counted as shared/docs/formulas.md says.
+
+    F_token = 6 * P_mm + 12 * L * s * h
+    P_mm    = L * (h*q + 2*h*d_kv + q*h + k*h*f) + h*V     (q = a * head_dim, = h usually;
+                                                             k = 2 GeLU, 3 SwiGLU)
+    MFU     = F_token * tokens/s per GPU / peak FLOP/s
+
+Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM).
+"""
+
+import re
+
+from megalite.model.config import GPTConfig
+
+# Dense bf16 peak FLOP/s (formulas.md). Patterns match torch.cuda.get_device_name(); anything
+# else (H100/H200 PCIe or NVL, GH200, consumer cards) is unknown and gets no MFU, not a guess.
+PEAK_BF16_FLOPS = (
+    (re.compile(r"\bH100\b.*\b(SXM|HBM3)"), "H100 SXM", 989.4e12),
+    (re.compile(r"\bH200\b(?!.*NVL)"), "H200", 989.4e12),
+    (re.compile(r"\bA100\b"), "A100", 312e12),
+)
+
+# Bytes per parameter of weights, main gradients and Adam state (formulas.md):
+# (plain optimizer, replicated part with the distributed optimizer, part sharded over d).
+_BYTES_PER_PARAM = {
+    "bf16": (18, 6, 12),
+    "fp16": (20, 4, 16),
+    "fp32": (16, 8, 8),
+}
+
+
+def matmul_parameters(config: GPTConfig, padded_vocab_size: int) -> int:
+    """P_mm: weights that take part in matrix multiplies (QKV, attention output, MLP, output
+    layer); biases, norms and the embedding lookup are left out."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    q = config.num_attention_heads * config.kv_channels
+    d_kv = config.num_query_groups * config.kv_channels
+    k = 3 if config.activation == "swiglu" else 2
+    per_layer = h * q + 2 * h * d_kv + q * h + k * h * f
+    return config.num_layers * per_layer + h * padded_vocab_size
+
+
+def flops_per_token(config: GPTConfig, seq_length: int, padded_vocab_size: int) -> int:
+    """Training FLOPs per token (forward + backward): 6 P_mm + 12 L s h."""
+    attention = 12 * config.num_layers * seq_length * config.hidden_size
+    return 6 * matmul_parameters(config, padded_vocab_size) + attention
+
+
+def peak_flops(device_name: str | None = None) -> tuple[str, float] | None:
+    """(name, dense bf16 peak FLOP/s) of a GPU, by default the current CUDA device; None when
+    there is no CUDA device or the device is not in the table."""
+    if device_name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for pattern, name, peak in PEAK_BF16_FLOPS:
+        if pattern.search(device_name):
+            return name, peak
+    return None
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_second_per_gpu: float,
+                            peak: float | None) -> float | None:
+    """MFU as a fraction (0.4 = 40%), or None when the peak is unknown."""
+    if peak is None:
+        return None
+    return flops_per_token * tokens_per_second_per_gpu / peak
+
+
+def bytes_per_parameter(precision: str, distributed_optimizer: bool = False,
+                        data_parallel_size: int = 1) -> float:
+    """Bytes of model and optimizer state per parameter on one rank: 'bf16' (bf16 weights, fp32
+    main grads), 'fp16' or 'fp32', with Adam; the distributed optimizer shards the fp32 state
+    over `data_parallel_size` ranks."""
+    if precision not in _BYTES_PER_PARAM:
+        raise ValueError(f"precision must be one of {sorted(_BYTES_PER_PARAM)}, got {precision!r}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data-parallel size must be positive, got {data_parallel_size}")
+    plain, replicated, sharded = _BYTES_PER_PARAM[precision]
+    if not distributed_optimizer:
+        return float(plain)
+    return replicated + sharded / data_parallel_size
+
+
+def fsdp_bytes_per_parameter(data_parallel_size: int) -> float:
+    """ZeRO-3 / FSDP with bf16 weights and grads and fp32 Adam state: (2 + 2 + 12) / d."""
+    return 16 / data_parallel_size
+
+
+def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
+                               num_attention_heads: int, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False, recompute: str | None = None,
+                               flash_attention: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward with 16-bit activations
+    (Korthikanti et al. 2022; formulas.md). `recompute` is None, 'selective' or 'full'; a
+    flash-attention kernel stores no s x s scores."""
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel
+    if recompute == "full":
+        return 2.0 * s * b * h
+    scores = 0.0 if (recompute == "selective" or flash_attention) else 5.0 * a * s / (h * t)
+    if sequence_parallel:
+        return s * b * h * (34.0 / t + scores)
+    return s * b * h * (10.0 + 24.0 / t + scores)
