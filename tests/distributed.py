@@ -7,6 +7,7 @@ and returns the per-rank return values. A failure on any rank raises here with t
 traceback; a hang is killed after `timeout` seconds.
 """
 
+import io
 import os
 import queue
 import socket
@@ -31,7 +32,10 @@ def _worker(rank, world_size, port, fn, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Tensors go by value: a queue would share their storage with a process about to exit.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +61,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
                                    f"{sorted(set(range(world_size)) - set(out))} within {timeout}s")
             if status == "error":
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
     finally:
         for p in procs:
             p.join(timeout=10)
