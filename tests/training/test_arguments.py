@@ -297,3 +297,10 @@ def test_examples_parse_and_validate_at_their_world_size(name):
         assert (layout.tensor, layout.pipeline, layout.data) == (4, 2, 4)
         assert args.use_distributed_optimizer and args.sequence_parallel
     model_config_from_args(args, vocab_size=32000)
+
+
+def test_help_lists_groups_defaults_and_megalite_additions():
+    text = build_parser().format_help()
+    for words in ("parallelism:", "checkpoints:", "--initial-loss-scale X", "(default: 4294967296.0)",
+                  "--metrics-file STR", "[megalite]", "--no-fused-kernels"):
+        assert words in text, words
