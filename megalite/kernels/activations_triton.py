@@ -1,0 +1,149 @@
+"""Triton SwiGLU and bias-GeLU: elementwise tile kernels, fp32 math, one rounding on store.
+
+Bias-GeLU's backward also reduces dbias: a fixed number of programs per column block loop over
+row blocks keeping fp32 column sums in registers; a small torch sum finishes the reduction.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from megalite.kernels.triton_common import persistent_programs, rows_per_program, to_dtype, warps_for
+
+
+@triton.jit
+def _swiglu_fwd_kernel(X, Y, n_rows, f, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < f)[None, :]
+    gate_ptr = X + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + f, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], to_dtype(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(X, DY, DX, n_rows, f, stride_x, stride_dy, stride_dx,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < f)[None, :]
+    gate_ptr = X + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + f, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    dx_ptr = DX + rows[:, None] * stride_dx + cols[None, :]
+    tl.store(dx_ptr, to_dtype(dgate, DX.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + f, to_dtype(dy * silu, DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_and_grad(u, APPROX_TANH: tl.constexpr):
+    """gelu(u) and gelu'(u) in fp32. The tanh form uses 0.5*(1 + tanh(z)) = sigmoid(2z), which
+    does not cancel for large negative u. Constants: sqrt(2/pi) = 0.7978845608028654,
+    1/sqrt(2) = 0.7071067811865476, 1/sqrt(2*pi) = 0.3989422804014327."""
+    if APPROX_TANH:
+        dz = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * u * u)
+        s = tl.sigmoid(2.0 * 0.7978845608028654 * (u + 0.044715 * u * u * u))
+        return u * s, s + 2.0 * u * s * (1.0 - s) * dz
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
+        return u * cdf, cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(X, B, Y, n_rows, f, stride_x, stride_y, HAS_BIAS: tl.constexpr,
+                          APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < f
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    u = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        u += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y, _ = _gelu_and_grad(u, APPROX_TANH)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], to_dtype(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(X, B, DY, DX, DB_PART, n_rows, f, stride_x, stride_dy, stride_dx,
+                          HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < f
+    if HAS_BIAS:
+        bias = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        u = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            u += bias[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _, grad = _gelu_and_grad(u, APPROX_TANH)
+        du = tl.where(mask, dy * grad, 0.0)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], to_dtype(du, DX.dtype.element_ty), mask=mask)
+        db_acc += tl.sum(du, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * f + cols, db_acc, mask=col_ok)
+
+
+def _tiles(n_rows: int, n_cols: int, max_block_n: int = 1024) -> tuple[int, int, int]:
+    block_n = min(triton.next_power_of_2(n_cols), max_block_n)
+    block_m = rows_per_program(block_n, n_rows)
+    return block_m, block_n, warps_for(block_m * block_n)
+
+
+def swiglu_forward(x2d: torch.Tensor) -> torch.Tensor:
+    """x2d [N, 2f] (unit stride along the last dim) -> silu(gate) * up [N, f]."""
+    n_rows, f = x2d.shape[0], x2d.shape[1] // 2
+    y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
+    block_m, block_n, num_warps = _tiles(n_rows, f)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
+    _swiglu_fwd_kernel[grid](x2d, y, n_rows, f, x2d.stride(0), y.stride(0),
+                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def swiglu_backward(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    n_rows, f = dy2d.shape
+    dx = torch.empty((n_rows, 2 * f), dtype=x2d.dtype, device=x2d.device)
+    block_m, block_n, num_warps = _tiles(n_rows, f)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
+    _swiglu_bwd_kernel[grid](x2d, dy2d, dx, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
+                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dx
+
+
+def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool) -> torch.Tensor:
+    n_rows, f = x2d.shape
+    y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
+    block_m, block_n, num_warps = _tiles(n_rows, f)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
+    _bias_gelu_fwd_kernel[grid](x2d, bias, y, n_rows, f, x2d.stride(0), y.stride(0),
+                                HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
+                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool):
+    """Returns (dx [N, f] in x's dtype, dbias fp32 [f] or None)."""
+    n_rows, f = x2d.shape
+    dx = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
+    block_m, block_n, num_warps = _tiles(n_rows, f)
+    col_blocks = triton.cdiv(f, block_n)
+    row_blocks = triton.cdiv(n_rows, block_m)
+    programs = max(1, persistent_programs(x2d.device, row_blocks, num_warps) // col_blocks) \
+        if bias is not None else row_blocks
+    db_part = torch.empty((programs, f), dtype=torch.float32, device=x2d.device) if bias is not None else None
+    _bias_gelu_bwd_kernel[(programs, col_blocks)](
+        x2d, bias, dy2d, dx, db_part, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
+        HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dx, None if db_part is None else db_part.sum(0)

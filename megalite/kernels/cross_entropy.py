@@ -1,0 +1,150 @@
+"""Cross-entropy over logits split along the vocabulary, in row chunks or per-row kernels so that
+no fp32 copy of the whole [N, V] logits ever exists.
+
+This rank holds logits [..., V_local] for global ids [vocab_start, vocab_start + V_local); only
+the first `valid_vocab` local columns are real vocabulary, the rest (padding) is excluded from
+the softmax. With z the fp32 logits, lse the log-sum-exp over the true vocabulary of V ids and
+eps the label smoothing, the per-token loss is F.cross_entropy's:
+
+    loss = (1 - eps) * (lse - z_target) + eps * (lse - mean_j z_j)
+
+Each rank computes per-row max, sum of exponentials, target logit (0 where the target lies in
+another shard) and sum of logits; max is all-reduced first, then the rescaled sums in one
+all-reduce. The gradient, softmax - (1 - eps) onehot - eps / V (0 on padding), is local.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite.kernels.dispatch import check_triton_device, use_triton
+
+# Rows per chunk of the torch path are chosen so that a chunk's fp32 copy has about this many elements.
+TORCH_CHUNK_ELEMENTS = 1 << 24
+
+
+def torch_local_stats(logits2d, local_target, n_valid: int, need_sum: bool, chunk_elements: int = TORCH_CHUNK_ELEMENTS):
+    """Torch twin of cross_entropy_triton.local_stats, one fp32 row chunk at a time."""
+    n_rows = logits2d.shape[0]
+    out = torch.zeros((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
+    if n_valid == 0:
+        out[0].fill_(float("-inf"))
+    rows_per_chunk = max(1, chunk_elements // max(n_valid, 1))
+    for start in range(0, n_rows if n_valid > 0 else 0, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        z = logits2d[rows, :n_valid].to(torch.float32, copy=True)  # copy: sub_/exp_ below work in place
+        row_max = z.amax(dim=-1)
+        out[0, rows] = row_max
+        if need_sum:
+            out[3, rows] = z.sum(dim=-1)
+        t = local_target[rows]
+        out[2, rows] = torch.where(t >= 0, z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        out[1, rows] = z.sub_(row_max.unsqueeze(1)).exp_().sum(dim=-1)
+    return out[0], out[1], out[2], out[3] if need_sum else None
+
+
+def torch_grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, label_smoothing: float,
+                      smooth: torch.Tensor, inplace: bool, chunk_elements: int = TORCH_CHUNK_ELEMENTS):
+    """Torch twin of cross_entropy_triton.grad_logits, one fp32 row chunk at a time."""
+    n_rows, n_cols = logits2d.shape
+    grad = logits2d if inplace else torch.empty_like(logits2d)
+    grad[:, n_valid:] = 0
+    rows_per_chunk = max(1, chunk_elements // max(n_cols, 1))
+    for start in range(0, n_rows if n_valid > 0 else 0, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        g = grad_loss[rows].unsqueeze(1)
+        d = logits2d[rows, :n_valid].to(torch.float32, copy=True).sub_(lse[rows].unsqueeze(1)).exp_().sub_(smooth)
+        t = local_target[rows]
+        hit = (t >= 0).unsqueeze(1)
+        d.scatter_add_(1, t.clamp(min=0).unsqueeze(1), torch.where(hit, label_smoothing - 1.0, 0.0))
+        grad[rows, :n_valid] = d.mul_(g).to(grad.dtype)
+    return grad
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, valid_vocab, group, label_smoothing, inplace_backward, triton):
+        if triton:
+            from megalite.kernels import cross_entropy_triton as backend
+
+            stats_fn, grad_fn = backend.local_stats, backend.grad_logits
+        else:
+            stats_fn, grad_fn = torch_local_stats, torch_grad_logits
+        logits2d = _rows(logits)
+        local_target = target.reshape(-1) - vocab_start
+        local_target = torch.where((local_target >= 0) & (local_target < valid_vocab), local_target, -1)
+        need_sum = label_smoothing > 0
+        row_max, sum_exp, z_target, z_sum = stats_fn(logits2d, local_target, valid_vocab, need_sum)
+
+        global_max = _all_reduce(row_max.clone(), dist.ReduceOp.MAX, group)
+        pieces = [sum_exp * torch.exp(row_max - global_max), z_target]
+        if need_sum:
+            pieces += [z_sum, torch.tensor([float(valid_vocab)], device=logits.device)]
+        reduced = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group)
+        n_rows = row_max.shape[0]
+        lse = global_max + torch.log(reduced[:n_rows])
+        loss = lse - reduced[n_rows:2 * n_rows]
+        if need_sum:
+            vocab_size = reduced[-1:]  # stays on the device: no host sync
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - reduced[2 * n_rows:3 * n_rows] / vocab_size)
+            smooth = label_smoothing / vocab_size
+        else:
+            smooth = torch.zeros(1, dtype=torch.float32, device=logits.device)
+
+        # The input itself is saved (not a view made here) and reshaped again in backward.
+        ctx.save_for_backward(logits if logits2d.data_ptr() == logits.data_ptr() else logits2d,
+                              local_target, lse, smooth)
+        ctx.grad_fn, ctx.shape = grad_fn, logits.shape
+        ctx.valid_vocab, ctx.label_smoothing = valid_vocab, label_smoothing
+        ctx.inplace_backward = inplace_backward
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local_target, lse, smooth = ctx.saved_tensors
+        logits2d = _rows(logits)
+        grad = ctx.grad_fn(logits2d, local_target, lse, grad_loss.reshape(-1).float().contiguous(), ctx.valid_vocab,
+                           ctx.label_smoothing, smooth, ctx.inplace_backward)
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0, valid_vocab: int | None = None,
+                  group=None, label_smoothing: float = 0.0, inplace_backward: bool = False,
+                  impl: str = "auto") -> torch.Tensor:
+    """Per-token fp32 cross-entropy of logits [..., V_local] (bf16 or fp32) against global target ids [...].
+
+    logits is this rank's vocabulary shard, global ids [vocab_start, vocab_start + V_local), of
+    which the first `valid_vocab` (default all) columns are real; `group` is the process group the
+    vocabulary is sharded over (None = unsharded). Equals F.cross_entropy(reduction='none',
+    label_smoothing=...) over the true vocabulary. The gradient comes back in the logits dtype;
+    with inplace_backward=True it is written into the logits buffer (as Megatron does), which is
+    safe only when nothing else reads those logits afterwards. impl: "auto" | "triton" | "torch".
+    """
+    if logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError(f"cross_entropy: logits must be a floating-point [..., V] tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]) or target.is_floating_point():
+        raise ValueError(f"cross_entropy: target must be integer ids of shape {tuple(logits.shape[:-1])}, got "
+                         f"{target.dtype} {tuple(target.shape)}")
+    local_vocab = logits.shape[-1]
+    valid_vocab = local_vocab if valid_vocab is None else int(valid_vocab)
+    if not 0 <= valid_vocab <= local_vocab or (group is None and valid_vocab == 0):
+        raise ValueError(f"cross_entropy: valid_vocab must be in [{int(group is None)}, {local_vocab}] (the local "
+                         f"vocabulary), got {valid_vocab}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    use = logits.numel() > 0 and use_triton("cross_entropy", impl, logits, target)
+    if use:
+        check_triton_device("cross_entropy", logits, target)
+    return _CrossEntropyFunction.apply(logits, target.long(), int(vocab_start), valid_vocab, group,
+                                       float(label_smoothing), bool(inplace_backward), use)

@@ -1,0 +1,93 @@
+"""Triton kernels for the (vocab-parallel) cross-entropy: per-row statistics and the gradient.
+
+Statistics: one program per row streams the row's valid columns in BLOCK_V chunks, keeping a
+per-lane running max and rescaled sum of exponentials (online softmax with one exp per
+element), the sum of logits, and reads the target's logit. Nothing but per-row fp32 scalars
+is written. Gradient: one program per (row, column block), written in the logits dtype, in
+place into the logits buffer when asked.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from megalite.kernels.triton_common import to_dtype
+
+@triton.jit
+def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_valid,
+                     NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    # The running max starts finite (-3e38, below any real logit) so that max - max is never
+    # inf - inf; a row with no valid column ends with that max and a zero sum.
+    m_lane = tl.full([BLOCK_V], -3.0e38, dtype=tl.float32)
+    s_lane = tl.zeros([BLOCK_V], dtype=tl.float32)
+    zsum_lane = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, n_valid, BLOCK_V):
+        ok = start + cols < n_valid
+        z = tl.load(base + start + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        # One exp per element: whichever of (z, running max) is smaller is scaled by the other.
+        e = tl.exp(-tl.abs(z - m_lane))
+        bigger = z > m_lane
+        s_lane = tl.where(bigger, s_lane * e + 1.0, s_lane + e)
+        m_lane = tl.maximum(m_lane, z)
+        if NEED_SUM:
+            zsum_lane += tl.where(ok, z, 0.0)
+    m = tl.max(m_lane, axis=0)
+    tl.store(MAX + row, m)
+    tl.store(SUMEXP + row, tl.sum(s_lane * tl.exp(m_lane - m), axis=0))
+    if NEED_SUM:
+        tl.store(ZSUM + row, tl.sum(zsum_lane, axis=0))
+    target = tl.load(TARGET + row)
+    z_t = tl.load(base + tl.maximum(target, 0), mask=target >= 0, other=0.0).to(tl.float32)
+    tl.store(ZTARGET + row, tl.where(target >= 0, z_t, 0.0))
+
+
+@triton.jit
+def _ce_grad_kernel(LOGITS, GRAD, TARGET, LSE, GRAD_LOSS, SMOOTH, stride_row, stride_grad, n_cols, n_valid,
+                    target_weight, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_row = cols < n_cols
+    valid = cols < n_valid
+    z = tl.load(LOGITS + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + row)
+    g = tl.load(GRAD_LOSS + row)
+    target = tl.load(TARGET + row)
+    smooth_weight = tl.load(SMOOTH)
+    # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V on the real vocabulary, 0 on padding.
+    grad = tl.exp(z - lse) - smooth_weight - tl.where(cols == target, target_weight, 0.0)
+    grad = tl.where(valid, grad * g, 0.0)
+    tl.store(GRAD + row * stride_grad + cols, to_dtype(grad, GRAD.dtype.element_ty), mask=in_row)
+
+
+def _block_v(n: int) -> tuple[int, int]:
+    block = min(4096, triton.next_power_of_2(max(n, 1)))
+    return block, max(1, min(8, block // 256))
+
+
+def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool):
+    """Per-row fp32 (max, sum exp(z - max), z_target, sum z) over the first `n_valid` columns of
+    logits2d [N, V_local]; local_target [N] int64 is -1 where the target is not in this shard.
+    sum z is None unless need_sum."""
+    n_rows = logits2d.shape[0]
+    out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
+    block_v, num_warps = _block_v(n_valid)
+    _ce_stats_kernel[(n_rows,)](logits2d, local_target, out[0], out[1], out[2], out[3] if need_sum else None,
+                                logits2d.stride(0), n_valid, NEED_SUM=need_sum, BLOCK_V=block_v,
+                                num_warps=num_warps)
+    return out[0], out[1], out[2], out[3] if need_sum else None
+
+
+def grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, label_smoothing: float, smooth: torch.Tensor,
+                inplace: bool) -> torch.Tensor:
+    """Gradient of the loss w.r.t. logits2d [N, V_local] in its dtype (into logits2d when inplace);
+    smooth is a 1-element fp32 tensor holding label_smoothing / V."""
+    n_rows, n_cols = logits2d.shape
+    grad = logits2d if inplace else torch.empty((n_rows, n_cols), dtype=logits2d.dtype, device=logits2d.device)
+    block_v, num_warps = _block_v(n_cols)
+    _ce_grad_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
+        logits2d, grad, local_target, lse, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols, n_valid,
+        1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
+    return grad

@@ -1,0 +1,86 @@
+"""RMSNorm and LayerNorm over the last dim: Triton kernels with autograd, torch references beside.
+
+Semantics (see reference.py): LayerNorm equals F.layer_norm computed in fp32 and cast to
+x.dtype; RMSNorm follows Hugging Face Llama's order, weight * (normalised x rounded to
+x.dtype), cast to x.dtype. The Triton backward accumulates in fp32 and returns dweight/dbias in
+the parameters' dtypes.
+"""
+
+import torch
+
+from megalite.kernels.dispatch import check_triton_device, use_triton
+from megalite.kernels.reference import layer_norm_reference, rms_norm_reference
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dim] with unit stride along the last dim (a view when possible)."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms):
+        from megalite.kernels import norms_triton
+
+        x2d = _rows(x)
+        y, mean, rstd = norms_triton.norm_forward(x2d, weight, bias, eps, is_rms)
+        # Save the input itself (not a view made here); backward takes the same 2-d view again.
+        ctx.save_for_backward(x if x2d.data_ptr() == x.data_ptr() else x2d, weight, mean, rstd)
+        ctx.is_rms, ctx.has_bias = is_rms, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megalite.kernels import norms_triton
+
+        x, weight, mean, rstd = ctx.saved_tensors
+        x2d, dy2d = _rows(x), _rows(dy)
+        dx, dw, db = norms_triton.norm_backward(dy2d, x2d, weight, ctx.has_bias, mean, rstd, ctx.is_rms)
+        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = db.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx.view(dy.shape), dw, db, None, None
+
+
+def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have a hidden dim, got a 0-d tensor")
+    h = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (h,):
+            raise ValueError(f"{op}: {name} must have shape ({h},) to match x {tuple(x.shape)}, got {tuple(p.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{op}: x must be floating point, got {x.dtype}")
+
+
+def _triton_ok(op: str, impl: str, x, weight, bias) -> bool:
+    if not use_triton(op, impl, x, weight, bias):
+        return False
+    from megalite.kernels.norms_triton import MAX_COLS
+
+    if x.shape[-1] > MAX_COLS or x.numel() == 0:
+        if impl == "triton" and x.numel() > 0:
+            raise ValueError(f"{op}: impl='triton' supports hidden size <= {MAX_COLS}, got {x.shape[-1]}")
+        return False
+    check_triton_device(op, x, weight, bias)
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: str = "auto") -> torch.Tensor:
+    """RMSNorm of x [..., h] with weight [h]: weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype),
+    returned in x.dtype. impl: "auto" | "triton" | "torch" (see megalite.kernels.dispatch)."""
+    _check("rms_norm", x, weight, None)
+    if _triton_ok("rms_norm", impl, x, weight, None):
+        return _NormFunction.apply(x, weight, None, eps, True)
+    return rms_norm_reference(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, *,
+               impl: str = "auto") -> torch.Tensor:
+    """LayerNorm of x [..., h] with weight [h] and optional bias [h], F.layer_norm in fp32, returned in
+    x.dtype. impl: "auto" | "triton" | "torch" (see megalite.kernels.dispatch)."""
+    _check("layer_norm", x, weight, bias)
+    if _triton_ok("layer_norm", impl, x, weight, bias):
+        return _NormFunction.apply(x, weight, bias, eps, False)
+    return layer_norm_reference(x, weight, bias, eps)

@@ -1,0 +1,122 @@
+"""Triton RMSNorm / LayerNorm: one-pass row kernels with the row held in registers.
+
+Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns, writing y and the
+per-row fp32 rstd (and mean for LayerNorm). Backward: a fixed number of programs (a few per SM)
+loop over row blocks, write dx and keep fp32 partial sums of dweight/dbias in registers; the
+[programs, h] partials are reduced by one small torch sum afterwards.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from megalite.kernels.triton_common import persistent_programs, rows_per_program, to_dtype, warps_for
+
+MAX_COLS = 16384  # wider rows would spill registers in the backward; the torch path takes them
+
+
+@triton.jit
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        xhat = x * rstd[:, None]
+    else:
+        mean = tl.sum(x, axis=1) / n_cols
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        xhat = xc * rstd[:, None]
+        tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if IS_RMS:
+        # Llama order: the normalised row is rounded to the activation dtype before the weight.
+        xhat = to_dtype(xhat, Y.dtype.element_ty).to(tl.float32)
+    y = xhat * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], to_dtype(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
+                     stride_x, stride_dy, stride_dx,
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = w[None, :] * dy
+        c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+        if IS_RMS:
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+            # y = w * round(xhat): dweight sees the rounded xhat, dx passes straight through.
+            dw_acc += tl.sum(dy * to_dtype(xhat, DX.dtype.element_ty).to(tl.float32), axis=0)
+        else:
+            c2 = tl.sum(wdy, axis=1) / n_cols
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], to_dtype(dx, DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+    if HAS_BIAS:
+        tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
+
+
+def _tiles(n_rows: int, n_cols: int, elems_per_thread: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = rows_per_program(block_n, n_rows)
+    return block_m, block_n, warps_for(block_m * block_n, elems_per_thread)
+
+
+def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool):
+    """x2d [N, h] (unit stride along h) -> (y [N, h] in x's dtype, mean [N] fp32 or None, rstd [N] fp32)."""
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    mean = None if is_rms else torch.empty_like(rstd)
+    block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=16)
+    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2d, weight, bias, y, mean, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y, mean, rstd
+
+
+def norm_backward(dy2d, x2d, weight, has_bias: bool, mean, rstd, is_rms: bool):
+    """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] or None)."""
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    # The backward holds x, dy, w and the dweight/dbias sums per element: 8 elements per thread
+    # keeps h = 4096 at 64 registers (two 16-warp programs per SM) with no spills.
+    block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=8)
+    programs = persistent_programs(x2d.device, triton.cdiv(n_rows, block_m), num_warps)
+    dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    db_part = torch.empty_like(dw_part) if has_bias else None
+    _norm_bwd_kernel[(programs,)](
+        x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
+        x2d.stride(0), dy2d.stride(0), dx.stride(0),
+        IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dx, dw_part.sum(0), None if db_part is None else db_part.sum(0)

@@ -1,0 +1,71 @@
+"""Triton rotary embedding (rotate-half convention), forward and backward.
+
+One program handles one token (s, b) and BLOCK_H heads: it loads the token's cos/sin once
+(fp32, [d_rot], rows of B = 1 broadcast over the batch), rotates the first d_rot channels of
+each head and copies the remaining channels through. With halves x1 = x[:d_rot/2] and
+x2 = x[d_rot/2:d_rot]:
+
+    forward:  o1 = x1*cos1 - x2*sin1    o2 = x2*cos2 + x1*sin2
+    backward: o1 = x1*cos1 + x2*sin2    o2 = x2*cos2 - x1*sin1     (the transpose)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from megalite.kernels.triton_common import to_dtype, warps_for
+
+
+@triton.jit
+def _rotary_kernel(X, COS, SIN, Y, n_batch, n_heads, half, head_dim,
+                   stride_xs, stride_xb, stride_xh, stride_ys, stride_yb, stride_yh,
+                   stride_cs, stride_cb,
+                   BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    token = tl.program_id(0)
+    s = token // n_batch
+    b = token % n_batch
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < n_heads
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < half
+    cs_off = s.to(tl.int64) * stride_cs + b * stride_cb
+    cos1 = tl.load(COS + cs_off + r, mask=r_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(COS + cs_off + half + r, mask=r_ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(SIN + cs_off + r, mask=r_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(SIN + cs_off + half + r, mask=r_ok, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sin1, sin2 = -sin2, -sin1
+    x_row = X + s.to(tl.int64) * stride_xs + b.to(tl.int64) * stride_xb + heads[:, None].to(tl.int64) * stride_xh
+    y_row = Y + s.to(tl.int64) * stride_ys + b.to(tl.int64) * stride_yb + heads[:, None].to(tl.int64) * stride_yh
+    mask = head_ok[:, None] & r_ok[None, :]
+    x1 = tl.load(x_row + r[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + half + r[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
+    o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
+    tl.store(y_row + r[None, :], to_dtype(o1, Y.dtype.element_ty), mask=mask)
+    tl.store(y_row + half + r[None, :], to_dtype(o2, Y.dtype.element_ty), mask=mask)
+    if HAS_PASS:
+        p = 2 * half + tl.arange(0, BLOCK_P)
+        p_mask = head_ok[:, None] & (p < head_dim)[None, :]
+        tl.store(y_row + p[None, :], tl.load(x_row + p[None, :], mask=p_mask), mask=p_mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """x [s, b, n, d] (unit stride along d); cos, sin fp32 [s, 1 or b, d_rot] with unit stride along
+    d_rot and equal strides. Returns a new contiguous [s, b, n, d] tensor in x's dtype."""
+    n_seq, n_batch, n_heads, head_dim = x.shape
+    half = cos.shape[-1] // 2
+    y = torch.empty((n_seq, n_batch, n_heads, head_dim), dtype=x.dtype, device=x.device)
+    block_r = triton.next_power_of_2(half)
+    block_p = triton.next_power_of_2(max(head_dim - 2 * half, 1))
+    block_h = min(triton.next_power_of_2(n_heads), max(1, 2048 // (2 * block_r)))
+    stride_cb = cos.stride(1) if cos.shape[1] == n_batch and n_batch > 1 else 0
+    grid = (n_seq * n_batch, triton.cdiv(n_heads, block_h))
+    _rotary_kernel[grid](
+        x, cos, sin, y, n_batch, n_heads, half, head_dim,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        cos.stride(0), stride_cb,
+        BACKWARD=backward, HAS_PASS=head_dim > 2 * half,
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=warps_for(block_h * 2 * block_r))
+    return y

@@ -1,0 +1,52 @@
+"""Helpers shared by the Triton kernels. Imported only on the Triton path (imports triton).
+
+Interpreter note (TRITON_INTERPRET=1, used by the CPU tests): the interpreter stores bf16 as raw
+uint16 and converts fp32 -> bf16 by truncation, so arithmetic directly on bf16 values is wrong
+and a plain ``.to(tl.bfloat16)`` rounds toward zero. The kernels therefore convert every load to
+fp32 right away (``.to(tl.float32)``, an exact widening) and convert results with ``to_dtype``,
+which rounds to nearest-even by hand under the interpreter and is a plain ``.to`` when compiled
+(where fp32 -> bf16 is round-to-nearest-even already).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+if INTERPRETED:
+    @triton.jit
+    def to_dtype(x, dtype: tl.constexpr):
+        """Round fp32 `x` to `dtype` (round to nearest even)."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
+else:
+    @triton.jit
+    def to_dtype(x, dtype: tl.constexpr):
+        """Round fp32 `x` to `dtype` (round to nearest even)."""
+        return x.to(dtype)
+
+
+def rows_per_program(n_cols_block: int, n_rows: int, target_elems: int = 4096) -> int:
+    """Rows handled by one program so that a tile holds about `target_elems` elements."""
+    return max(1, min(target_elems // n_cols_block, triton.next_power_of_2(max(n_rows, 1))))
+
+
+def warps_for(tile_elems: int, elems_per_thread: int = 16) -> int:
+    """num_warps for a memory-bound tile holding about `elems_per_thread` fp32 values per thread
+    (1 to 32 warps). Kernels that keep more live arrays per element ask for fewer per thread so
+    that they stay under the register limit (checked by compiling for sm_90 in the tests)."""
+    return max(1, min(32, tile_elems // (32 * elems_per_thread)))
+
+
+def persistent_programs(device: torch.device, n_blocks: int, num_warps: int) -> int:
+    """Programs for a loop-over-rows kernel: as many as fit on the GPU at once (about 32 warps per
+    SM), at most one per block of rows; a handful under the interpreter."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
+    return max(1, min(n_blocks, 4))

@@ -1,0 +1,57 @@
+"""Tolerances and comparison helpers shared by the kernel tests.
+
+Inputs are of unit scale (randn-like), so absolute tolerances are meaningful.
+
+- fp32, kernel vs reference: rtol 1e-5, atol 1e-5.
+- bf16 forward, kernel vs the bf16 reference: both compute in fp32 and round to bf16 once, so
+  they may differ by one bf16 ulp where the fp32 results straddle a rounding boundary:
+  rtol 2^-7 (one ulp relative to the value), atol 1e-5.
+- bf16 backward, kernel vs fp64 autograd through the reference at the same bf16-valued
+  inputs: the kernel rounds each gradient once (half an ulp, 2^-8 relative), and RMSNorm's
+  dweight sees its normalised row rounded to bf16 by definition: rtol 2^-7 plus
+  atol 2^-7 * max|expected| (one ulp of the largest entry, for reductions whose terms cancel),
+  and never below the fp32 atol 1e-5. Gradients of fp32 parameters used with bf16 activations
+  get these bf16 tolerances too: their precision is set by the bf16 activations.
+"""
+
+import torch
+
+BF16_ULP = 2.0 ** -7  # spacing of bf16 numbers in [1, 2)
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+BF16_FWD_TOL = dict(rtol=BF16_ULP, atol=1e-5)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str) -> None:
+    torch.testing.assert_close(actual.detach().double(), expected.detach().double(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def assert_forward_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Kernel output vs the reference output at the same dtype."""
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype}, expected {expected.dtype}"
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    tol = FP32_TOL if actual.dtype == torch.float32 else BF16_FWD_TOL
+    assert_close(actual, expected, name=name, **tol)
+
+
+def assert_grad_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype, name: str, *,
+                      activation_dtype: torch.dtype | None = None) -> None:
+    """Kernel gradient (in `dtype`) vs the fp64 gradient of the reference; the tolerance follows
+    the activations' dtype (default `dtype`)."""
+    assert actual.dtype == dtype, f"{name}: grad dtype {actual.dtype}, expected {dtype}"
+    assert actual.shape == expected64.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected64.shape)}"
+    if (activation_dtype or dtype) == torch.float32:
+        tol = FP32_TOL
+    else:
+        tol = dict(rtol=BF16_ULP, atol=max(FP32_TOL["atol"], BF16_ULP * float(expected64.abs().max())))
+    assert_close(actual, expected64, name=name, **tol)
+
+
+def grads_fp64(fn, inputs: list[torch.Tensor | None], grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+    """Gradients of fn(*inputs) w.r.t. the non-None inputs, evaluated in fp64 at the same values."""
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(out, present, grad_out.double()))
+    return [None if t is None else next(grads) for t in leaves]

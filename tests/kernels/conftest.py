@@ -1,0 +1,26 @@
+"""Kernel tests run every Triton kernel under Triton's CPU interpreter.
+
+TRITON_INTERPRET must be set before triton decorates a kernel: megalite imports its Triton
+modules lazily (on the first impl='triton' call), and conftest files are imported at collection,
+before any test runs, so setting it here is early enough even when the whole suite shares one
+pytest process. Spawned processes (the TP=2 test) inherit it through the environment.
+
+With TRITON_INTERPRET=0 and a GPU, the same tests run the compiled kernels on CUDA instead.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where impl='triton' runs: the CPU under the interpreter, else the GPU."""
+    if os.environ["TRITON_INTERPRET"] == "1":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET is not 1 and there is no GPU: Triton kernels cannot run")
+    return "cuda"

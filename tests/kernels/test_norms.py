@@ -1,0 +1,63 @@
+"""RMSNorm / LayerNorm Triton kernels vs their torch references, forward and backward."""
+
+import pytest
+import torch
+
+from megalite.kernels import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from tests.kernels.checks import assert_forward_close, assert_grad_close, grads_fp64
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(rows, h) for rows in (1, 3, 17) for h in (1, 7, 33, 130)]
+
+
+def _inputs(shape, dtype, device, seed, weight_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    h = shape[-1]
+    x = (2 * torch.randn(shape, generator=g) + 0.5).to(device=device, dtype=dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(h, generator=g)).to(device=device, dtype=weight_dtype or dtype).requires_grad_()
+    b = torch.randn(h, generator=g).to(device=device, dtype=weight_dtype or dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    return x, w, b, dy
+
+
+def _check(name, op, reference, x, params, dy):
+    y = op(x, *params, impl="triton")
+    assert_forward_close(y, reference(x, *params), f"{name} forward")
+    inputs = [x] + [p for p in params if isinstance(p, torch.Tensor)]
+    grads = torch.autograd.grad(y, inputs, dy)
+    expected = grads_fp64(lambda *t: reference(*t, *params[len(inputs) - 1:]), inputs, dy)
+    for label, got, want, t in zip(("dx", "dweight", "dbias"), grads, expected, inputs):
+        assert_grad_close(got, want, t.dtype, f"{name} {label}", activation_dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rms_norm(shape, dtype, device):
+    x, w, _, dy = _inputs(shape, dtype, device, seed=sum(shape))
+    _check(f"rms_norm {shape} {dtype}", rms_norm, rms_norm_reference, x, [w, 1e-6], dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_layer_norm(shape, dtype, device):
+    x, w, b, dy = _inputs(shape, dtype, device, seed=sum(shape))
+    _check(f"layer_norm {shape} {dtype}", layer_norm, layer_norm_reference, x, [w, b, 1e-5], dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_without_bias(dtype, device):
+    x, w, _, dy = _inputs((5, 33), dtype, device, seed=7)
+    _check(f"layer_norm no bias {dtype}", layer_norm, layer_norm_reference, x, [w, None, 1e-5], dy)
+
+
+@pytest.mark.parametrize("op, reference, n_params", [(rms_norm, rms_norm_reference, 1),
+                                                     (layer_norm, layer_norm_reference, 2)], ids=["rms", "layer"])
+def test_strided_3d_input_and_fp32_params(op, reference, n_params, device):
+    """[s, b, h] slices of a wider buffer (row stride != h), bf16 activations with fp32 parameters."""
+    big, w, b, _ = _inputs((4, 3, 50), torch.bfloat16, device, seed=11, weight_dtype=torch.float32)
+    x = big.detach()[:, :, 5:38].requires_grad_()
+    assert not x.is_contiguous()
+    w, b = w.detach()[:33].requires_grad_(), b.detach()[:33].requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=x.dtype)
+    params = [w, b][:n_params] + [1e-5]
+    _check(f"{op.__name__} strided", op, reference, x, params, dy)
