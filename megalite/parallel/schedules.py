@@ -23,7 +23,8 @@ from megalite.parallel.schedule_actions import (B, F, W, Action, with_communicat
 PIPELINE_FLAG = "--pipeline-model-parallel-size"
 VIRTUAL_FLAG = "--num-virtual-stages-per-pipeline-rank"
 SCHEDULE_FLAG = "--pipeline-schedule"
-MICROBATCH_HINT = "micro-batches per step (--global-batch-size / (--micro-batch-size x data-parallel size))"
+MICROBATCH_HINT = (
+    "micro-batches per step (--global-batch-size / (--micro-batch-size x data-parallel size))")
 
 
 def _one_forward_one_backward(forwards: list[Action], backwards: list[Action],
@@ -151,7 +152,8 @@ def validate_schedule(name: str, pipeline_size: int, num_microbatches: int,
     configuration. Meant to run before any process starts."""
     p, m, v = pipeline_size, num_microbatches, num_chunks
     if name not in SCHEDULES:
-        raise ValueError(f"{SCHEDULE_FLAG} {name!r} is unknown; expected one of {sorted(SCHEDULES)}")
+        raise ValueError(f"{SCHEDULE_FLAG} {name!r} is unknown; expected one of "
+                         f"{sorted(SCHEDULES)}")
     for flag, value in ((PIPELINE_FLAG, p), (VIRTUAL_FLAG, v), (MICROBATCH_HINT, m)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value!r}")

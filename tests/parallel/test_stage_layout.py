@@ -12,7 +12,8 @@ def test_round_robin_chunks_as_in_megatron():
     # p=2, v=2, 8 layers: chunk c of rank r holds block c*p + r.
     assert [list(stage_layers(8, 2, r, c, 2)) for r in (0, 1) for c in (0, 1)] == [
         [0, 1], [4, 5], [2, 3], [6, 7]]
-    assert layer_owners(8, 2, 2) == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)]
+    assert layer_owners(8, 2, 2) == [(0, 0), (0, 0), (1, 0), (1, 0),
+                                     (0, 1), (0, 1), (1, 1), (1, 1)]
     assert list(stage_layers(12, 1, 0)) == list(range(12))
 
 
