@@ -141,6 +141,8 @@ def schedule_lengths_from_args(args) -> dict:
     With --train-iters: iterations x --global-batch-size (decay defaults to --train-iters);
     with --train-samples: samples (decay defaults to --train-samples). --lr-warmup-fraction
     is a fraction of the decay length."""
+    if args.train_iters is None and args.train_samples is None:
+        raise ValueError("an lr schedule needs --train-iters or --train-samples")
     if args.train_samples is not None:
         decay = args.lr_decay_samples or args.train_samples
         wsd = args.lr_wsd_decay_samples
@@ -158,6 +160,8 @@ def schedule_lengths_from_args(args) -> dict:
 def lr_scheduler_from_args(args, optimizer) -> LRScheduler:
     """The LR schedule of validated training options; call `step(args.global_batch_size)`
     after every optimizer step."""
+    if args.lr is None:
+        raise ValueError("an lr schedule needs --lr")
     return LRScheduler(optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
                        decay_style=args.lr_decay_style, wsd_decay_style=args.lr_wsd_decay_style,
                        **schedule_lengths_from_args(args))

@@ -154,6 +154,13 @@ def test_iteration_and_sample_based_schedules_agree():
     assert wsd[79] == 1.0 and wsd[89] == pytest.approx(0.55, rel=1e-12)
 
 
+def test_factory_names_what_is_missing():
+    with pytest.raises(ValueError, match="--train-iters or --train-samples"):
+        lr_scheduler_from_args(schedule_args(), optimizer())
+    with pytest.raises(ValueError, match="--lr"):
+        lr_scheduler_from_args(schedule_args(train_iters=10, lr=None), optimizer())
+
+
 def megatron_scheduler_class():
     """Megatron-core's OptimizerParamScheduler, loaded from its source file alone (importing
     megatron.core takes ~10 s)."""
