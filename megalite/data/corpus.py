@@ -1,0 +1,132 @@
+"""Reading raw corpora: JSONL (optionally gzip'd) and plain text, with precise errors.
+
+Every reader here streams: a file is read a line (or a bounded chunk) at a time. Bad input
+raises `BadInput`, whose message names the file, the line number and what was wrong.
+"""
+
+import glob
+import gzip
+import json
+import os
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".text")
+
+
+class BadInput(ValueError):
+    """A bad line of input; str() is 'FILE:LINE: REASON'."""
+
+    def __init__(self, path: str, line: int, reason: str):
+        self.path, self.line, self.reason = path, line, reason
+        super().__init__(f"{path}:{line}: {reason}")
+
+
+def is_gzip(path: str) -> bool:
+    return path.endswith(".gz")
+
+
+def is_jsonl(path: str) -> bool:
+    """JSONL by extension (.jsonl, .json, .ndjson, optionally .gz); anything else is text."""
+    base = path[:-3] if is_gzip(path) else path
+    return base.endswith(JSONL_SUFFIXES)
+
+
+def _supported(path: str) -> bool:
+    base = path[:-3] if is_gzip(path) else path
+    return base.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
+
+
+def expand_inputs(inputs: list[str], flag: str = "--input") -> list[str]:
+    """Files named by `inputs` (files, directories, globs), each group in sorted order.
+
+    Directories contribute their JSONL and text files (recursively); a name that is neither
+    an existing path nor a glob with matches is an error naming it.
+    """
+    paths: list[str] = []
+    for item in inputs:
+        if os.path.isfile(item):
+            paths.append(item)
+        elif os.path.isdir(item):
+            found = sorted(
+                os.path.join(root, name)
+                for root, _, names in os.walk(item)
+                for name in names
+                if _supported(name)
+            )
+            if not found:
+                raise ValueError(f"{flag} {item}: directory holds no .jsonl, .json, .txt (or .gz) files")
+            paths.extend(found)
+        else:
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise ValueError(f"{flag} {item}: no such file, directory or glob match")
+            paths.extend(found)
+    return paths
+
+
+def open_binary(path: str):
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb", buffering=1 << 20)
+
+
+def decode_utf8(raw: bytes, path: str, line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(path, line, f"invalid UTF-8 at byte {e.start} of the line ({e.reason})") from None
+
+
+def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[str]:
+    """The strings under `keys` of one JSONL line; BadInput on anything else."""
+    text = decode_utf8(raw, path, line)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(path, line, f"malformed JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise BadInput(path, line, f"expected a JSON object, got {type(obj).__name__}")
+    out = []
+    for key in keys:
+        if key not in obj:
+            raise BadInput(path, line, f"missing key {key!r} (keys present: {sorted(obj)[:8]})")
+        value = obj[key]
+        if not isinstance(value, str):
+            raise BadInput(path, line, f"key {key!r} holds {type(value).__name__}, expected a string")
+        out.append(value)
+    return out
+
+
+def iter_documents(paths: list[str], keys: list[str], text_mode: str = "line", on_bad=None):
+    """Yield each document as a list of strings, one per key, from files in order.
+
+    JSONL lines become documents; plain text gives one document per line (text_mode
+    'line') or per file ('file') under every key. Blank lines are skipped. `on_bad(err)` is
+    called with each BadInput; when None the error is raised.
+    """
+    for path in paths:
+        if not is_jsonl(path) and text_mode == "file":
+            with open_binary(path) as f:
+                raw = f.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                err = BadInput(path, raw.count(b"\n", 0, e.start) + 1, f"invalid UTF-8 ({e.reason})")
+                if on_bad is None:
+                    raise err from None
+                on_bad(err)
+                continue
+            if text.strip():
+                yield [text] * len(keys)
+            continue
+        with open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    if is_jsonl(path):
+                        yield parse_json_line(raw, keys, path, lineno)
+                    else:
+                        yield [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
+                except BadInput as err:
+                    if on_bad is None:
+                        raise
+                    on_bad(err)

@@ -1,0 +1,170 @@
+"""GPT-2 byte-level BPE (vocab.json + merges.txt), implemented here.
+
+The algorithm is GPT-2's: split the text with GPT-2's pre-tokenisation regex, map each
+piece's UTF-8 bytes to printable characters, then apply merges by rank until none applies.
+Ids match Megatron's GPT2BPETokenizer and Hugging Face's byte-level BPE for the same files.
+Text is tokenised through a `ChunkCache` (chunks end before a whitespace character that
+follows a non-whitespace one, which the regex never matches across).
+"""
+
+import json
+import os
+import re
+from array import array
+from bisect import bisect_left
+from itertools import accumulate, filterfalse
+
+from megalite.data.chunk_cache import ChunkCache
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOD_TOKEN = "<|endoftext|>"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def load_vocab(vocab_file: str) -> dict[str, int]:
+    if not os.path.isfile(vocab_file):
+        raise ValueError(f"--vocab-file {vocab_file}: file not found")
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> integer id")
+    return vocab
+
+
+def load_merges(merge_file: str) -> dict[tuple[str, str], int]:
+    if not os.path.isfile(merge_file):
+        raise ValueError(f"--merge-file {merge_file}: file not found")
+    ranks = {}
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--merge-file {merge_file}: not UTF-8 text ({e})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line or (lineno == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two space-separated "
+                             f"symbols, got {line[:60]!r}")
+        ranks.setdefault((parts[0], parts[1]), len(ranks))
+    return ranks
+
+
+class GPT2BPE:
+    """Byte-level BPE from GPT-2-style vocab.json and merges.txt."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        import regex  # GPT-2's pattern needs \p{L}/\p{N}, which the re module lacks
+
+        self.encoder = load_vocab(vocab_file)
+        self.decoder = {v: k for k, v in self.encoder.items()}
+        self.ranks = load_merges(merge_file)
+        for (a, b) in self.ranks:
+            if a + b not in self.encoder:
+                raise ValueError(f"--merge-file {merge_file}: merge result {a + b!r} is not in "
+                                 f"--vocab-file {vocab_file}")
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        self._byte_table = [self.byte_encoder[b] for b in range(256)]
+        self._pattern = regex.compile(GPT2_PATTERN)
+        # The regex module's \s (Unicode White_Space; no code point above U+3000 has it).
+        space = regex.compile(r"\s")
+        self._whitespace = frozenset(chr(c) for c in range(0x3001) if space.match(chr(c)))
+        self._piece_cache: dict[str, bytes] = {}
+        # Chunks are cut with the re module (faster than regex here), using regex's \s set.
+        ws_class = "".join(re.escape(c) for c in sorted(self._whitespace))
+        chunk_pattern = re.compile(f"[{ws_class}]*[^{ws_class}]+|[{ws_class}]+")
+        self._chunks = ChunkCache(chunk_pattern.findall, self._encode_chunks)
+        self.vocab_file = vocab_file
+
+    def bpe(self, word: str) -> list[str]:
+        """Merge the symbols of one byte-mapped pre-token by rank until no merge applies."""
+        parts = list(word)
+        ranks = self.ranks
+        while len(parts) > 1:
+            best_rank, best = None, None
+            for pair in zip(parts, parts[1:]):
+                rank = ranks.get(pair)
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best_rank, best = rank, pair
+            if best is None:
+                break
+            first, second = best
+            merged, i, n = [], 0, len(parts)
+            while i < n:
+                if i < n - 1 and parts[i] == first and parts[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        return parts
+
+    def _piece_bytes(self, pieces) -> dict[str, bytes]:
+        """The piece -> int32 id bytes table, with every piece of `pieces` present."""
+        table = self._piece_cache
+        missing = set(filterfalse(table.__contains__, pieces))
+        if len(table) + len(missing) > (1 << 19):
+            table.clear()
+            missing = set(pieces)
+        for piece in missing:
+            mapped = "".join(self._byte_table[b] for b in piece.encode("utf-8"))
+            try:
+                table[piece] = array("i", [self.encoder[t] for t in self.bpe(mapped)]).tobytes()
+            except KeyError as e:
+                raise ValueError(f"--vocab-file {self.vocab_file}: no id for BPE symbol {e.args[0]!r}") from None
+        return table
+
+    def encode_reference(self, text: str) -> list[int]:
+        """Plain GPT-2 encoding (regex, then BPE per pre-token with a per-pre-token cache, as
+        Megatron's tokenizer does), without the chunk cache."""
+        pieces = self._pattern.findall(text)
+        table = self._piece_bytes(pieces)
+        return array("i", b"".join(map(table.__getitem__, pieces))).tolist()
+
+    def _encode_chunks(self, chunks: list[str]) -> list[bytes]:
+        """Encode cache misses. Chunks that start with whitespace and end without it can be
+        concatenated without changing their pre-tokens, so they share one regex pass (the
+        regex module's per-call overhead dominates short chunks); the rest go one by one."""
+        ws = self._whitespace
+        joinable = [c for c in chunks if c[0] in ws and c[-1] not in ws]
+        pieces = self._pattern.findall("".join(joinable))
+        table = self._piece_bytes(pieces)
+        piece_ends = list(accumulate(map(len, pieces)))
+        lookup, start, end, out = table.__getitem__, 0, 0, {}
+        for chunk in joinable:
+            end += len(chunk)
+            stop = bisect_left(piece_ends, end, start)
+            out[chunk] = b"".join(map(lookup, pieces[start:stop + 1]))
+            start = stop + 1
+        return [out[c] if c in out else array("i", self.encode_reference(c)).tobytes() for c in chunks]
+
+    def encode(self, text: str) -> list[int]:
+        return self._chunks.encode(text)
+
+    def encode_batch(self, texts: list[str]):
+        return self._chunks.encode_batch(texts)
+
+    def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
+        return self._chunks.encode_batch_bytes(texts)
+
+    def decode(self, ids) -> str:
+        text = "".join(self.decoder[int(i)] for i in ids)
+        return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
