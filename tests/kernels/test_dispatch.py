@@ -1,0 +1,86 @@
+"""impl dispatch, imports without triton, and named errors for bad input."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.kernels import apply_rotary, bias_gelu, layer_norm, rms_norm, swiglu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh interpreter where compiled (not interpreted) Triton is in force.
+CPU_AUTO_SCRIPT = """
+import sys, torch
+import megalite.kernels as k
+x, w = torch.randn(3, 8), torch.ones(8)
+k.rms_norm(x, w); k.layer_norm(x, w, None); k.swiglu(x); k.bias_gelu(x, None)
+k.apply_rotary(torch.randn(2, 1, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8))
+k.cross_entropy(x, torch.tensor([0, 1, 2]))
+assert "triton" not in sys.modules, "impl='auto' on CPU imported triton"
+try:
+    k.rms_norm(x, w, impl="triton")
+except ValueError as e:
+    assert "needs CUDA tensors" in str(e), e
+else:
+    raise AssertionError("impl='triton' on CPU without the interpreter did not raise")
+print("ok")
+"""
+
+# Runs in a fresh interpreter where `import triton` fails.
+NO_TRITON_SCRIPT = """
+import sys, torch
+sys.modules["triton"] = None  # makes `import triton` raise ImportError
+import megalite.kernels as k
+assert not k.triton_importable()
+x, w = torch.randn(3, 8), torch.ones(8)
+assert torch.equal(k.rms_norm(x, w), k.rms_norm_reference(x, w, 1e-6))
+try:
+    k.rms_norm(x, w, impl="triton")
+except RuntimeError as e:
+    assert "import triton" in str(e), e
+else:
+    raise AssertionError("impl='triton' without triton did not raise")
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [CPU_AUTO_SCRIPT, NO_TRITON_SCRIPT], ids=["cpu_auto", "no_triton"])
+def test_fresh_process(script):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_auto_on_cpu_is_the_reference():
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    w = torch.randn(6, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6, impl="torch"))
+
+
+def test_bad_inputs_are_named():
+    x, w = torch.randn(4, 6), torch.ones(6)
+    with pytest.raises(ValueError, match=r"rms_norm: weight must have shape \(6,\)"):
+        rms_norm(x, torch.ones(5))
+    with pytest.raises(ValueError, match=r"layer_norm: bias must have shape \(6,\)"):
+        layer_norm(x, w, torch.ones(7))
+    with pytest.raises(ValueError, match="swiglu: x must be"):
+        swiglu(torch.randn(4, 5))
+    with pytest.raises(ValueError, match="bias_gelu: approximate"):
+        bias_gelu(x, None, "sigmoid")
+    with pytest.raises(ValueError, match=r"bias_gelu: bias must have shape \(6,\)"):
+        bias_gelu(x, torch.ones(3))
+    with pytest.raises(ValueError, match=r"apply_rotary: x must be a floating-point \[s, b, n, d\]"):
+        apply_rotary(x, torch.ones(4, 1, 6), torch.ones(4, 1, 6))
+    with pytest.raises(ValueError, match="rms_norm: impl must be one of"):
+        rms_norm(x, w, impl="cuda")
+
+
+def test_empty_input(device):
+    x = torch.randn(0, 6, device=device, requires_grad=True)
+    y = rms_norm(x, torch.ones(6, device=device), impl="triton")
+    assert y.shape == (0, 6)
