@@ -1,0 +1,247 @@
+"""Saving and loading training checkpoints that reshard on load.
+
+Layout (Megatron's):
+    <save>/latest_checkpointed_iteration.txt        the last complete checkpoint's iteration
+    <save>/iter_0000100/.metadata, __R_I.distcp      model and optimizer tensors (DCP)
+    <save>/iter_0000100/common.json                  iteration, samples, scheduler, args, file digests
+    <save>/iter_0000100/rng_tp0_pp0_dp0.json          each rank's RNG states
+
+A checkpoint is written to iter_XXXXXXX.tmp and renamed when every rank has finished, then
+the tracker file is replaced atomically: a crash at any moment leaves the previous checkpoint
+loadable and the tracker pointing at it. Nothing is unpickled on load but DCP's metadata,
+through an allowlist (see checkpoint_format).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megalite.model.weights import source_name
+from megalite.training.checkpoint_format import (
+    CheckpointError, SafeFileSystemReader, all_problems, describe, file_digest, global_shape_of,
+    read_metadata_file, verify_files,
+)
+from megalite.training.checkpoint_rng import load_rng_state, rng_file_name, save_rng_state
+
+log = logging.getLogger(__name__)
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _barrier(group=None):
+    if _distributed():
+        dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """DCP warns that it 'assumes' single-process use without torch.distributed; it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tracker(root) -> int | None:
+    path = Path(root) / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def _tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
+    """(key, local tensor, like-parameter, name) for every tensor this rank saves or loads.
+    `opt_states` maps parameter names to their optimizer states in the parameter's layout."""
+    vocab = chunks[0].config.vocab_size
+    entries = []
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            src = source_name(chunk, name)
+            if src != name and not for_load:
+                continue  # a tied copy: its first-stage twin is saved
+            entries.append((f"model/{src}", param.data, param, src))
+            for state_name, tensor in opt_states.get(name, {}).items():
+                if src != name and not for_load:
+                    continue
+                entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
+    return entries, vocab
+
+
+def _dcp_state_dict(entries, pstate, vocab):
+    return {key: describe(local, like, name, pstate, vocab) for key, local, like, name in entries}
+
+
+class PendingSave:
+    """A checkpoint being written; `finalize()` (on every rank) waits for it and publishes it."""
+
+    def __init__(self, root, iteration, tmp, common, future=None, group=None):
+        self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
+        self.future, self.group = future, group
+
+    def done(self) -> bool:
+        """Whether every rank's write has finished (a collective when distributed)."""
+        local = self.future is None or self.future.done()
+        if not _distributed():
+            return local
+        flag = torch.tensor([1 if local else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def finalize(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        rank = _rank()
+        mine = {p.name: file_digest(p) for p in self.tmp.glob(f"__{rank}_*.distcp")}
+        gathered = [mine]
+        if _distributed():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine, group=self.group)
+        final = iteration_dir(self.root, self.iteration)
+        if rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+            files[".metadata"] = file_digest(self.tmp / ".metadata")
+            common = {**self.common, "files": files}
+            write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(self.tmp, final)
+            write_text_atomic(self.root / TRACKER, str(self.iteration))
+        _barrier(self.group)
+        return final
+
+
+def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
+                    async_save: bool = False, group=None) -> PendingSave:
+    """Write a checkpoint of `chunks` (and `optimizer`) at `iteration`; every rank calls this.
+
+    Returns a PendingSave; synchronous saves are already published, asynchronous ones are
+    published by `finalize()`. `common` holds JSON-able run state (iteration, consumed samples,
+    scheduler and optimizer scalars, args) and is written by rank 0."""
+    root = Path(root)
+    tmp = iteration_dir(root, iteration).with_suffix(".tmp")
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier save
+        tmp.mkdir()
+    _barrier(group)
+    opt_states = optimizer.sharded_param_states() if optimizer is not None else {}
+    entries, vocab = _tensor_entries(chunks, opt_states, pstate, for_load=False)
+    state = _dcp_state_dict(entries, pstate, vocab)
+    save_rng_state(tmp / rng_file_name(pstate), rng_tracker)
+    common = {**common, "iteration": iteration, "optimizer_scalars": optimizer.scalar_state() if optimizer else {},
+              "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}}
+    writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
+    no_dist = not _distributed()
+    with _single_process_is_intended():
+        if async_save:
+            future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+            future = getattr(future, "upload_completion", future)
+            return PendingSave(root, iteration, tmp, common, future, group)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    pending = PendingSave(root, iteration, tmp, common, None, group)
+    pending.finalize()
+    return pending
+
+
+def _check_shapes(metadata, entries, pstate, vocab, path: Path):
+    known = metadata.state_dict_metadata
+    for key, local, like, name in entries:
+        expected = global_shape_of(local, like, name, pstate.tp_size, vocab)
+        if key not in known:
+            hint = " (use --no-load-optim or --finetune to skip optimizer state)" if key.startswith("optimizer/") else ""
+            raise CheckpointError(f"{path}: checkpoint has no tensor {key} (expected shape {expected}){hint}")
+        stored = list(getattr(known[key], "size", []))
+        if stored != expected:
+            raise CheckpointError(f"{path}: tensor {key} has shape {stored} in the checkpoint but the "
+                                  f"model expects {expected}")
+
+
+def _load_one(path: Path, *, chunks, optimizer, pstate, rng_tracker, load_optim: bool, load_rng: bool):
+    common_path = path / "common.json"
+    if not common_path.exists():
+        raise CheckpointError(f"{common_path}: missing (incomplete checkpoint)")
+    try:
+        common = json.loads(common_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{common_path}: not valid JSON ({e})") from e
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
+    problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    metadata = read_metadata_file(path / ".metadata")
+    opt_states = optimizer.sharded_param_states() if load_optim and optimizer is not None else {}
+    entries, vocab = _tensor_entries(chunks, opt_states, pstate, for_load=True)
+    _check_shapes(metadata, entries, pstate, vocab, path)
+    state = _dcp_state_dict(entries, pstate, vocab)
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
+        raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
+    if opt_states:
+        optimizer.load_sharded_param_states(opt_states)
+        optimizer.load_scalar_state(common.get("optimizer_scalars", {}))
+    if load_rng:
+        load_rng_state(path, pstate, rng_tracker, common.get("layout"))
+    return common
+
+
+def load_checkpoint(root, *, chunks, optimizer, pstate, rng_tracker=None, load_optim=True, load_rng=True,
+                    fallback=False, iteration: int | None = None):
+    """Load the latest checkpoint under `root` into `chunks` (and `optimizer`); return its
+    common state (a dict) or None when there is none. A damaged checkpoint raises
+    CheckpointError naming the file, unless `fallback` is set: then earlier checkpoints are
+    tried, newest first."""
+    root = Path(root)
+    latest = read_tracker(root) if iteration is None else iteration
+    if latest is None:
+        return None
+    candidates = [latest]
+    if fallback:
+        older = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()), reverse=True)
+        candidates += [i for i in older if i < latest]
+    error = None
+    for it in candidates:
+        path = iteration_dir(root, it)
+        try:
+            if not path.is_dir():
+                raise CheckpointError(f"{path}: missing (tracker {root / TRACKER} points at iteration {it})")
+            return _load_one(path, chunks=chunks, optimizer=optimizer, pstate=pstate, rng_tracker=rng_tracker,
+                             load_optim=load_optim, load_rng=load_rng)
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            log.warning("checkpoint %s refused: %s; trying an earlier one", path, e)
+            error = e
+    raise CheckpointError(f"no usable checkpoint under {root}; last error: {error}")

@@ -1,0 +1,201 @@
+"""Checkpoints: resharding across TP/PP/DP layouts, atomic publication, refusal of damaged,
+mismatched or malicious checkpoints."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.model.gpt import GPTModel
+from megalite.model.weights import gather_full_weights
+from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.training.checkpoint_format import CheckpointError, tp_chunks
+from megalite.training.checkpointing import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
+from tests.distributed import run_distributed
+from tests.model.test_gpt_tp import make_config
+
+
+def _chunks(config, state, seed):
+    """This rank's pipeline stage as one chunk: layers split evenly over PP."""
+    per = config.num_layers // state.pp_size
+    layers = range(state.pp_rank * per, (state.pp_rank + 1) * per)
+    return [GPTModel(config, state, layer_numbers=layers, init_seed=seed)]
+
+
+def _full(chunks):
+    out = {}
+    for chunk in chunks:
+        out.update(gather_full_weights(chunk))
+    return out
+
+
+LOAD_LAYOUTS = ((1, 1), (4, 1), (2, 2))
+
+
+def _reshard_worker(rank, world_size, root):
+    """Save at TP=2 PP=2 DP=1, then load at TP=1 DP=4, TP=4 and TP=2 PP=2 in the same processes."""
+    out = {}
+    for family in ("gpt2", "llama"):
+        config = make_config(family, num_layers=4)
+        state = ParallelState.create(ParallelLayout(world_size, tensor=2, pipeline=2))
+        chunks = _chunks(config, state, seed=11)
+        save_checkpoint(f"{root}/{family}", 5, chunks=chunks, optimizer=None, pstate=state, common={"note": "x"})
+        out[(family, "saved")] = _full(chunks)
+        for tp, pp in LOAD_LAYOUTS:
+            state = ParallelState.create(ParallelLayout(world_size, tensor=tp, pipeline=pp))
+            chunks = _chunks(config, state, seed=99)  # a different initialisation, overwritten by the load
+            common = load_checkpoint(f"{root}/{family}", chunks=chunks, optimizer=None, pstate=state)
+            out[(family, tp, pp)] = {"common": common, "full": _full(chunks)}
+    return out
+
+
+def _vocab_rows(name, t, vocab):
+    return t[:vocab] if "word_embeddings" in name or "output_layer" in name else t
+
+
+@pytest.fixture(scope="module")
+def reshard_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    return root, run_distributed(_reshard_worker, 4, str(root))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_reshards_tp2_pp2_dp1_to_tp1_dp4_and_tp4(reshard_results, family):
+    root, results = reshard_results
+    reference = {**results[0][(family, "saved")], **results[2][(family, "saved")]}  # stages 0 and 1
+    assert read_tracker(root / family) == 5 and (iteration_dir(root / family, 5) / "common.json").exists()
+    vocab = make_config(family).vocab_size
+    for tp, pp in LOAD_LAYOUTS:
+        got = {}
+        for r in results:
+            got.update(r[(family, tp, pp)]["full"])
+        assert set(got) == set(reference)
+        for name, tensor in reference.items():
+            assert torch.equal(_vocab_rows(name, got[name], vocab), _vocab_rows(name, tensor, vocab)), \
+                f"{family}: {name} differs after loading at TP={tp} PP={pp}"
+        common = results[0][(family, tp, pp)]["common"]
+        assert common["note"] == "x" and common["iteration"] == 5
+
+
+def test_chunks_of_stride_two_and_trimmed_vocabulary():
+    # fc1 of SwiGLU at TP=2: rank 0 holds gate rows 0-3 and up rows 8-11
+    assert tp_chunks([16, 3], 0, 2, 2)[0] == [([0, 0], [4, 3], 0), ([8, 0], [4, 3], 4)]
+    # vocabulary 10 padded to 12 at TP=2: rank 1 holds rows 6-9 only
+    assert tp_chunks([12, 3], 0, 1, 2, valid_rows=10)[1] == [([6, 0], [4, 3], 0)]
+    # padding so large that rank 3 holds no real row
+    assert tp_chunks([512, 3], 0, 1, 4, valid_rows=100)[1:] == [[], [], []]
+
+
+def _single(tmp_path, seed=1, family="llama", **overrides):
+    state = ParallelState.single()
+    return [GPTModel(make_config(family, **overrides), state, init_seed=seed)], state
+
+
+def test_single_process_round_trip_and_tracker(tmp_path):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})
+    save_checkpoint(tmp_path, 7, chunks=chunks, optimizer=None, pstate=state, common={})
+    assert (tmp_path / TRACKER).read_text() == "7"
+    fresh, _ = _single(tmp_path, seed=2)
+    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)["iteration"] == 7
+    for (n, a), (_, b) in zip(chunks[0].named_parameters(), fresh[0].named_parameters()):
+        assert torch.equal(a, b), n
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_no_checkpoint_returns_none(tmp_path):
+    chunks, state = _single(tmp_path)
+    assert load_checkpoint(tmp_path / "nothing", chunks=chunks, optimizer=None, pstate=state) is None
+
+
+def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})
+    # a save of iteration 4 killed midway: a partial temporary directory, tracker untouched
+    partial = iteration_dir(tmp_path, 4).with_suffix(".tmp")
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    assert read_tracker(tmp_path) == 3
+    fresh, _ = _single(tmp_path, seed=2)
+    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)["iteration"] == 3
+    save_checkpoint(tmp_path, 4, chunks=chunks, optimizer=None, pstate=state, common={})  # cleans it up
+    assert read_tracker(tmp_path) == 4 and not partial.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_checkpoint_refused_naming_file_then_fallback(tmp_path, damage):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
+    save_checkpoint(tmp_path, 2, chunks=chunks, optimizer=None, pstate=state, common={})
+    target = iteration_dir(tmp_path, 2) / "__0_0.distcp"
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        target.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    else:
+        target.unlink()
+    fresh, _ = _single(tmp_path, seed=2)
+    with pytest.raises(CheckpointError, match=str(target)):
+        load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
+    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state, fallback=True)["iteration"] == 1
+
+
+def test_different_model_shape_refused_naming_tensor_and_shapes(tmp_path):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
+    other, _ = _single(tmp_path, ffn_hidden_size=128)
+    with pytest.raises(CheckpointError, match=r"tensor model/layers\.0\.mlp\.linear_fc1\.weight has shape "
+                                              r"\[192, 64\] in the checkpoint but the model expects \[256, 64\]"):
+        load_checkpoint(tmp_path, chunks=other, optimizer=None, pstate=state)
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_checkpoint_does_not_run_code(tmp_path):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
+    marker = tmp_path / "pwned"
+    directory = iteration_dir(tmp_path, 1)
+    payload = pickle.dumps(_Exploit(marker))
+    (directory / ".metadata").write_bytes(payload)
+    common = json.loads((directory / "common.json").read_text())
+    common["files"][".metadata"] = {"size": len(payload), "crc32": __import__("zlib").crc32(payload)}
+    (directory / "common.json").write_text(json.dumps(common))  # digests updated: only the unpickler stands guard
+    fresh, _ = _single(tmp_path, seed=2)
+    with pytest.raises(CheckpointError, match=r"\.metadata: not a valid checkpoint metadata file .*refusing to load global"):
+        load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
+    assert not marker.exists()
+
+
+def test_async_save_captures_values_at_save_time(tmp_path):
+    chunks, state = _single(tmp_path)
+    before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+    pending = save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={}, async_save=True)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(1.0)  # training continues while the checkpoint is written
+    assert read_tracker(tmp_path) is None  # not published until finalized
+    pending.finalize()
+    assert read_tracker(tmp_path) == 1
+    fresh, _ = _single(tmp_path, seed=2)
+    load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
+    for n, p in fresh[0].named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_bad_tracker_file_is_named(tmp_path):
+    (tmp_path / TRACKER).write_text("not-a-number")
+    chunks, state = _single(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / TRACKER}: expected an iteration number"):
+        load_checkpoint(tmp_path, chunks=chunks, optimizer=None, pstate=state)
+    assert Path(tmp_path / TRACKER).exists()
