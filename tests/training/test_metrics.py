@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import time
 from datetime import datetime
 from types import SimpleNamespace
 
@@ -147,5 +148,11 @@ def test_wandb_offline(tmp_path, monkeypatch):
         logger.log_evaluation("valid", 10, 1.25)
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
     assert len(runs) == 1
-    data = open(runs[0], "rb").read()           # protobuf records: the keys appear verbatim
+    # wandb's service process may finish writing the run file just after finish() returns
+    deadline = time.monotonic() + 20
+    while True:
+        data = open(runs[0], "rb").read()       # protobuf records: the keys appear verbatim
+        if (b"train/lm_loss" in data and b"valid/lm_loss" in data) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert b"train/lm_loss" in data and b"valid/lm_loss" in data
