@@ -88,6 +88,12 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
+    def __getstate__(self):  # reopen (and re-map) on unpickling rather than copying the data
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state):
+        self.__init__(state["prefix"])
+
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 

@@ -1,0 +1,261 @@
+"""Tokenise raw corpora into Megatron indexed datasets, in parallel and in bounded memory.
+
+The input is cut into shards: byte ranges of plain files (aligned to lines by the reader),
+whole gzip files, or groups of whole files in one-document-per-file mode. Worker processes
+tokenise shards into their own small indexed datasets; the main process appends them, in
+input order, to the output under a temporary name and deletes them. The output is therefore
+the same for any number of workers, memory stays bounded by the shard batch size, and the
+final names appear only when everything succeeded.
+"""
+
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megalite.data.corpus import BadInput, expand_inputs, is_gzip, is_jsonl
+from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from megalite.data.shards import Shard, absolute_line, plan_shards, read_shard
+
+
+@dataclass
+class PreprocessConfig:
+    """What preprocess_data.py's flags describe (Megatron's names)."""
+
+    input: list[str]
+    output_prefix: str
+    tokenizer_type: str
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+    append_eod: bool = False
+    workers: int = 1
+    partitions: int = 1
+    log_interval: int = 1000
+    skip_bad_lines: bool = False
+    text_mode: str = "line"  # plain text: one document per "line" or per "file"
+    batch_bytes: int = 1 << 20  # text handed to the tokenizer at once
+    max_shard_bytes: int = 64 << 20
+
+
+@dataclass
+class ShardResult:
+    index: int
+    docs: int = 0
+    empty: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    bad: list = field(default_factory=list)  # (path, first_line_offset, line, reason), first few
+    bad_count: int = 0
+    error: tuple | None = None  # (path, first_line_offset, line, reason)
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+class ShardWorker:
+    """Tokenises shards; one per process (built once, as the tokenizer is)."""
+
+    def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None):
+        from megalite.data.tokenizers import build_tokenizer
+
+        self.config = config
+        self.tmp_dir = tmp_dir
+        self.progress = progress  # shared [docs, bytes, tokens] counters
+        self.report = report  # called with the counters after each batch (single process)
+        self.tokenizer = build_tokenizer(
+            config.tokenizer_type, tokenizer_model=config.tokenizer_model, vocab_file=config.vocab_file,
+            merge_file=config.merge_file, vocab_size=config.vocab_size)
+        self.dtype = np.dtype(dtype_for_vocab(self.tokenizer.vocab_size))
+        self.eod_bytes = np.array([self.tokenizer.eod], np.int32).tobytes()
+
+    def shard_prefix(self, index: int, key: str) -> str:
+        return os.path.join(self.tmp_dir, f"shard{index:06d}_{key}")
+
+    def run(self, shard: Shard) -> ShardResult:
+        cfg = self.config
+        result = ShardResult(shard.index)
+        writers = [IndexedDatasetWriter(self.shard_prefix(shard.index, k), self.dtype) for k in cfg.json_keys]
+        batch: list[list[str]] = []
+        batch_size = 0
+        try:
+            for item in read_shard(shard, cfg.json_keys, cfg.text_mode):
+                if isinstance(item, BadInput):
+                    where = (item.path, item.first_line_offset, item.line, item.reason)
+                    if not cfg.skip_bad_lines:
+                        result.error = where
+                        break
+                    result.bad_count += 1
+                    if len(result.bad) < 5:
+                        result.bad.append(where)
+                    continue
+                texts, nbytes = item
+                batch.append(texts)
+                batch_size += nbytes
+                if batch_size >= cfg.batch_bytes:
+                    self._flush(batch, batch_size, writers, result)
+                    batch, batch_size = [], 0
+            if result.error is None:
+                self._flush(batch, batch_size, writers, result)
+                for w in writers:
+                    w.finalize()
+            else:
+                for w in writers:
+                    w.abort()
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        return result
+
+    def _flush(self, batch, nbytes, writers, result):
+        if not batch:
+            return
+        tokens_before = result.tokens
+        for k, writer in enumerate(writers):
+            encoded = self.tokenizer.encode_batch_bytes([texts[k] for texts in batch])
+            kept = [b for b in encoded if b]
+            result.empty += len(encoded) - len(kept)
+            if k == 0:
+                result.docs += len(kept)
+            if not kept:
+                continue
+            if self.config.append_eod:
+                kept = [b + self.eod_bytes for b in kept]
+            ids = np.frombuffer(b"".join(kept), np.int32)
+            result.tokens += len(ids)
+            writer.add_documents(ids.astype(self.dtype).tobytes(), [len(b) // 4 for b in kept])
+        result.bytes += nbytes
+        if self.progress is not None:
+            with self.progress.get_lock():
+                self.progress[0] += len(batch)
+                self.progress[1] += nbytes
+                self.progress[2] += result.tokens - tokens_before
+            if self.report is not None:
+                self.report(*self.progress[:])
+
+
+_WORKER: ShardWorker | None = None  # one per worker process, set by the pool initializer
+
+
+def _init_worker(config, tmp_dir, progress):
+    global _WORKER  # noqa: PLW0603 - per-process state of a multiprocessing worker
+    _WORKER = ShardWorker(config, tmp_dir, progress)
+
+
+def _run_shard(shard):
+    return _WORKER.run(shard)
+
+
+class Progress:
+    """Prints docs/s, MB/s and tokens/s every --log-interval documents (checked twice a second)."""
+
+    def __init__(self, log_interval: int, stream=sys.stderr):
+        self.log_interval = max(1, log_interval)
+        self.next_report = self.log_interval
+        self.start = time.perf_counter()
+        self.stream = stream
+
+    def line(self, docs, nbytes, tokens, final=False) -> str:
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        head = "done" if final else "processed"
+        return (f"{head} {docs} documents ({docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s, "
+                f"{tokens / dt:.0f} tokens/s, {dt:.1f} s)")
+
+    def update(self, docs, nbytes, tokens):
+        if docs >= self.next_report:
+            print(self.line(docs, nbytes, tokens), file=self.stream, flush=True)
+            self.next_report = (docs // self.log_interval + 1) * self.log_interval
+
+
+def preprocess(config: PreprocessConfig, stream=sys.stderr) -> dict:
+    """Run preprocessing; return a summary dict. Raises BadInput (first bad line in input
+    order) unless skip_bad_lines, ValueError for bad flags; no final output exists then."""
+    if config.text_mode not in ("line", "file"):
+        raise ValueError(f"--text-mode must be 'line' or 'file', got {config.text_mode!r}")
+    if config.workers < 1 or config.partitions < 1:
+        raise ValueError("--workers and --partitions must be at least 1")
+    paths = expand_inputs(config.input)
+    out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--output-prefix {config.output_prefix}: directory {out_dir} does not exist")
+    shards = plan_shards(paths, config.text_mode, config.workers, config.partitions, config.max_shard_bytes)
+    tmp_dir = f"{os.path.abspath(config.output_prefix)}.tmp-{os.getpid()}-shards"
+    os.makedirs(tmp_dir)
+    progress_report = Progress(config.log_interval, stream)
+    writers = []
+    pool = None
+    try:
+        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        counters = ctx.Array("q", 3)
+        if config.workers == 1:
+            worker = ShardWorker(config, tmp_dir, counters, progress_report.update)
+            results = map(worker.run, shards)
+            dtype = worker.dtype
+        else:
+            pool = ctx.Pool(config.workers, _init_worker, (config, tmp_dir, counters))
+            results = pool.imap(_run_shard, shards)
+            dtype = ShardWorker(config, tmp_dir).dtype  # also surfaces tokenizer errors here
+        writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), dtype) for k in config.json_keys]
+        summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
+        for result in _with_progress(results, pool, progress_report, counters):
+            if result.error is not None:
+                raise _located(result.error)
+            for k, writer in enumerate(writers):
+                prefix = os.path.join(tmp_dir, f"shard{result.index:06d}_{config.json_keys[k]}")
+                writer.add_dataset(prefix)
+                for ext in (".bin", ".idx"):
+                    os.remove(prefix + ext)
+            for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
+                summary[key] += getattr(result, key)
+            summary["bad"].extend(str(_located(b)) for b in result.bad)
+        for writer in writers:
+            writer.finalize()
+        summary["bad"] = summary["bad"][:5]
+        summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
+        print(progress_report.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
+              file=stream, flush=True)
+        return summary
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _with_progress(results, pool, progress: Progress, counters):
+    """Yield shard results in order, printing progress while waiting for worker processes."""
+    if pool is None:
+        yield from results
+        return
+    while True:
+        try:
+            result = results.next(timeout=0.5)
+        except multiprocessing.TimeoutError:
+            progress.update(*counters[:])
+            continue
+        except StopIteration:
+            return
+        yield result
+        progress.update(*counters[:])
+
+
+def _located(where) -> BadInput:
+    """A worker's (path, first_line_offset, line-in-shard, reason) as a BadInput with the
+    line number counted from the start of the file."""
+    path, first_line_offset, line, reason = where
+    return BadInput(path, absolute_line(path, first_line_offset, line), reason)
+
+
+__all__ = ["PreprocessConfig", "preprocess", "output_prefix_for", "is_gzip", "is_jsonl"]
