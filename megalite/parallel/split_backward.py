@@ -1,0 +1,137 @@
+"""A backward pass split into an input-gradient half (B) and a deferred weight-gradient half
+(W), as zero-bubble schedules (ZB-H1) need, built on autograd alone.
+
+During the forward of a micro-batch, `SplitBackward.record` notes the output of every module
+that owns parameters (linear layers, norms, embeddings). B then asks autograd for the
+gradient of the chunk's input *and* of each recorded output, with the graph retained: autograd
+computes only what those need, i.e. the input-gradient chain, never a weight gradient (a
+matmul's weight gradient is skipped when the weight is not asked for). W later runs, per
+module, torch.autograd.backward from its output with the saved output gradient, restricted to
+that module's parameters: exactly the weight-gradient matmuls, accumulated into .grad
+through the ordinary AccumulateGrad path (so gradient hooks, e.g. data-parallel bucketing,
+fire as in a plain backward). Together B and W do the work of one full backward.
+
+Parameters whose gradient does not come through their module's output are handled too: a
+parameter a module returns (a bias whose addition is deferred, skip_bias_add) gets its
+gradient in B and is accumulated in W by a backward from the parameter itself; a parameter
+passed to a module's forward (an output layer tied to the input embedding) counts as that
+module's. Assumed, and true of megalite's GPT: a parameter is otherwise used only inside the
+forward of the module that owns it, and each module runs once per micro-batch.
+
+Memory trade-off: between B and W a micro-batch keeps its whole retained autograd graph
+(everything the forward saved, including what only the input gradient needed), plus the
+gradient of every recorded output (about 11*s*b*h values per GPT-2 layer, and s*b*V/t for
+the output layer of the last stage). Megatron's zero-bubble implementation stores only the
+inputs and output gradients of the linear layers; ours trades that memory for needing no
+change to the layers. ZB-H1 holds a micro-batch from F to W for at most p micro-batches, the
+same count as 1F1B's first stage, so the extra is per held micro-batch, not more of them.
+Activation recompute of whole layers is not split (W would recompute the layers once per
+module); the executor then runs the full backward in B and makes W a no-op.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def _tensors(value) -> list:
+    """Tensors in a (nested) tuple/list/dict of module inputs or outputs."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _unique(tensors) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+@dataclass
+class _Entry:
+    params: list            # parameters whose gradient flows through `outputs`
+    outputs: list           # the module's output tensors
+    grads: list = field(default_factory=list)
+
+
+@dataclass
+class MicrobatchRecord:
+    """What one micro-batch's forward recorded, and what B saved for W."""
+
+    entries: list = field(default_factory=list)
+    leaves: list = field(default_factory=list)       # parameters a module returned as outputs
+    leaf_grads: list = field(default_factory=list)
+
+
+class SplitBackward:
+    """Records module outputs of one model chunk and runs its backward as B then W."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules()
+                        if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    @contextmanager
+    def record(self):
+        """Run a forward inside this context to get its MicrobatchRecord."""
+        record = MicrobatchRecord()
+
+        def hook(module, args, kwargs, output):
+            outputs = _tensors(output)
+            returned = {id(t) for t in outputs if isinstance(t, nn.Parameter)}
+            passed = [t for t in _tensors((args, kwargs)) if isinstance(t, nn.Parameter)]
+            params = [p for p in _unique(list(module.parameters(recurse=False)) + passed)
+                      if p.requires_grad and id(p) not in returned]
+            record.leaves += [t for t in outputs if id(t) in returned and t.requires_grad]
+            outputs = [t for t in outputs if id(t) not in returned and t.requires_grad]
+            if params and outputs:
+                record.entries.append(_Entry(params, outputs))
+
+        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
+        try:
+            yield record
+        finally:
+            for handle in handles:
+                handle.remove()
+        record.leaves = _unique(record.leaves)
+
+    @staticmethod
+    def input_backward(record: MicrobatchRecord, output: torch.Tensor, output_grad,
+                       input_tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """B: the gradient of `input_tensor` (None on the first stage, which has no input),
+        saving in `record` the output gradients W needs. Computes no weight gradient."""
+        outputs = [t for entry in record.entries for t in entry.outputs]
+        targets = ([input_tensor] if input_tensor is not None else []) + record.leaves + outputs
+        if not targets:
+            return None
+        grads = list(torch.autograd.grad(output, targets, grad_outputs=output_grad,
+                                         retain_graph=True, allow_unused=True))
+        input_grad = grads.pop(0) if input_tensor is not None else None
+        record.leaf_grads = grads[:len(record.leaves)]
+        grads = grads[len(record.leaves):]
+        for entry in record.entries:
+            entry.grads, grads = grads[:len(entry.outputs)], grads[len(entry.outputs):]
+        return input_grad
+
+    @staticmethod
+    def weight_backward(record: MicrobatchRecord) -> None:
+        """W: accumulate every parameter's gradient from what B saved, then free the graph."""
+        for entry in record.entries:
+            pairs = [(t, g) for t, g in zip(entry.outputs, entry.grads) if g is not None]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs],
+                                        inputs=entry.params, retain_graph=True)
+        leaves = [(p, g) for p, g in zip(record.leaves, record.leaf_grads) if g is not None]
+        if leaves:
+            torch.autograd.backward([p for p, _ in leaves], [g for _, g in leaves])
+        record.entries.clear()
+        record.leaves.clear()
+        record.leaf_grads.clear()

@@ -1,0 +1,188 @@
+"""The pipeline executor against the single-device run: at PP=2 and PP=4, one and two chunks
+per rank, every schedule, even and uneven stages, GPT-2 (tied embeddings) and Llama families,
+the loss and every parameter's gradient equal the PP=1 control within 1e-5 relative (fp32,
+dropout off). Also: output activations are freed once sent, p=1 is plain gradient
+accumulation, and impossible configurations fail before any communication.
+
+One spawn of 4 gloo processes runs every pipelined case: PP=4 cases on the whole world (both
+families in turn), PP=2 cases on two pipelines at once (data-parallel replica 0 runs GPT-2,
+replica 1 Llama; no data-parallel reduction is involved here)."""
+
+import pytest
+import torch
+
+from megalite.model.weights import gather_full_weights
+from megalite.parallel.pipeline_executor import (PipelineExecutor, deallocate_output,
+                                                 gpt_forward_step, run_pipeline_step, unwrap)
+from megalite.parallel.pipeline_model import build_model_chunks
+from megalite.parallel.state import ParallelLayout, ParallelState
+from tests.distributed import run_distributed
+from tests.numerics import assert_rel_close
+from tests.parallel.pipeline_cases import (FAMILIES, HIDDEN, INIT_SEED, MICRO_BATCH, NUM_LAYERS,
+                                           SEQ, TOL, all_reduce_shared_embedding_grads,
+                                           compare_grads, make_config, microbatches,
+                                           reference_run)
+
+# (pipeline size, chunks per rank, schedule, micro-batches, first-stage layers, last-stage layers)
+CASES = [
+    *[(2, 1, s, m, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (1, 3, 4)],
+    (2, 2, "interleaved_1f1b", 2, None, None), (2, 2, "interleaved_1f1b", 6, None, None),
+    (2, 1, "1f1b", 3, 3, None), (2, 1, "zb_h1", 4, None, 2), (2, 2, "interleaved_1f1b", 4, 2, None),
+    *[(4, 1, s, m, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (3, 8)],
+    (4, 2, "interleaved_1f1b", 4, None, None), (4, 2, "interleaved_1f1b", 8, None, None),
+    (4, 1, "gpipe", 4, 1, 1), (4, 1, "zb_h1", 5, 3, 1), (4, 2, "interleaved_1f1b", 4, 2, 2),
+]
+
+
+def case_id(case):
+    p, v, schedule, m, first, last = case
+    uneven = f"-first{first}" * (first is not None) + f"-last{last}" * (last is not None)
+    return f"pp{p}-v{v}-{schedule}-m{m}{uneven}"
+
+
+def _run_case(family, case, state):
+    p, v, schedule, m, first, last = case
+    config = make_config(family)
+    chunks = build_model_chunks(config, state, num_layers_first=first, num_layers_last=last,
+                                init_seed=INIT_SEED)
+    sent_outputs = []
+
+    def forward_step(chunk, batch, hidden_states):
+        out = gpt_forward_step(chunk, batch, hidden_states)
+        if not unwrap(chunk).post_process:
+            sent_outputs.append(out)
+        return out
+
+    data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
+    loss = run_pipeline_step(chunks, state, schedule, data, num_microbatches=m, seq_length=SEQ,
+                             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
+                             forward_step=forward_step)
+    all_reduce_shared_embedding_grads(chunks, state)
+    grads = {}
+    for chunk in chunks:
+        grads.update(gather_full_weights(chunk, grads=True))
+    layers = sorted(int(n) for chunk in chunks for n in chunk.layers)
+    kept = sum(t.untyped_storage().nbytes() > t.element_size() for t in sent_outputs)
+    return {"loss": loss, "grads": grads, "layers": layers, "outputs_kept": kept,
+            "outputs_sent": len(sent_outputs)}
+
+
+def _pipeline_worker(rank, world_size, cases):
+    states = {(p, v): ParallelState.create(ParallelLayout(world_size, pipeline=p, virtual_pipeline=v))
+              for p, v in sorted({(c[0], c[1]) for c in cases})}
+    out = {}
+    for case in cases:
+        state = states[(case[0], case[1])]
+        families = FAMILIES if state.dp_size == 1 else [FAMILIES[state.dp_rank]]
+        for family in families:
+            out[(family, case_id(case), state.pp_rank)] = _run_case(family, case, state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_results():
+    merged = {}
+    for rank_result in run_distributed(_pipeline_worker, 4, CASES):
+        merged.update(rank_result)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(family, m):
+        if (family, m) not in cache:
+            cache[(family, m)] = reference_run(make_config(family), [microbatches(m)])
+        return cache[(family, m)]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_pipeline_matches_single_device(pipeline_results, references, family, case):
+    p, v, schedule, m, first, last = case
+    what = f"{family} {case_id(case)}"
+    ranks = [pipeline_results[(family, case_id(case), r)] for r in range(p)]
+    reference = references(family, m)
+    assert all(r["loss"] is None for r in ranks[:-1]), f"{what}: loss reported off the last stage"
+    assert_rel_close(ranks[-1]["loss"], reference["loss"], TOL, f"{what} loss")
+    compare_grads([r["grads"] for r in ranks], reference, what)
+    layers = [r["layers"] for r in ranks]
+    assert sorted(sum(layers, [])) == list(range(NUM_LAYERS)), what
+    if first is not None:
+        assert len(layers[0]) == first, what
+    if last is not None:
+        assert len(layers[-1]) == last, what
+    # Every output activation that was sent had its storage freed (Megatron's deallocation).
+    assert sum(r["outputs_sent"] for r in ranks) == m * (p * v - 1), what
+    assert all(r["outputs_kept"] == 0 for r in ranks), f"{what}: sent activations kept"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_pipelining_is_gradient_accumulation(references, family):
+    state = ParallelState.single()
+    reference = references(family, 3)
+    executor = PipelineExecutor(build_model_chunks(make_config(family), state, init_seed=INIT_SEED),
+                                state, "none", num_microbatches=3, seq_length=SEQ,
+                                micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN)
+    loss = executor.run(microbatches(3))
+    assert_rel_close(loss, reference["loss"], TOL, f"{family} p=1 loss")
+    compare_grads([gather_full_weights(executor.chunks[0], grads=True)], reference, f"{family} p=1")
+
+
+def test_deallocated_output_still_backpropagates():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    out = x @ w + x
+    sent = out.detach()
+    deallocate_output(out)
+    assert out.shape == (4, 3) and out.untyped_storage().nbytes() == out.element_size()
+    assert sent.untyped_storage().nbytes() == 12 * sent.element_size()  # the alias keeps the bytes
+    grad = torch.randn(4, 3)
+    torch.autograd.backward(out, grad)
+    assert torch.allclose(x.grad, grad @ w.t() + grad) and torch.allclose(w.grad, x.detach().t() @ grad)
+
+
+def _state(p, v, rank=0):
+    return ParallelState(ParallelLayout(p, pipeline=p, virtual_pipeline=v), rank)
+
+
+def _executor(state, schedule, m, chunks=None):
+    chunks = chunks if chunks is not None else build_model_chunks(make_config("gpt2"), state)
+    return PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
+                            micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN)
+
+
+def test_start_up_errors_name_the_flags():
+    with pytest.raises(ValueError, match="--num-layers 8 is not divisible by "
+                                         "--pipeline-model-parallel-size 3"):
+        build_model_chunks(make_config("gpt2"), _state(3, 1))
+    with pytest.raises(ValueError, match="--num-layers 8 is not divisible by .* 4 x "
+                                         "--num-virtual-stages-per-pipeline-rank 4"):
+        build_model_chunks(make_config("gpt2"), _state(4, 4))
+    with pytest.raises(ValueError, match="--decoder-first-pipeline-num-layers 3 is not divisible by "
+                                         "--num-virtual-stages-per-pipeline-rank 2"):
+        build_model_chunks(make_config("gpt2"), _state(2, 2), num_layers_first=3)
+    with pytest.raises(ValueError, match="must be a multiple of 4, got 6"):
+        _executor(_state(4, 2), "interleaved_1f1b", 6)
+    with pytest.raises(ValueError, match="interleaved_1f1b needs --pipeline-model-parallel-size >= 2 "
+                                         "and --num-virtual-stages-per-pipeline-rank >= 2"):
+        _executor(_state(2, 1), "interleaved_1f1b", 4)
+    with pytest.raises(ValueError, match="runs one chunk per rank"):
+        _executor(_state(2, 2), "1f1b", 4)
+    state = _state(2, 2)
+    with pytest.raises(ValueError, match="got 1 model chunks but "
+                                         "--num-virtual-stages-per-pipeline-rank is 2"):
+        _executor(state, "interleaved_1f1b", 4, build_model_chunks(make_config("gpt2"), state)[:1])
+    wrong_order = build_model_chunks(make_config("gpt2"), state)[::-1]
+    with pytest.raises(ValueError, match="chunk 0 of pipeline rank 0 has pre_process=False"):
+        _executor(state, "interleaved_1f1b", 4, wrong_order)
+    with pytest.raises(ValueError, match="needs an iterator of micro-batches"):
+        _executor(state, "interleaved_1f1b", 4).run(None)
+
+
+def test_short_data_iterator_is_named():
+    state = ParallelState.single()
+    with pytest.raises(ValueError, match="iterator ended after 2 of 3 micro-batches"):
+        _executor(state, "none", 3).run(microbatches(2))
