@@ -74,7 +74,11 @@ def compare_grads(rank_grads: list[dict], reference: dict, what: str) -> None:
     for grads in rank_grads:
         for name, grad in grads.items():
             assert name in reference["grads"], f"{what}: unexpected parameter {name}"
-            assert_rel_close(grad, reference["grads"][name], TOL, f"{what} grad {name}")
+            expected = reference["grads"][name]
+            if "word_embeddings" in name or "output_layer" in name:
+                # the vocabulary padding depends on the TP size; compare the real rows
+                grad, expected = grad[:VOCAB], expected[:VOCAB]
+            assert_rel_close(grad, expected, TOL, f"{what} grad {name}")
             covered.add(name)
     missing = set(reference["grads"]) - covered
     assert not missing, f"{what}: no rank reported gradients of {sorted(missing)}"
