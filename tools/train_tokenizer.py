@@ -42,6 +42,17 @@ def train_sentencepiece(sentences, model_prefix: str, vocab_size: int, character
     import sentencepiece as spm
 
     model = io.BytesIO()  # in memory, so no temporary path ends up inside the model
+    try:
+        _train(spm, sentences, model, vocab_size, character_coverage)
+    except RuntimeError as e:  # SentencePiece reports bad settings as RuntimeError
+        raise ValueError(f"SentencePiece training failed: {e}") from None
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    write_atomic(model_prefix + ".vocab", vocab.encode("utf-8"))
+    write_atomic(model_prefix + ".model", model.getvalue())
+
+
+def _train(spm, sentences, model, vocab_size, character_coverage):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=model,
@@ -60,10 +71,6 @@ def train_sentencepiece(sentences, model_prefix: str, vocab_size: int, character
         hard_vocab_limit=False,
         minloglevel=2,
     )
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
-    write_atomic(model_prefix + ".vocab", vocab.encode("utf-8"))
-    write_atomic(model_prefix + ".model", model.getvalue())
 
 
 def write_atomic(path: str, data: bytes):

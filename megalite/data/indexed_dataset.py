@@ -50,7 +50,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str):
-        self.prefix = prefix
+        self.prefix = prefix = os.fspath(prefix)
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for path in (ipath, bpath):
             if not os.path.isfile(path):
@@ -124,7 +124,7 @@ class IndexedDatasetWriter:
     """
 
     def __init__(self, prefix: str, dtype=np.int32, multimodal: bool = False):
-        self.prefix = prefix
+        self.prefix = prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_BY_DTYPE:
             raise ValueError(f"dtype {self.dtype} has no MMIDIDX code")

@@ -157,11 +157,11 @@ def _run_shard(shard):
 class Progress:
     """Prints docs/s, MB/s and tokens/s every --log-interval documents (checked twice a second)."""
 
-    def __init__(self, log_interval: int, stream=sys.stderr):
+    def __init__(self, log_interval: int, stream=None):
         self.log_interval = max(1, log_interval)
         self.next_report = self.log_interval
         self.start = time.perf_counter()
-        self.stream = stream
+        self.stream = stream or sys.stderr
 
     def line(self, docs, nbytes, tokens, final=False) -> str:
         dt = max(time.perf_counter() - self.start, 1e-9)
@@ -175,7 +175,7 @@ class Progress:
             self.next_report = (docs // self.log_interval + 1) * self.log_interval
 
 
-def preprocess(config: PreprocessConfig, stream=sys.stderr) -> dict:
+def preprocess(config: PreprocessConfig, stream=None) -> dict:
     """Run preprocessing; return a summary dict. Raises BadInput (first bad line in input
     order) unless skip_bad_lines, ValueError for bad flags; no final output exists then."""
     if config.text_mode not in ("line", "file"):
@@ -221,7 +221,7 @@ def preprocess(config: PreprocessConfig, stream=sys.stderr) -> dict:
         summary["bad"] = summary["bad"][:5]
         summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
         print(progress_report.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
-              file=stream, flush=True)
+              file=progress_report.stream, flush=True)
         return summary
     except BaseException:
         for writer in writers:
