@@ -21,6 +21,22 @@ Data parallelism: with DistributedDataParallel chunks, every backward runs under
 no_sync() except the last one that produces weight gradients for that chunk (its last B, or
 last W when split), so the gradient all-reduce starts once per chunk and step, overlapping
 the remaining pipeline work; finalize_model_grads completes it after the step.
+
+How the training loop runs it (check the configuration first with
+stage_layout.validate_pipeline; build_model_chunks and PipelineExecutor repeat those checks):
+
+    chunks = [DistributedDataParallel(c, pstate, overlap_grad_reduce=True)
+              for c in build_model_chunks(config, pstate, num_layers_first=..., num_layers_last=...)]
+    executor = PipelineExecutor(chunks, pstate, schedule, num_microbatches=m,
+                                seq_length=s, micro_batch_size=b, hidden_size=config.hidden_size,
+                                sequence_parallel=config.sequence_parallel, dtype=activation_dtype)
+    for each step:
+        for chunk in chunks: chunk.zero_grad_buffer()
+        loss = executor.run(data_iterator if pstate.is_first_stage or pstate.is_last_stage else None)
+        finalize_model_grads(chunks, pstate)     # DP, sequence-parallel and tied-embedding sums
+        optimizer.step()
+    # loss: mean over the m micro-batches on the last stage (None elsewhere); average it over
+    # the data-parallel group for logging.
 """
 
 from contextlib import nullcontext
