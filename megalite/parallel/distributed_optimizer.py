@@ -1,0 +1,131 @@
+"""fp32 main parameters over (shards of) gradient buckets, for the optimizer in optimizer.py.
+
+Every bucket of a DistributedDataParallel chunk has a shard this rank updates: the whole bucket
+normally, the contiguous 1/d slice [r·n/d, (r+1)·n/d) under the distributed optimizer (ZeRO-1:
+main parameters and optimizer state sharded over the d data-parallel ranks). For each model
+parameter overlapping that shard there is one `MainParam`: an fp32 1-D tensor holding elements
+[lo, hi) of the flattened parameter, whose `.grad` views the reduced gradient.
+
+Storage is shared wherever possible: an fp32 parameter's main tensor IS (a view of) the
+parameter, and an fp32 main gradient IS (a view of) the DDP buffer. Copies exist only for 16-bit
+parameters or gradients and for --optimizer-cpu-offload (where they live on the CPU).
+
+The layout-independent state dict gathers each parameter's shards over the DP group one
+parameter at a time, so it is the same with the distributed optimizer on or off.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import comm
+from megalite.parallel.grad_buffer import Bucket
+from megalite.parallel.sharding import is_sharded
+
+
+@dataclass
+class MainParam:
+    """The optimizer's fp32 copy of elements [lo, hi) of a flattened model parameter."""
+
+    name: str
+    param: torch.nn.Parameter
+    main: torch.Tensor
+    lo: int
+    hi: int
+    counted: bool
+    """Whether this rank counts it in the global gradient norm (once per parameter, not once
+    per TP replica or per tied embedding copy)."""
+    dp_group: object = None
+    """Set when the parameter is sharded over this data-parallel group."""
+
+    def grad(self) -> torch.Tensor | None:
+        grad = self.main.grad
+        return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
+
+
+@dataclass
+class BucketShard:
+    """This rank's shard of one bucket and the fp32 copies it needs."""
+
+    bucket: Bucket
+    mains: list
+    main_flat: torch.Tensor | None  # fp32 parameter copy (None: the mains view the parameters)
+    grad_flat: torch.Tensor | None  # fp32 gradient copy (None: the mains' grads view the buffer)
+
+    def load_grads(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.copy_(self.bucket.grad_shard(), non_blocking=True)
+
+    @torch.no_grad()
+    def store_params(self) -> None:
+        """Copy updated main values into the model parameters (this rank's shard)."""
+        if self.main_flat is None:
+            return
+        if self.bucket.param_data is not None:
+            self.bucket.param_shard().copy_(self.main_flat, non_blocking=True)
+        else:
+            for m in self.mains:
+                m.param.detach().view(-1)[m.lo:m.hi].copy_(m.main, non_blocking=True)
+
+
+def counts_in_norm(param, tp_rank: int, chunk_module) -> bool:
+    """Replicated-over-TP parameters count on TP rank 0 only; a tied embedding copy on a
+    stage without the embedding does not count (the first stage's copy does)."""
+    if not is_sharded(param) and tp_rank != 0:
+        return False
+    return not (getattr(param, "shared_embedding", False) and not getattr(chunk_module, "pre_process", True))
+
+
+@torch.no_grad()
+def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[BucketShard]:
+    """MainParams for every bucket shard of one DistributedDataParallel chunk."""
+    names = {p: n for n, p in ddp_chunk.module.named_parameters()}
+    shards = []
+    for buffer in ddp_chunk.buffers_:
+        device = torch.device("cpu") if cpu_offload else buffer.device
+        copy_params = buffer.param_dtype != torch.float32 or cpu_offload
+        copy_grads = buffer.grad_dtype != torch.float32 or cpu_offload
+        for bucket in buffer.buckets:
+            s0, s1 = bucket.shard_start, bucket.shard_end
+            main_flat = torch.zeros(s1 - s0, dtype=torch.float32, device=device) if copy_params else None
+            grad_flat = torch.zeros(s1 - s0, dtype=torch.float32, device=device) if copy_grads else None
+            dp_group = bucket.dp_group if bucket.sharded and bucket.dp_size > 1 else None
+            mains = []
+            for param, (start, end) in bucket.param_ranges.items():
+                a, b = max(start, s0), min(end, s1)
+                if a >= b:
+                    continue
+                lo, hi = a - start, b - start
+                flat = param.detach().view(-1)[lo:hi]
+                main = flat if main_flat is None else main_flat[a - s0:b - s0]
+                if main_flat is not None:
+                    main.copy_(flat)
+                main.grad = bucket.grad_data[a:b] if grad_flat is None else grad_flat[a - s0:b - s0]
+                mains.append(MainParam(names[param], param, main, lo, hi,
+                                       counts_in_norm(param, tp_rank, ddp_chunk.module), dp_group))
+            shards.append(BucketShard(bucket, mains, main_flat, grad_flat))
+    return shards
+
+
+@torch.no_grad()
+def gather_full(param: torch.nn.Parameter, entry: MainParam | None, value: torch.Tensor | None,
+                dp_group) -> torch.Tensor:
+    """`value` (this rank's [lo, hi) piece of a per-element quantity of `param`, or None if this
+    rank owns none of it) as a full fp32 CPU tensor of the parameter's shape. A collective over
+    `dp_group` when the parameter is sharded (pieces are summed into zeros: exact)."""
+    if dp_group is None:
+        return value.detach().to("cpu", torch.float32, copy=True).view(param.shape)
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    if entry is not None:
+        full[entry.lo:entry.hi] = value.detach()
+    dist.all_reduce(full, group=dp_group)
+    return full.cpu().view(param.shape)
+
+
+def sharded_dp_group(ddp_chunk, param):
+    """The DP group over which `param`'s main value is sharded, or None."""
+    bucket = ddp_chunk._bucket_of.get(param)
+    if bucket is None or not bucket.sharded or comm.group_size(bucket.dp_group) == 1:
+        return None
+    return bucket.dp_group

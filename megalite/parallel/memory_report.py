@@ -1,0 +1,102 @@
+"""Bytes of parameters, gradients and optimizer state on this rank, against formulas.md.
+
+    info, line = memory_report(chunks, optimizer, pstate)
+    print(line)   # at start-up
+
+Ψ is the number of parameters of the model replica on this rank (its TP/PP shard, counted
+whole even when FSDP2 shards it over DP). Buffers are counted as allocated, padding included.
+Adam's moments are allocated by the first step; before it they are counted as they will be
+(two fp32 values per main element; one momentum value for SGD).
+"""
+
+import torch
+
+from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.fsdp import FSDPChunk
+from megalite.parallel.state import ParallelState
+from megalite.training.flops import bytes_per_parameter, fsdp_bytes_per_parameter
+
+_STATES_PER_ELEMENT = {"adam": 2, "sgd": 1}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _precision(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> str | None:
+    """The formulas.md row for these weight / main-gradient dtypes."""
+    if grad_dtype == torch.float32:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}.get(param_dtype)
+    if param_dtype == grad_dtype == torch.float16:
+        return "fp16"
+    return None
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """fp32 main copies plus optimizer moments (as allocated, or as the first step will)."""
+    total = sum(_nbytes(t) for shard in optimizer.bucket_shards for t in (shard.main_flat, shard.grad_flat)
+                if t is not None)
+    per_element = _STATES_PER_ELEMENT[optimizer.kind] if optimizer.kind == "adam" or \
+        optimizer.inner.defaults.get("momentum") else 0
+    for m in optimizer.mains:
+        state = optimizer.inner.state.get(m.main)
+        if state:
+            total += sum(_nbytes(_local(v)) for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        else:
+            total += per_element * 4 * _local(m.main).numel()
+    return total
+
+
+def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
+    """(figures, one printable line) for this rank's chunks and optimizer."""
+    num_params = param_bytes = grad_bytes = 0
+    precision, fsdp = None, False
+    for chunk in chunks:
+        params = list(chunk.module.parameters())
+        num_params += sum(p.numel() for p in params)
+        if isinstance(chunk, DistributedDataParallel):
+            in_buffers = set(chunk._bucket_of)
+            for buffer in chunk.buffers_:
+                grad_bytes += _nbytes(buffer.grad_data)
+                param_bytes += _nbytes(buffer.param_data) if buffer.param_data is not None else \
+                    sum(_nbytes(p) for p in buffer.bucket_of)
+                precision = precision or _precision(buffer.param_dtype, buffer.grad_dtype)
+            param_bytes += sum(_nbytes(p) for p in params if p not in in_buffers)
+        elif isinstance(chunk, FSDPChunk):
+            fsdp = True
+            param_bytes += sum(_nbytes(_local(p)) for p in params)
+            grad_bytes += sum(_local(p).numel() * 4 for p in params if p.requires_grad)  # fp32 reduce dtype
+        else:
+            raise TypeError(f"memory_report: unsupported chunk {type(chunk).__name__}")
+    optimizer_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+    total = param_bytes + grad_bytes + optimizer_bytes
+    d = pstate.dp_size
+    distributed = optimizer is not None and optimizer.sharded_over_dp
+    if fsdp:
+        formula, described = fsdp_bytes_per_parameter(d), f"FSDP2 (2+2+12)/d, d={d}"
+    elif precision is None or optimizer is None or optimizer.kind != "adam":
+        formula, described = None, "no formula for this setup (formulas.md assumes Adam)"
+    else:
+        formula = bytes_per_parameter(precision, distributed, d)
+        described = f"{precision}" + (f" + distributed optimizer, d={d}" if distributed else "")
+    info = {"rank": pstate.rank, "num_params": num_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
+            "optimizer_bytes": optimizer_bytes, "total_bytes": total,
+            "bytes_per_param": total / max(num_params, 1),
+            "optimizer_bytes_per_param": optimizer_bytes / max(num_params, 1),
+            "formula_bytes_per_param": formula, "formula": described}
+    line = (f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params | weights {_fmt(param_bytes)} + grads "
+            f"{_fmt(grad_bytes)} + optimizer {_fmt(optimizer_bytes)} = {_fmt(total)} = "
+            f"{info['bytes_per_param']:.2f} B/param | formula {described}: "
+            + (f"{formula:.2f} B/param" if formula is not None else "n/a"))
+    return info, line
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

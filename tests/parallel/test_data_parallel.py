@@ -1,0 +1,226 @@
+"""Data parallelism against the single-process reference.
+
+With the global batch fixed (16 sequences), training 3 Adam steps at DP = 2 and 4 (gloo, CPU)
+gives the same parameters as plain PyTorch at DP = 1 within 1e-6 relative (fp32, dropout off):
+with overlap_grad_reduce on and off, gradient accumulation 1 and 4, the distributed optimizer
+on and off (with overlapped parameter gather and CPU offload), FSDP2, and combined with TP = 2
+(with and without sequence parallelism). Every DP replica ends bitwise identical.
+
+Each micro-batch's loss is its masked mean and the step's loss the mean over micro-batches, so
+the DP = 1 reference with the same micro-batch size is the same function; only the order of
+floating-point sums differs (over ranks, over TP halves of the sequence). Adam turns last-bit
+differences in near-zero gradients into differences of up to lr per element, so adam_eps = 1e-3
+(lr / eps = 1) keeps that amplification bounded: measured worst case 1.6e-7 relative for
+weights. Zero-initialised biases hold nothing but three updates of size lr built from heavily
+cancelling sums over tokens; their per-tensor relative error reaches 1.6e-6 (GPT-2, TP = 2 with
+sequence parallelism), so biases are held to 1e-5 and every other tensor to 1e-6.
+
+Also, in one process: bucket layout in backward order, main-gradient views, hooks that free
+.grad, and no_sync.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.model.gpt import GPTModel, masked_mean_loss
+from megalite.parallel import comm
+from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.fsdp import apply_fsdp2
+from megalite.parallel.optimizer import build_optimizer, no_weight_decay
+from megalite.parallel.sharding import full_from_shards, is_sharded
+from megalite.parallel.state import ParallelLayout, ParallelState
+from tests.distributed import run_distributed
+from tests.model.test_gpt_tp import VOCAB, make_config
+from tests.numerics import rel_error
+
+TOL = 1e-6
+GLOBAL_BATCH, SEQ, STEPS = 16, 16, 3
+BIAS_TOL = 1e-5
+OPTIM = dict(lr=1e-3, adam_eps=1e-3, weight_decay=0.1, clip_grad=1.0)
+
+
+# --- shared harness (also used by test_optimizer.py) ---------------------------------------
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) > 0.2).float()
+    return tokens, labels, mask
+
+
+def micro_batches(step: int, dp_rank: int, dp_size: int, micro: int):
+    """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
+    per_rank = GLOBAL_BATCH // dp_size
+    tokens, labels, mask = (t[dp_rank * per_rank:(dp_rank + 1) * per_rank] for t in global_batch(step))
+    return [(tokens[i:i + micro], labels[i:i + micro], mask[i:i + micro]) for i in range(0, per_rank, micro)]
+
+
+def train_step(chunk, optimizer, pstate, step, micro, before_step=None):
+    """One optimizer step over this rank's micro-batches; returns optimizer.step()'s result."""
+    optimizer.zero_grad()
+    batches = micro_batches(step, pstate.dp_rank, pstate.dp_size, micro)
+    for i, (tokens, labels, mask) in enumerate(batches):
+        with chunk.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            loss = masked_mean_loss(chunk(tokens, labels=labels), mask) / len(batches)
+            optimizer.scale_loss(loss).backward()
+    finalize_model_grads([chunk], pstate)
+    if before_step is not None:
+        before_step()
+    return optimizer.step()
+
+
+def full_params(module, tp_group) -> dict:
+    """Every parameter as the full TP = 1 tensor (FSDP2 shards gathered too), fp32."""
+    out = {}
+    for name, param in module.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        value = value.float()
+        if is_sharded(param) and comm.group_size(tp_group) > 1:
+            shards = [torch.empty_like(value) for _ in range(comm.group_size(tp_group))]
+            dist.all_gather(shards, value.contiguous(), group=tp_group)
+            value = full_from_shards(shards, param.partition_dim, param.partition_stride)
+        out[name] = value.clone()
+    return out
+
+
+def build(pstate, family, *, fsdp=False, overlap=False, dist_opt=False, bucket_size=None, sp=False,
+          params_dtype="float32", grad_dtype=torch.float32, **optim):
+    config = make_config(family, sequence_parallel=sp and pstate.tp_size > 1, params_dtype=params_dtype)
+    model = GPTModel(config, pstate, init_seed=7)
+    if fsdp:
+        chunk = apply_fsdp2(model, pstate)
+    else:
+        chunk = DistributedDataParallel(model, pstate, bucket_size=bucket_size, overlap_grad_reduce=overlap,
+                                        use_distributed_optimizer=dist_opt, grad_dtype=grad_dtype)
+    optimizer = build_optimizer([chunk], pstate, use_distributed_optimizer=dist_opt,
+                                bf16=params_dtype == "bfloat16", fp16=params_dtype == "float16",
+                                **{**OPTIM, **optim})
+    return chunk, optimizer
+
+
+def reference_run(family: str, micro: int, steps: int = STEPS):
+    """Plain PyTorch at DP = 1: AdamW with the same weight-decay groups and clipping."""
+    model = GPTModel(make_config(family), ParallelState.single(), init_seed=7)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not no_weight_decay(n, p)], "weight_decay": OPTIM["weight_decay"]},
+              {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=OPTIM["lr"], eps=OPTIM["adam_eps"], foreach=True)
+    norms = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        batches = micro_batches(step, 0, 1, micro)
+        for tokens, labels, mask in batches:
+            (masked_mean_loss(model(tokens, labels=labels), mask) / len(batches)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["clip_grad"]).item())
+        optimizer.step()
+    return {"params": {n: p.detach().clone() for n, p in named}, "norms": norms}
+
+
+def pair_state(rank: int) -> ParallelState:
+    """Ranks {0, 1} and {2, 3} of a world of 4 as two independent DP = 2 runs."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    return ParallelState(ParallelLayout(2), rank % 2, {"dp": group, "world": group})
+
+
+def assert_replicas_identical(params: dict, pstate) -> None:
+    """Every DP rank holds bitwise the same parameters."""
+    if pstate.dp_size == 1:
+        return
+    for name, value in params.items():
+        src = value.clone()
+        dist.broadcast(src, group_src=0, group=pstate.dp_group)
+        assert torch.equal(src, value), f"DP replicas differ in {name} on rank {pstate.rank}"
+
+
+# --- the equivalence battery ----------------------------------------------------------------
+# (name, layout, family, accumulation steps, options)
+def _configs():
+    out = []
+    for dp in ("dp2a", "dp2b", "dp4"):
+        dist_opts = {"dp2a": (False,), "dp2b": (True,), "dp4": (False, True)}[dp]
+        for dist_opt in dist_opts:
+            for overlap in (False, True):
+                for accum in (1, 4):
+                    opts = dict(dist_opt=dist_opt, overlap=overlap, bucket_size=8000 if overlap else None)
+                    out.append((f"{dp}/dist{int(dist_opt)}/ovl{int(overlap)}/acc{accum}", dp, "gpt2", accum, opts))
+    out += [
+        ("dp2a/fsdp/acc1", "dp2a", "gpt2", 1, dict(fsdp=True)),
+        ("dp2a/fsdp/acc4", "dp2a", "gpt2", 4, dict(fsdp=True)),
+        ("dp2b/dist1/param-gather/acc4", "dp2b", "llama", 4,
+         dict(dist_opt=True, overlap=True, bucket_size=8000, overlap_param_gather=True)),
+        ("dp2b/dist1/cpu-offload/acc1", "dp2b", "gpt2", 1, dict(dist_opt=True, cpu_offload=True)),
+        ("dp4/fsdp/acc1", "dp4", "llama", 1, dict(fsdp=True)),
+        ("dp4/fsdp/acc4", "dp4", "gpt2", 4, dict(fsdp=True)),
+        ("dp4/dist1/param-gather/acc1", "dp4", "gpt2", 1,
+         dict(dist_opt=True, overlap=True, bucket_size=8000, overlap_param_gather=True)),
+        ("tp2dp2/sp/ovl1/acc4", "tp2dp2", "gpt2", 4, dict(sp=True, overlap=True, bucket_size=8000)),
+        ("tp2dp2/sp/dist1/ovl1/acc1", "tp2dp2", "gpt2", 1, dict(sp=True, dist_opt=True, overlap=True,
+                                                                 bucket_size=8000)),
+        ("tp2dp2/llama/sp/dist1/param-gather/acc4", "tp2dp2", "llama", 4,
+         dict(sp=True, dist_opt=True, overlap=True, bucket_size=8000, overlap_param_gather=True)),
+        ("tp2dp2/llama/acc1", "tp2dp2", "llama", 1, dict()),
+        ("tp2dp2/llama/sp/fsdp/acc1", "tp2dp2", "llama", 1, dict(sp=True, fsdp=True)),
+        ("tp2dp2/gpt2/fsdp/acc4", "tp2dp2", "gpt2", 4, dict(fsdp=True)),
+    ]
+    return out
+
+
+def micro_size(layout: str, accum: int) -> int:
+    dp = 4 if layout == "dp4" else 2
+    return GLOBAL_BATCH // (dp * accum)
+
+
+def _battery_worker(rank, world_size, only=None):
+    torch.manual_seed(0)
+    states = {"pair": pair_state(rank),
+              "dp4": ParallelState.create(ParallelLayout(world_size)),
+              "tp2dp2": ParallelState.create(ParallelLayout(world_size, tensor=2))}
+    my_pair = "dp2a" if rank < 2 else "dp2b"
+    out = {}
+    for name, layout, family, accum, opts in _configs():
+        if (layout.startswith("dp2") and layout != my_pair) or (only is not None and name not in only):
+            continue
+        pstate = states["pair" if layout.startswith("dp2") else layout]
+        chunk, optimizer = build(pstate, family, **opts)
+        norms = [train_step(chunk, optimizer, pstate, step, micro_size(layout, accum))[1] for step in range(STEPS)]
+        optimizer.finish_param_sync()
+        params = full_params(chunk.module, pstate.tp_group)
+        assert_replicas_identical(params, pstate)
+        if pstate.dp_rank == 0 and pstate.tp_rank == 0:
+            out[name] = {"params": params, "norms": norms}
+    return out
+
+
+@pytest.fixture(scope="module")
+def battery():
+    merged = {}
+    for result in run_distributed(_battery_worker, 4):
+        merged.update(result)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(family, micro):
+        if (family, micro) not in cache:
+            cache[(family, micro)] = reference_run(family, micro)
+        return cache[(family, micro)]
+    return get
+
+
+@pytest.mark.parametrize("name, layout, family, accum, opts", _configs(), ids=[c[0] for c in _configs()])
+def test_data_parallel_matches_single_process(battery, references, name, layout, family, accum, opts):
+    reference = references(family, micro_size(layout, accum))
+    result = battery[name]
+    assert set(result["params"]) == set(reference["params"]), name
+    for pname, expected in reference["params"].items():
+        err, tol = rel_error(result["params"][pname], expected), BIAS_TOL if pname.endswith(".bias") else TOL
+        assert err <= tol, f"{name}: {pname} relative error {err:.2e} > {tol:.0e}"
+    for step, (ours, ref) in enumerate(zip(result["norms"], reference["norms"])):
+        assert abs(ours - ref) <= TOL * ref, f"{name}: grad norm at step {step}: {ours} vs {ref}"
