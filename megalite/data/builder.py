@@ -76,7 +76,7 @@ def _cache_dir(cache_path: str | None, dataset) -> str | None:
 def _single(dataset, doc_range, num_samples, split_name, cache_path, options):
     if doc_range is None or num_samples == 0:
         return None
-    return GPTDataset(dataset, np.arange(*doc_range), num_samples, split_name=split_name,
+    return GPTDataset(dataset, range(*doc_range), num_samples, split_name=split_name,
                       cache_dir=_cache_dir(cache_path, dataset), **options)
 
 

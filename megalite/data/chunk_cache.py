@@ -11,7 +11,7 @@ dict lookups through map(), bytes.join) rather than in a Python loop.
 Token ids are kept as int32 bytes so that a document is one `bytes.join`.
 """
 
-from itertools import filterfalse
+from itertools import chain, filterfalse
 
 import numpy as np
 
@@ -35,8 +35,7 @@ class ChunkCache:
             self.table.clear()  # bounded memory; a batch's own chunks are re-added below
         table = self.table
         splits = [self.split(t) for t in texts]
-        seen = set().union(*splits)
-        missing = list(filterfalse(table.__contains__, seen))
+        missing = list(set(filterfalse(table.__contains__, chain.from_iterable(splits))))
         if missing:
             table.update(zip(missing, self.encode_chunks(missing)))
         lookup = table.__getitem__

@@ -64,21 +64,22 @@ def ltor_masks(tokens: np.ndarray, eod: int, eod_mask_loss: bool, reset_position
 
 
 class GPTDataset:
-    """Samples of `seq_length + 1` tokens from the documents `documents` of `indexed`.
+    """Samples of `seq_length + 1` tokens from the documents `documents` (a range, as splits
+    are, or an array of ids) of `indexed`.
 
     num_samples None means one epoch. Index arrays are cached in cache_dir (None: built in
     memory) under a key covering the sequence lengths of these documents, the sample count,
     seq_length, seed and split name.
     """
 
-    def __init__(self, indexed, documents: np.ndarray, num_samples: int | None, seq_length: int, seed: int,
+    def __init__(self, indexed, documents, num_samples: int | None, seq_length: int, seed: int,
                  *, eod: int, split_name: str = "train", cache_dir: str | None = None,
                  eod_mask_loss: bool = False, reset_position_ids: bool = False,
                  reset_attention_mask: bool = False):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be positive, got {seq_length}")
         self.indexed = indexed
-        self.documents = np.asarray(documents, dtype=np.int64)
+        self.documents = documents if isinstance(documents, range) else np.asarray(documents, dtype=np.int64)
         self.seq_length, self.seed, self.eod = seq_length, seed, eod
         self.split_name = split_name
         self.eod_mask_loss = eod_mask_loss
@@ -89,8 +90,8 @@ class GPTDataset:
             "class": "GPTDataset", "format": INDEX_FORMAT, "split": split_name,
             "dataset": indexed.prefix if getattr(indexed, "is_mock", False) else os.path.abspath(indexed.prefix),
             "documents": [int(self.documents[0]), int(self.documents[-1]), len(self.documents)],
-            "lengths": digest(sizes[self.documents[0]:self.documents[-1] + 1])
-            if _is_range(self.documents) else digest(sizes[self.documents]),
+            "lengths": digest(sizes[self.documents.start:self.documents.stop]
+                              if isinstance(self.documents, range) else sizes[self.documents]),
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
         }
         arrays, self._paths = cached_arrays(
@@ -143,7 +144,3 @@ class GPTDataset:
             item["attention_mask"] = attention_mask
         return item
 
-
-def _is_range(documents: np.ndarray) -> bool:
-    return len(documents) > 0 and int(documents[-1]) - int(documents[0]) == len(documents) - 1 and \
-        bool(np.all(np.diff(documents) == 1))

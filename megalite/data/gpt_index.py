@@ -12,6 +12,7 @@ binary search instead of a per-document loop.
 """
 
 import re
+import sys
 
 import numpy as np
 
@@ -57,9 +58,9 @@ def separate_final_epoch(num_epochs: int, tokens_per_epoch: int, num_samples: in
     return num_samples - before_final < int(LAST_EPOCH_SEPARATE_BELOW * per_epoch)
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+def build_document_index(documents, num_epochs: int, rng: np.random.RandomState,
                          separate_final: bool, sizes: np.ndarray | None = None):
-    """Documents repeated num_epochs times, shuffled (int32).
+    """Documents (a range or an array of ids) repeated num_epochs times, shuffled (int32).
 
     With `sizes` (all sequence lengths) also returns the lengths in document-index order:
     id and length are shuffled together as one int64 (id << 32 | length), which permutes
@@ -71,14 +72,27 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
         if sizes is None:
             return np.concatenate((head, tail))
         return np.concatenate((head[0], tail[0])), np.concatenate((head[1], tail[1]))
-    documents = np.asarray(documents)
+    contiguous = isinstance(documents, range)
     if sizes is None:
-        index = np.tile(documents.astype(np.int32), num_epochs)
+        ids = np.arange(documents.start, documents.stop, dtype=np.int32) if contiguous else \
+            np.asarray(documents).astype(np.int32)
+        index = np.tile(ids, num_epochs) if num_epochs > 1 else ids
         rng.shuffle(index)
         return index
-    packed = (documents.astype(np.int64) << 32) | sizes[documents].astype(np.int64)
-    packed = np.tile(packed, num_epochs)
+    if contiguous:
+        packed = np.arange(documents.start, documents.stop, dtype=np.int64)
+        lengths = sizes[documents.start:documents.stop]
+    else:
+        packed = np.asarray(documents).astype(np.int64)
+        lengths = sizes[packed]
+    packed <<= 32
+    packed |= lengths
+    if num_epochs > 1:
+        packed = np.tile(packed, num_epochs)
     rng.shuffle(packed)
+    if sys.byteorder == "little":  # the two int32 halves of each int64: [length, id]
+        halves = packed.view(np.int32).reshape(-1, 2)
+        return np.ascontiguousarray(halves[:, 1]), halves[:, 0]
     return (packed >> 32).astype(np.int32), (packed & 0xFFFFFFFF).astype(np.int32)
 
 
@@ -120,11 +134,12 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int | None,
+def build_gpt_indices(sizes: np.ndarray, documents, num_samples: int | None,
                       seq_length: int, seed: int) -> dict[str, np.ndarray]:
     """The document, sample and shuffle indices of one split (`sizes`: all sequence lengths,
-    `documents`: the split's document ids)."""
-    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    `documents`: the split's document ids, a range or an array)."""
+    split_sizes = sizes[documents.start:documents.stop] if isinstance(documents, range) else sizes[documents]
+    tokens_per_epoch = int(split_sizes.sum(dtype=np.int64))
     if tokens_per_epoch < 2:
         raise ValueError(f"the split's {len(documents)} documents hold {tokens_per_epoch} tokens; "
                          "a sample needs at least 2")

@@ -17,6 +17,7 @@ from megalite.data.chunk_cache import ChunkCache
 SPACE = "\u2581"  # SentencePiece's visible space
 WORD = re.compile(f"[ {SPACE}]+[^ {SPACE}]*")  # applied to " " + text: the dummy prefix
 PIECE_NORMAL, PIECE_USER_DEFINED, PIECE_BYTE = 1, 4, 6
+JOIN_CHARS = 4096  # unseen words are encoded in texts of about this size
 MODEL_BPE = 2
 
 
@@ -85,20 +86,28 @@ class SentencePieceTokenizer:
 
     def _encode_words(self, words: list[str]) -> list[bytes]:
         """Encode unseen words (each starts with a space). Words ending in a non-space are
-        joined into one SentencePiece call and cut apart by the bytes each id covers."""
+        joined into texts of a few KB (SentencePiece slows down on long inputs), encoded in
+        one batch call, and cut apart by the bytes each id covers."""
         joinable = [w for w in words if w[-1] not in (" ", SPACE)]
         out = {}
         if joinable:
-            ids = self.sp.encode("".join(joinable)[1:], out_type="numpy")
+            texts, group, size = [], [], 0
+            for w in joinable:
+                group.append(w)
+                size += len(w)
+                if size >= JOIN_CHARS:
+                    texts.append("".join(group)[1:])
+                    group, size = [], 0
+            if group:
+                texts.append("".join(group)[1:])
+            ids = np.concatenate(self.sp.encode(texts, out_type="numpy", num_threads=1))
             ends = np.cumsum(self._surface[ids])
             # normalised length: a space becomes U+2581, three bytes instead of one
-            lengths = [len(w.encode("utf-8")) + 2 * w.count(" ") for w in joinable]
-            word_ends = np.cumsum(lengths)
+            word_ends = np.cumsum([len(w.encode("utf-8")) + 2 * w.count(" ") for w in joinable])
             if len(ends) and ends[-1] == word_ends[-1]:
-                cuts = np.searchsorted(ends, word_ends, side="left") + 1
-                starts = np.concatenate(([0], cuts[:-1]))
+                cuts = (np.searchsorted(ends, word_ends, side="left") + 1).tolist()
                 raw = ids.astype(np.int32).tobytes()
-                out = {w: raw[4 * s:4 * e] for w, s, e in zip(joinable, starts.tolist(), cuts.tolist())}
+                out = {w: raw[4 * s:4 * e] for w, s, e in zip(joinable, [0] + cuts[:-1], cuts)}
         return [out[w] if w in out else self._encode_word_alone(w) for w in words]
 
     def _encode_word_alone(self, word: str) -> bytes:

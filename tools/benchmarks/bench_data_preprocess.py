@@ -1,0 +1,128 @@
+"""Preprocessing half of bench_data.py: megalite's preprocess against the straightforward loop.
+
+The straightforward loop is what a first preprocessing script does, one document at a
+time: json.loads, the tokenizer library's plain encode, append eod, write the document.
+"Plain encode" is SentencePiece's own `encode` and, for GPT-2 BPE, regex pre-tokenisation
+then BPE per pre-token with a per-pre-token cache (Megatron's GPT-2 algorithm). Both paths
+write byte-identical datasets, which the benchmark checks.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab  # noqa: E402
+from megalite.data.preprocess import PreprocessConfig, output_prefix_for, preprocess  # noqa: E402
+from megalite.data.tokenizers import build_tokenizer  # noqa: E402
+
+
+def make_tokenizer_files(corpus: str, work: str, vocab_size: int) -> dict:
+    """Train a SentencePiece BPE model (tools/train_tokenizer.py) and a GPT-2 byte-level BPE
+    (the `tokenizers` library) on the corpus; return build_tokenizer arguments for each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import train_tokenizer
+
+    sp_prefix = os.path.join(work, "sp")
+    train_tokenizer.main(["--input", corpus, "--vocab-size", str(vocab_size), "--model-prefix", sp_prefix])
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    gpt2_dir = os.path.join(work, "gpt2")
+    os.makedirs(gpt2_dir, exist_ok=True)
+    vocab, merges = tok.model.save(gpt2_dir)
+    return {
+        "SentencePiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_prefix + ".model"),
+        "GPT-2 BPE": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),
+    }
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (worker pools)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def straightforward_loop(corpus: str, prefix: str, tokenizer, encode) -> None:
+    """json.loads + encode + append eod + write, one document at a time."""
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    with IndexedDatasetWriter(prefix, dtype) as writer, open(corpus, encoding="utf-8") as f:
+        for line in f:
+            ids = encode(json.loads(line)["text"])
+            if ids:
+                ids.append(tokenizer.eod)
+                writer.add_document(np.array(ids, dtype=dtype))
+
+
+def run_megalite(corpus: str, prefix: str, tok_args: dict, workers: int) -> None:
+    config = PreprocessConfig(input=[corpus], output_prefix=prefix, append_eod=True, workers=workers,
+                              log_interval=10**9, **tok_args)
+    with open(os.devnull, "w") as quiet:
+        preprocess(config, stream=quiet)
+
+
+def timed(fn) -> tuple[float, float]:
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - cpu0
+
+
+def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, log) -> list[dict]:
+    """Rows of (tokenizer, method, seconds, cpu seconds, tokens/s, MB/s, speed-up vs loop)."""
+    size = os.path.getsize(corpus)
+    rows = []
+    for name, tok_args in tok_files.items():
+        methods = {  # each run builds its own tokenizer, so no run starts with a warm cache
+            "straightforward loop (library encode)": lambda p: _loop(corpus, p, tok_args, reference=True),
+            "straightforward loop (megalite encode)": lambda p: _loop(corpus, p, tok_args, reference=False),
+            "megalite preprocess, 1 worker": lambda p: run_megalite(corpus, p, tok_args, 1),
+            "megalite preprocess, 2 workers": lambda p: run_megalite(corpus, p, tok_args, 2),
+        }
+        best = {m: (float("inf"), 0.0) for m in methods}
+        outputs = {}
+        for rep in range(repeats):
+            for method, fn in methods.items():
+                prefix = os.path.join(work, f"out_{len(outputs)}_{rep}")
+                seconds, cpu = timed(lambda: fn(prefix))
+                final = output_prefix_for(prefix, "text") if method.startswith("megalite") else prefix
+                outputs[method] = final
+                if seconds < best[method][0]:
+                    best[method] = (seconds, cpu)
+                log(f"  {name:13s} {method:40s} {seconds:7.2f} s (cpu {cpu:.2f} s)")
+        reference = outputs["straightforward loop (library encode)"]
+        for method, final in outputs.items():
+            for ext in (".bin", ".idx"):
+                with open(reference + ext, "rb") as a, open(final + ext, "rb") as b:
+                    assert a.read() == b.read(), f"{method} wrote a different dataset than the loop"
+        tokens = int(np.fromfile(reference + ".idx", np.int32, count=_count(reference), offset=34).sum())
+        base = best["straightforward loop (library encode)"][0]
+        for method, (seconds, cpu) in best.items():
+            rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu,
+                             tokens_per_s=tokens / seconds, mb_per_s=size / seconds / 1e6,
+                             speedup=base / seconds, tokens=tokens, corpus_mb=size / 1e6))
+    return rows
+
+
+def _loop(corpus, prefix, tok_args, reference: bool):
+    args = {k: v for k, v in tok_args.items() if k != "tokenizer_type"}
+    tokenizer = build_tokenizer(tok_args["tokenizer_type"], **args)
+    straightforward_loop(corpus, prefix, tokenizer, tokenizer.encode_reference if reference else tokenizer.encode)
+
+
+def _count(prefix: str) -> int:
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(34)
+    return int(np.frombuffer(header[18:26], np.uint64)[0])
