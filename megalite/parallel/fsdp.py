@@ -67,8 +67,9 @@ class FSDPChunk(nn.Module):
     @staticmethod
     def shard_like(dtensor, full: torch.Tensor):
         """This rank's shard of `full`, placed like `dtensor` (every rank holds `full`)."""
+        # clone: the shard may view `full`, which the caller still owns
         return distribute_tensor(full.to(dtensor.device, dtensor.dtype), dtensor.device_mesh, dtensor.placements,
-                                 src_data_rank=None)
+                                 src_data_rank=None).clone()
 
 
 def apply_fsdp2(model: nn.Module, pstate: ParallelState, *, param_dtype: torch.dtype | None = None,

@@ -215,7 +215,7 @@ class MixedPrecisionOptimizer:
                 local = {k: chunk.shard_like(entry.main, saved[k]) for k in ("param", *keys)}
                 entry.main.to_local().copy_(local.pop("param").to_local())
             else:
-                local = {k: saved[k].reshape(-1)[entry.lo:entry.hi].to(entry.main.device, torch.float32)
+                local = {k: saved[k].reshape(-1)[entry.lo:entry.hi].to(entry.main.device, torch.float32, copy=True)
                          for k in ("param", *keys)}
                 entry.main.copy_(local.pop("param"))
             if keys:

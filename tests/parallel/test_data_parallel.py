@@ -224,3 +224,11 @@ def test_data_parallel_matches_single_process(battery, references, name, layout,
         assert err <= tol, f"{name}: {pname} relative error {err:.2e} > {tol:.0e}"
     for step, (ours, ref) in enumerate(zip(result["norms"], reference["norms"])):
         assert abs(ours - ref) <= TOL * ref, f"{name}: grad norm at step {step}: {ours} vs {ref}"
+
+
+def test_grad_norm_is_the_same_at_tp1_and_tp2_with_and_without_distributed_optimizer(battery, references):
+    """The global norm counts TP-replicated parameters once and each DP shard once."""
+    reference = references("gpt2", micro_size("tp2dp2", 1))["norms"]
+    for name in ("tp2dp2/sp/dist1/ovl1/acc1", "dp2a/dist0/ovl0/acc1", "dp2b/dist1/ovl0/acc1"):
+        for ours, ref in zip(battery[name]["norms"], reference):
+            assert abs(ours - ref) <= TOL * ref, f"{name}: {ours} vs {ref}"
