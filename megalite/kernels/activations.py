@@ -6,15 +6,10 @@ activation from the saved input instead of saving the output.
 
 import torch
 
-from megalite.kernels.dispatch import check_triton_device, use_triton
+from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
 from megalite.kernels.reference import bias_gelu_reference, swiglu_reference
 
 GELU_APPROXIMATIONS = ("none", "tanh")
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -22,17 +17,15 @@ class _SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, x):
         from megalite.kernels import activations_triton
 
-        x2d = _rows(x)
-        ctx.save_for_backward(x if x2d.data_ptr() == x.data_ptr() else x2d)
-        return activations_triton.swiglu_forward(x2d).view(*x.shape[:-1], x.shape[-1] // 2)
+        ctx.save_for_backward(x)
+        return activations_triton.swiglu_forward(as_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dy):
         from megalite.kernels import activations_triton
 
         (x,) = ctx.saved_tensors
-        dx = activations_triton.swiglu_backward(_rows(dy), _rows(x))
-        return dx.view(*dy.shape[:-1], 2 * dy.shape[-1])
+        return activations_triton.swiglu_backward(as_rows(dy), as_rows(x)).view(x.shape)
 
 
 class _BiasGeLUFunction(torch.autograd.Function):
@@ -40,19 +33,18 @@ class _BiasGeLUFunction(torch.autograd.Function):
     def forward(ctx, x, bias, approximate_tanh):
         from megalite.kernels import activations_triton
 
-        x2d = _rows(x)
-        ctx.save_for_backward(x if x2d.data_ptr() == x.data_ptr() else x2d, bias)
+        ctx.save_for_backward(x, bias)
         ctx.approximate_tanh = approximate_tanh
-        return activations_triton.bias_gelu_forward(x2d, bias, approximate_tanh).view(x.shape)
+        return activations_triton.bias_gelu_forward(as_rows(x), bias, approximate_tanh).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         from megalite.kernels import activations_triton
 
         x, bias = ctx.saved_tensors
-        dx, dbias = activations_triton.bias_gelu_backward(_rows(dy), _rows(x), bias, ctx.approximate_tanh)
+        dx, dbias = activations_triton.bias_gelu_backward(as_rows(dy), as_rows(x), bias, ctx.approximate_tanh)
         dbias = dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[1] else None
-        return dx.view(dy.shape), dbias, None
+        return dx.view(x.shape), dbias, None
 
 
 def swiglu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:

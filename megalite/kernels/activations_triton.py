@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import persistent_programs, rows_per_program, to_dtype, warps_for
+from megalite.kernels.triton_common import compile_opaque, persistent_programs, rows_per_program, to_dtype, warps_for
 
 
 @triton.jit
@@ -100,6 +100,11 @@ def _tiles(n_rows: int, n_cols: int, max_block_n: int = 1024) -> tuple[int, int,
     return block_m, block_n, warps_for(block_m * block_n)
 
 
+def _like_rows(x2d, n_cols):
+    return x2d.new_empty((x2d.shape[0], n_cols))
+
+
+@compile_opaque("swiglu_forward", lambda x2d: _like_rows(x2d, x2d.shape[1] // 2))
 def swiglu_forward(x2d: torch.Tensor) -> torch.Tensor:
     """x2d [N, 2f] (unit stride along the last dim) -> silu(gate) * up [N, f]."""
     n_rows, f = x2d.shape[0], x2d.shape[1] // 2
@@ -111,7 +116,9 @@ def swiglu_forward(x2d: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@compile_opaque("swiglu_backward", lambda dy2d, x2d: _like_rows(x2d, x2d.shape[1]))
 def swiglu_backward(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """dy2d [N, f], x2d [N, 2f] -> dx [N, 2f] = [dgate | dup]."""
     n_rows, f = dy2d.shape
     dx = torch.empty((n_rows, 2 * f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
@@ -121,7 +128,9 @@ def swiglu_backward(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     return dx
 
 
+@compile_opaque("bias_gelu_forward", lambda x2d, bias, approximate_tanh: _like_rows(x2d, x2d.shape[1]))
 def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool) -> torch.Tensor:
+    """x2d [N, f] (unit stride along f), bias [f] or None -> gelu(x + bias) [N, f]."""
     n_rows, f = x2d.shape
     y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
@@ -132,8 +141,14 @@ def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_
     return y
 
 
-def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool):
-    """Returns (dx [N, f] in x's dtype, dbias fp32 [f] or None)."""
+def _bias_gelu_backward_fake(dy2d, x2d, bias, approximate_tanh):
+    return _like_rows(x2d, x2d.shape[1]), x2d.new_empty(0 if bias is None else x2d.shape[1], dtype=torch.float32)
+
+
+@compile_opaque("bias_gelu_backward", _bias_gelu_backward_fake)
+def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None,
+                       approximate_tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx [N, f] in x's dtype, dbias fp32 [f] (empty without a bias))."""
     n_rows, f = x2d.shape
     dx = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
@@ -141,9 +156,9 @@ def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor
     row_blocks = triton.cdiv(n_rows, block_m)
     programs = max(1, persistent_programs(x2d.device, row_blocks, num_warps) // col_blocks) \
         if bias is not None else row_blocks
-    db_part = torch.empty((programs, f), dtype=torch.float32, device=x2d.device) if bias is not None else None
+    db_part = torch.empty((programs if bias is not None else 0, f), dtype=torch.float32, device=x2d.device)
     _bias_gelu_bwd_kernel[(programs, col_blocks)](
-        x2d, bias, dy2d, dx, db_part, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
-        HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
+        x2d, bias, dy2d, dx, db_part if bias is not None else None, n_rows, f, x2d.stride(0), dy2d.stride(0),
+        dx.stride(0), HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return dx, None if db_part is None else db_part.sum(0)
+    return dx, db_part.sum(0)

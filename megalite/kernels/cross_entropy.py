@@ -16,14 +16,16 @@ all-reduce. The gradient, softmax - (1 - eps) onehot - eps / V (0 on padding), i
 import torch
 import torch.distributed as dist
 
-from megalite.kernels.dispatch import check_triton_device, use_triton
+from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
 
 # Rows per chunk of the torch path are chosen so that a chunk's fp32 copy has about this many elements.
 TORCH_CHUNK_ELEMENTS = 1 << 24
 
 
-def torch_local_stats(logits2d, local_target, n_valid: int, need_sum: bool, chunk_elements: int = TORCH_CHUNK_ELEMENTS):
-    """Torch twin of cross_entropy_triton.local_stats, one fp32 row chunk at a time."""
+def torch_local_stats(logits2d, local_target, n_valid: int, need_sum: bool,
+                      chunk_elements: int = TORCH_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Torch twin of cross_entropy_triton.local_stats, one fp32 row chunk at a time: stacked
+    [max, sum exp(z - max), z_target, (sum z)] -> [3 or 4, N]."""
     n_rows = logits2d.shape[0]
     out = torch.zeros((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
     if n_valid == 0:
@@ -39,12 +41,12 @@ def torch_local_stats(logits2d, local_target, n_valid: int, need_sum: bool, chun
         t = local_target[rows]
         out[2, rows] = torch.where(t >= 0, z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
         out[1, rows] = z.sub_(row_max.unsqueeze(1)).exp_().sum(dim=-1)
-    return out[0], out[1], out[2], out[3] if need_sum else None
+    return out
 
 
 def torch_grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, label_smoothing: float,
                       smooth: torch.Tensor, inplace: bool, chunk_elements: int = TORCH_CHUNK_ELEMENTS):
-    """Torch twin of cross_entropy_triton.grad_logits, one fp32 row chunk at a time."""
+    """Torch twin of cross_entropy_triton.grad_logits(_), one fp32 row chunk at a time."""
     n_rows, n_cols = logits2d.shape
     grad = logits2d if inplace else torch.empty_like(logits2d)
     grad[:, n_valid:] = 0
@@ -60,11 +62,6 @@ def torch_grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, labe
     return grad
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -75,21 +72,21 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid_vocab, group, label_smoothing, inplace_backward, triton):
         if triton:
-            from megalite.kernels import cross_entropy_triton as backend
+            from megalite.kernels import cross_entropy_triton
 
-            stats_fn, grad_fn = backend.local_stats, backend.grad_logits
+            stats_fn = cross_entropy_triton.local_stats
         else:
-            stats_fn, grad_fn = torch_local_stats, torch_grad_logits
-        logits2d = _rows(logits)
+            stats_fn = torch_local_stats
         local_target = target.reshape(-1) - vocab_start
         local_target = torch.where((local_target >= 0) & (local_target < valid_vocab), local_target, -1)
         need_sum = label_smoothing > 0
-        row_max, sum_exp, z_target, z_sum = stats_fn(logits2d, local_target, valid_vocab, need_sum)
+        stats = stats_fn(as_rows(logits), local_target, valid_vocab, need_sum)
+        row_max, sum_exp, z_target = stats[0], stats[1], stats[2]
 
         global_max = _all_reduce(row_max.clone(), dist.ReduceOp.MAX, group)
         pieces = [sum_exp * torch.exp(row_max - global_max), z_target]
         if need_sum:
-            pieces += [z_sum, torch.tensor([float(valid_vocab)], device=logits.device)]
+            pieces += [stats[3], torch.tensor([float(valid_vocab)], device=logits.device)]
         reduced = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group)
         n_rows = row_max.shape[0]
         lse = global_max + torch.log(reduced[:n_rows])
@@ -101,21 +98,25 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             smooth = torch.zeros(1, dtype=torch.float32, device=logits.device)
 
-        # The input itself is saved (not a view made here) and reshaped again in backward.
-        ctx.save_for_backward(logits if logits2d.data_ptr() == logits.data_ptr() else logits2d,
-                              local_target, lse, smooth)
-        ctx.grad_fn, ctx.shape = grad_fn, logits.shape
-        ctx.valid_vocab, ctx.label_smoothing = valid_vocab, label_smoothing
+        ctx.save_for_backward(logits, local_target, lse, smooth)
+        ctx.triton, ctx.valid_vocab, ctx.label_smoothing = triton, valid_vocab, label_smoothing
         ctx.inplace_backward = inplace_backward
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, local_target, lse, smooth = ctx.saved_tensors
-        logits2d = _rows(logits)
-        grad = ctx.grad_fn(logits2d, local_target, lse, grad_loss.reshape(-1).float().contiguous(), ctx.valid_vocab,
-                           ctx.label_smoothing, smooth, ctx.inplace_backward)
-        return grad.view(ctx.shape), None, None, None, None, None, None, None
+        args = (as_rows(logits), local_target, lse, grad_loss.reshape(-1).float().contiguous(), ctx.valid_vocab,
+                ctx.label_smoothing, smooth)
+        if not ctx.triton:
+            grad = torch_grad_logits(*args, ctx.inplace_backward)
+        else:
+            from megalite.kernels import cross_entropy_triton
+
+            # Under torch.compile the out-of-place kernel is used: an opaque op may not mutate its input.
+            inplace = ctx.inplace_backward and not torch.compiler.is_compiling()
+            grad = (cross_entropy_triton.grad_logits_ if inplace else cross_entropy_triton.grad_logits)(*args)
+        return grad.view(logits.shape), None, None, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0, valid_vocab: int | None = None,

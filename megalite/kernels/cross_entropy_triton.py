@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import to_dtype
+from megalite.kernels.triton_common import compile_opaque, to_dtype
 
 @triton.jit
 def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_valid,
@@ -67,27 +67,41 @@ def _block_v(n: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool):
-    """Per-row fp32 (max, sum exp(z - max), z_target, sum z) over the first `n_valid` columns of
-    logits2d [N, V_local]; local_target [N] int64 is -1 where the target is not in this shard.
-    sum z is None unless need_sum."""
+@compile_opaque("ce_local_stats", lambda logits2d, local_target, n_valid, need_sum:
+                logits2d.new_empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32))
+def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool) -> torch.Tensor:
+    """Per-row fp32 statistics over the first `n_valid` columns of logits2d [N, V_local], stacked
+    [max, sum exp(z - max), z_target, (sum z if need_sum)] -> [3 or 4, N]; local_target [N] int64
+    is -1 where the target is not in this shard (z_target is then 0)."""
     n_rows = logits2d.shape[0]
     out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
     block_v, num_warps = _block_v(n_valid)
     _ce_stats_kernel[(n_rows,)](logits2d, local_target, out[0], out[1], out[2], out[3] if need_sum else None,
                                 logits2d.stride(0), n_valid, NEED_SUM=need_sum, BLOCK_V=block_v,
                                 num_warps=num_warps)
-    return out[0], out[1], out[2], out[3] if need_sum else None
+    return out
 
 
-def grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, label_smoothing: float, smooth: torch.Tensor,
-                inplace: bool) -> torch.Tensor:
-    """Gradient of the loss w.r.t. logits2d [N, V_local] in its dtype (into logits2d when inplace);
-    smooth is a 1-element fp32 tensor holding label_smoothing / V."""
+def _launch_grad(logits2d, grad, local_target, lse, grad_loss, n_valid, label_smoothing, smooth):
     n_rows, n_cols = logits2d.shape
-    grad = logits2d if inplace else torch.empty((n_rows, n_cols), dtype=logits2d.dtype, device=logits2d.device)
     block_v, num_warps = _block_v(n_cols)
     _ce_grad_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
         logits2d, grad, local_target, lse, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols, n_valid,
         1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
+
+
+@compile_opaque("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
+def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
+                n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss w.r.t. logits2d [N, V_local], in its dtype; smooth is a 1-element fp32
+    tensor holding label_smoothing / V."""
+    grad = torch.empty(logits2d.shape, dtype=logits2d.dtype, device=logits2d.device)
+    _launch_grad(logits2d, grad, local_target, lse, grad_loss, n_valid, label_smoothing, smooth)
     return grad
+
+
+def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
+                 n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
+    """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
+    _launch_grad(logits2d, logits2d, local_target, lse, grad_loss, n_valid, label_smoothing, smooth)
+    return logits2d

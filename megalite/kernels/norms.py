@@ -8,14 +8,10 @@ the parameters' dtypes.
 
 import torch
 
-from megalite.kernels.dispatch import check_triton_device, use_triton
+from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
 from megalite.kernels.reference import layer_norm_reference, rms_norm_reference
 
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as [rows, last dim] with unit stride along the last dim (a view when possible)."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+MAX_TRITON_COLS = 16384  # wider rows would spill registers in the Triton backward; the torch path takes them
 
 
 class _NormFunction(torch.autograd.Function):
@@ -23,10 +19,8 @@ class _NormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, is_rms):
         from megalite.kernels import norms_triton
 
-        x2d = _rows(x)
-        y, mean, rstd = norms_triton.norm_forward(x2d, weight, bias, eps, is_rms)
-        # Save the input itself (not a view made here); backward takes the same 2-d view again.
-        ctx.save_for_backward(x if x2d.data_ptr() == x.data_ptr() else x2d, weight, mean, rstd)
+        y, mean, rstd = norms_triton.norm_forward(as_rows(x), weight, bias, eps, is_rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
         ctx.is_rms, ctx.has_bias = is_rms, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(x.shape)
@@ -36,8 +30,7 @@ class _NormFunction(torch.autograd.Function):
         from megalite.kernels import norms_triton
 
         x, weight, mean, rstd = ctx.saved_tensors
-        x2d, dy2d = _rows(x), _rows(dy)
-        dx, dw, db = norms_triton.norm_backward(dy2d, x2d, weight, ctx.has_bias, mean, rstd, ctx.is_rms)
+        dx, dw, db = norms_triton.norm_backward(as_rows(dy), as_rows(x), weight, ctx.has_bias, mean, rstd, ctx.is_rms)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
         db = db.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx.view(dy.shape), dw, db, None, None
@@ -57,11 +50,9 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _triton_ok(op: str, impl: str, x, weight, bias) -> bool:
     if not use_triton(op, impl, x, weight, bias):
         return False
-    from megalite.kernels.norms_triton import MAX_COLS
-
-    if x.shape[-1] > MAX_COLS or x.numel() == 0:
+    if x.shape[-1] > MAX_TRITON_COLS or x.numel() == 0:
         if impl == "triton" and x.numel() > 0:
-            raise ValueError(f"{op}: impl='triton' supports hidden size <= {MAX_COLS}, got {x.shape[-1]}")
+            raise ValueError(f"{op}: impl='triton' supports hidden size <= {MAX_TRITON_COLS}, got {x.shape[-1]}")
         return False
     check_triton_device(op, x, weight, bias)
     return True

@@ -10,10 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import persistent_programs, rows_per_program, to_dtype, warps_for
-
-MAX_COLS = 16384  # wider rows would spill registers in the backward; the torch path takes them
-
+from megalite.kernels.triton_common import compile_opaque, persistent_programs, rows_per_program, to_dtype, warps_for
 
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
@@ -92,21 +89,39 @@ def _tiles(n_rows: int, n_cols: int, elems_per_thread: int) -> tuple[int, int, i
     return block_m, block_n, warps_for(block_m * block_n, elems_per_thread)
 
 
-def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool):
-    """x2d [N, h] (unit stride along h) -> (y [N, h] in x's dtype, mean [N] fp32 or None, rstd [N] fp32)."""
+def _norm_forward_fake(x2d, weight, bias, eps, is_rms):
+    n_rows = x2d.shape[0]
+    stats = x2d.new_empty(n_rows, dtype=torch.float32)
+    return torch.empty_like(x2d, memory_format=torch.contiguous_format), \
+        x2d.new_empty(0 if is_rms else n_rows, dtype=torch.float32), stats
+
+
+@compile_opaque("norm_forward", _norm_forward_fake)
+def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                 is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x2d [N, h] (unit stride along h) -> (y [N, h] in x's dtype, mean [N] fp32 (empty for RMSNorm),
+    rstd [N] fp32)."""
     n_rows, n_cols = x2d.shape
     y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-    mean = None if is_rms else torch.empty_like(rstd)
+    mean = torch.empty(0 if is_rms else n_rows, dtype=torch.float32, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=16)
     _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x2d, weight, bias, y, mean, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
+        x2d, weight, bias, y, None if is_rms else mean, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y, mean, rstd
 
 
-def norm_backward(dy2d, x2d, weight, has_bias: bool, mean, rstd, is_rms: bool):
-    """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] or None)."""
+def _norm_backward_fake(dy2d, x2d, weight, has_bias, mean, rstd, is_rms):
+    n_cols = x2d.shape[1]
+    return torch.empty_like(x2d, memory_format=torch.contiguous_format), \
+        x2d.new_empty(n_cols, dtype=torch.float32), x2d.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
+
+
+@compile_opaque("norm_backward", _norm_backward_fake)
+def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, has_bias: bool, mean: torch.Tensor,
+                  rstd: torch.Tensor, is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] (empty without a bias))."""
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     # The backward holds x, dy, w and the dweight/dbias sums per element: 8 elements per thread
@@ -114,9 +129,9 @@ def norm_backward(dy2d, x2d, weight, has_bias: bool, mean, rstd, is_rms: bool):
     block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=8)
     programs = persistent_programs(x2d.device, triton.cdiv(n_rows, block_m), num_warps)
     dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
-    db_part = torch.empty_like(dw_part) if has_bias else None
+    db_part = torch.empty((programs if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
     _norm_bwd_kernel[(programs,)](
-        x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, n_rows, n_cols,
-        x2d.stride(0), dy2d.stride(0), dx.stride(0),
+        x2d, weight, dy2d, dx, None if is_rms else mean, rstd, dw_part, db_part if has_bias else None,
+        n_rows, n_cols, x2d.stride(0), dy2d.stride(0), dx.stride(0),
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return dx, dw_part.sum(0), None if db_part is None else db_part.sum(0)
+    return dx, dw_part.sum(0), db_part.sum(0)

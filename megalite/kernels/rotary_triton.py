@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import to_dtype, warps_for
+from megalite.kernels.triton_common import compile_opaque, to_dtype, warps_for
 
 
 @triton.jit
@@ -51,6 +51,7 @@ def _rotary_kernel(X, COS, SIN, Y, n_batch, n_heads, half, head_dim,
         tl.store(y_row + p[None, :], tl.load(x_row + p[None, :], mask=p_mask), mask=p_mask)
 
 
+@compile_opaque("rotary", lambda x, cos, sin, backward: torch.empty_like(x, memory_format=torch.contiguous_format))
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """x [s, b, n, d] (unit stride along d); cos, sin fp32 [s, 1 or b, d_rot] with unit stride along
     d_rot and equal strides. Returns a new contiguous [s, b, n, d] tensor in x's dtype."""

@@ -8,6 +8,9 @@ which rounds to nearest-even by hand under the interpreter and is a plain ``.to`
 (where fp32 -> bf16 is round-to-nearest-even already).
 """
 
+import functools
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -50,3 +53,22 @@ def persistent_programs(device: torch.device, n_blocks: int, num_warps: int) -> 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
     return max(1, min(n_blocks, 4))
+
+
+def compile_opaque(name: str, fake: Callable):
+    """Make a kernel launcher opaque to torch.compile.
+
+    Registers `fn` as the custom op megalite_kernels::<name> (with `fake` giving the outputs'
+    shapes and dtypes) and returns a caller that goes through the op only while torch.compile
+    traces, so Dynamo records one op instead of tracing into Triton's launcher; eager calls skip
+    the dispatcher and its overhead.
+    """
+    def wrap(fn):
+        op = torch.library.custom_op(f"megalite_kernels::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+        return call
+    return wrap
