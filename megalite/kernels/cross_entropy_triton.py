@@ -13,6 +13,7 @@ import triton.language as tl
 
 from megalite.kernels.triton_common import compile_opaque, to_dtype
 
+
 @triton.jit
 def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_valid,
                      NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr):
