@@ -11,8 +11,9 @@ import json
 import os
 import re
 from array import array
-from bisect import bisect_left
-from itertools import accumulate, filterfalse
+from itertools import filterfalse
+
+import numpy as np
 
 from megalite.data.chunk_cache import ChunkCache
 
@@ -142,18 +143,22 @@ class GPT2BPE:
     def _encode_chunks(self, chunks: list[str]) -> list[bytes]:
         """Encode cache misses. Chunks that start with whitespace and end without it can be
         concatenated without changing their pre-tokens, so they share one regex pass (the
-        regex module's per-call overhead dominates short chunks); the rest go one by one."""
+        regex module's per-call overhead dominates short chunks) and one bytes.join, then
+        are cut apart at their pre-token boundaries; the rest go one by one."""
         ws = self._whitespace
         joinable = [c for c in chunks if c[0] in ws and c[-1] not in ws]
-        pieces = self._pattern.findall("".join(joinable))
-        table = self._piece_bytes(pieces)
-        piece_ends = list(accumulate(map(len, pieces)))
-        lookup, start, end, out = table.__getitem__, 0, 0, {}
-        for chunk in joinable:
-            end += len(chunk)
-            stop = bisect_left(piece_ends, end, start)
-            out[chunk] = b"".join(map(lookup, pieces[start:stop + 1]))
-            start = stop + 1
+        out = {}
+        if joinable:
+            pieces = self._pattern.findall("".join(joinable))
+            lookup = self._piece_bytes(pieces).__getitem__
+            encoded = list(map(lookup, pieces))
+            joined = b"".join(encoded)
+            piece_ends = np.cumsum(list(map(len, pieces)))
+            byte_ends = np.cumsum(list(map(len, encoded)))
+            chunk_ends = np.cumsum(list(map(len, joinable)))
+            last_piece = np.searchsorted(piece_ends, chunk_ends)  # a chunk ends where a piece ends
+            stops = byte_ends[last_piece].tolist()
+            out = {c: joined[a:b] for c, a, b in zip(joinable, [0] + stops[:-1], stops)}
         return [out[c] if c in out else array("i", self.encode_reference(c)).tobytes() for c in chunks]
 
     def encode(self, text: str) -> list[int]:

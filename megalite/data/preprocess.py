@@ -127,11 +127,14 @@ class ShardWorker:
                 result.docs += len(kept)
             if not kept:
                 continue
-            if self.config.append_eod:
-                kept = [b + self.eod_bytes for b in kept]
-            ids = np.frombuffer(b"".join(kept), np.int32)
+            if self.config.append_eod:  # one join puts eod after every document
+                ids = np.frombuffer(self.eod_bytes.join(kept) + self.eod_bytes, np.int32)
+                lengths = [len(b) // 4 + 1 for b in kept]
+            else:
+                ids = np.frombuffer(b"".join(kept), np.int32)
+                lengths = [len(b) // 4 for b in kept]
             result.tokens += len(ids)
-            writer.add_documents(ids.astype(self.dtype).tobytes(), [len(b) // 4 for b in kept])
+            writer.add_documents(ids.astype(self.dtype).tobytes(), lengths)
         result.bytes += nbytes
         if self.progress is not None:
             with self.progress.get_lock():

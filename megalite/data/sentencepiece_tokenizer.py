@@ -1,10 +1,18 @@
-"""SentencePiece (.model) tokenizer, with an exact word-cache fast path for BPE models.
+"""SentencePiece (.model) tokenizer, with an exact chunk-cache fast path for BPE models.
 
-SentencePiece BPE never merges across a space that follows a non-space (its pieces cannot
-contain one), so text cut before such spaces tokenises word by word. When the model's
-settings make that cut exact (checked from the model proto, see `word_cache_applies`),
-repeated words come from a `ChunkCache` and only unseen words reach SentencePiece, joined
-into one call. Otherwise every text goes to SentencePiece directly.
+SentencePiece BPE merges two adjacent symbols only when their concatenation is a piece of
+the vocabulary. So if no piece contains a given pair of adjacent characters, text cut
+between such a pair tokenises piece by piece exactly as it does whole. The model is checked
+once (its proto, see `chunking_for`):
+- "fine": no piece joins a letter, a digit and another character of different kinds, nor
+  anything followed by a space (SentencePiece's defaults split_by_unicode_script,
+  split_digits and split_by_whitespace give such vocabularies). Chunks are optional leading
+  spaces plus one run of letters, of digits or of other characters.
+- "word": no piece has a space after a non-space. Chunks are leading spaces plus a word.
+- None: every text goes to SentencePiece whole.
+Repeated chunks come from a `ChunkCache`; unseen ones are encoded together, a few KB of
+text per call, with a separator character between two that would otherwise touch unsafely,
+and cut apart again by the length of text each id covers.
 """
 
 import os
@@ -15,18 +23,34 @@ import numpy as np
 from megalite.data.chunk_cache import ChunkCache
 
 SPACE = "\u2581"  # SentencePiece's visible space
-WORD = re.compile(f"[ {SPACE}]+[^ {SPACE}]*")  # applied to " " + text: the dummy prefix
-PIECE_NORMAL, PIECE_USER_DEFINED, PIECE_BYTE = 1, 4, 6
-JOIN_CHARS = 4096  # unseen words are encoded in texts of about this size
+CHUNK_PATTERNS = {  # applied to " " + text (the space stands for the dummy prefix)
+    "word": re.compile(f"[ {SPACE}]+[^ {SPACE}]*"),
+    "fine": re.compile(f"[ {SPACE}]*(?:[^\\W\\d_]+|\\d+|(?:[^\\w {SPACE}]|_)+)|[ {SPACE}]+"),
+}
+SEPARATORS = {"L": "a", "D": "0", "O": "."}  # one character of each kind
+PIECE_NORMAL, PIECE_USER_DEFINED = 1, 4
+JOIN_CHARS = 4096  # unseen chunks are encoded in texts of about this size (SentencePiece
+# slows down on long inputs)
 MODEL_BPE = 2
 
 
-def word_cache_applies(model_bytes: bytes) -> bool:
-    """True when encoding word by word equals encoding whole texts for this model."""
+def char_kind(c: str) -> str:
+    """S(pace), D(igit), L(etter) or O(ther), exactly as the CHUNK_PATTERNS classes."""
+    if c == " " or c == SPACE:
+        return "S"
+    if c.isdecimal():
+        return "D"
+    if c.isalnum() and c != "_":
+        return "L"
+    return "O"
+
+
+def chunking_for(model_bytes: bytes) -> str | None:
+    """'fine', 'word' or None: the finest chunking that is exact for this model."""
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:  # protobuf missing: no way to check, so no fast path
-        return False
+        return None
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_bytes)
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
@@ -35,20 +59,23 @@ def word_cache_applies(model_bytes: bytes) -> bool:
             and norm.name == "identity" and not norm.precompiled_charsmap
             and norm.add_dummy_prefix and norm.escape_whitespaces
             and not norm.remove_extra_whitespaces):
-        return False
-    crosses_word = re.compile(f"[^{SPACE}]{SPACE}")
+        return None
+    pairs = set()
     for piece in proto.pieces:
         if piece.type == PIECE_USER_DEFINED:
-            return False
-        if piece.type == PIECE_NORMAL and crosses_word.search(piece.piece):
-            return False
-    return True
+            return None
+        if piece.type == PIECE_NORMAL:
+            kinds = [char_kind(c) for c in piece.piece]
+            pairs.update(zip(kinds, kinds[1:]))
+    if any(b == "S" and a != "S" for a, b in pairs):
+        return None
+    return "fine" if all(a == b or a == "S" for a, b in pairs) else "word"
 
 
 class SentencePieceTokenizer:
     """Megatron's SentencePieceTokenizer for GPT: eod is the model's </s> (eos) id."""
 
-    def __init__(self, model_file: str, use_word_cache: bool = True):
+    def __init__(self, model_file: str, use_chunk_cache: bool = True):
         import sentencepiece as spm
 
         if not model_file or not os.path.isfile(model_file):
@@ -67,54 +94,73 @@ class SentencePieceTokenizer:
         self.eod = self.sp.eos_id()
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eod
         self.bos = self.sp.bos_id()
+        self.chunking = chunking_for(model_bytes) if use_chunk_cache else None
         self._cache = None
-        if use_word_cache and word_cache_applies(model_bytes):
-            self._surface = self._surface_bytes()
-            self._cache = ChunkCache(lambda text: WORD.findall(" " + text) if text else [],
-                                     self._encode_words)
+        if self.chunking:
+            self._surface, self._surface_chars = self._surface_lengths()
+            split = CHUNK_PATTERNS[self.chunking].findall
+            self._cache = ChunkCache(lambda text: split(" " + text) if text else [], self._encode_chunks)
 
-    def _surface_bytes(self) -> np.ndarray:
-        """UTF-8 length, in the normalised text, that each id covers."""
+    def _surface_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(UTF-8 bytes, characters) of normalised text that each id covers; a byte piece
+        covers one byte and an unknown number of characters (-1)."""
         sp = self.sp
-        out = np.zeros(self.vocab_size, np.int64)
+        nbytes = np.zeros(self.vocab_size, np.int64)
+        nchars = np.zeros(self.vocab_size, np.int64)
         for i in range(self.vocab_size):
             if sp.is_byte(i):
-                out[i] = 1
+                nbytes[i], nchars[i] = 1, -1
             elif not (sp.is_control(i) or sp.is_unknown(i)):
-                out[i] = len(sp.id_to_piece(i).encode("utf-8"))
-        return out
+                piece = sp.id_to_piece(i)
+                nbytes[i], nchars[i] = len(piece.encode("utf-8")), len(piece)
+        return nbytes, nchars
 
-    def _encode_words(self, words: list[str]) -> list[bytes]:
-        """Encode unseen words (each starts with a space). Words ending in a non-space are
-        joined into texts of a few KB (SentencePiece slows down on long inputs), encoded in
-        one batch call, and cut apart by the bytes each id covers."""
-        joinable = [w for w in words if w[-1] not in (" ", SPACE)]
-        out = {}
-        if joinable:
-            texts, group, size = [], [], 0
-            for w in joinable:
-                group.append(w)
-                size += len(w)
-                if size >= JOIN_CHARS:
-                    texts.append("".join(group)[1:])
-                    group, size = [], 0
-            if group:
-                texts.append("".join(group)[1:])
-            ids = np.concatenate(self.sp.encode(texts, out_type="numpy", num_threads=1))
+    def _encode_chunks(self, chunks: list[str]) -> list[bytes]:
+        """Encode unseen chunks, several KB of text per SentencePiece call.
+
+        Each text is a sequence of segments: chunks, and separators that are encoded but
+        thrown away. SentencePiece puts its dummy-prefix space before each text: a first
+        chunk starting with a space lends it that space; otherwise a separator follows
+        it. Between two chunks whose touching characters are of the same kind (a pair a
+        piece may join) goes a separator of a third kind. A chunk of spaces only (the end
+        of a document) must end its text, or it would join the next chunk's spaces.
+        """
+        texts, segments, parts, size = [], [], [], 0
+        prev = None  # kind of the last character of the text being built
+        for c in chunks:
+            first, last = char_kind(c[0]), char_kind(c[-1])
+            lend = prev is None and first == "S" and last != "S"
+            if prev is None and not lend:
+                parts.append(SEPARATORS["L" if first != "L" else "D"])
+                segments.append((None, 2))  # dummy space + separator
+            elif prev is not None and first != "S" and first == prev:
+                parts.append(SEPARATORS[next(k for k in "LDO" if k != first)])
+                segments.append((None, 1))
+            parts.append(c[1:] if lend else c)
+            segments.append((c, len(c)))
+            size += len(c)
+            prev = last
+            if prev == "S" or size >= JOIN_CHARS:
+                texts.append("".join(parts))
+                parts, size, prev = [], 0, None
+        if parts:
+            texts.append("".join(parts))
+        ids = np.concatenate(self.sp.encode(texts, out_type="numpy", num_threads=1))
+        chars = self._surface_chars[ids]
+        if chars.min(initial=0) >= 0:  # no byte pieces: count characters
+            ends = np.cumsum(chars)
+            seg_ends = np.cumsum([n for _, n in segments])
+        else:  # count UTF-8 bytes of the normalised text (a space becomes 3-byte U+2581)
             ends = np.cumsum(self._surface[ids])
-            # normalised length: a space becomes U+2581, three bytes instead of one
-            word_ends = np.cumsum([len(w.encode("utf-8")) + 2 * w.count(" ") for w in joinable])
-            if len(ends) and ends[-1] == word_ends[-1]:
-                cuts = (np.searchsorted(ends, word_ends, side="left") + 1).tolist()
-                raw = ids.astype(np.int32).tobytes()
-                out = {w: raw[4 * s:4 * e] for w, s, e in zip(joinable, [0] + cuts[:-1], cuts)}
-        return [out[w] if w in out else self._encode_word_alone(w) for w in words]
-
-    def _encode_word_alone(self, word: str) -> bytes:
-        # After the word "a" (dummy prefix included), `word` is a word of its own; encoding
-        # word[1:] instead fails for a lone trailing space, which would become empty.
-        ids = self.sp.encode("a" + word, out_type="numpy")
-        return ids[len(self.sp.encode("a")):].astype(np.int32).tobytes()
+            seg_ends = np.cumsum([_normalised_bytes(c) if c is not None else n + 2 * (n == 2)
+                                  for c, n in segments])
+        cuts = np.searchsorted(ends, seg_ends, side="left") + 1
+        if not len(ends) or cuts[-1] != len(ends) or not np.array_equal(ends[cuts - 1], seg_ends):
+            raise AssertionError("SentencePiece ids do not line up with the chunks they encode")
+        cuts = cuts.tolist()
+        raw = ids.astype(np.int32).tobytes()
+        out = {c: raw[4 * a:4 * b] for (c, _), a, b in zip(segments, [0] + cuts[:-1], cuts) if c is not None}
+        return [out[c] for c in chunks]
 
     def encode_reference(self, text: str) -> list[int]:
         """SentencePiece's own encoding of the whole text."""
@@ -135,3 +181,8 @@ class SentencePieceTokenizer:
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
+
+
+def _normalised_bytes(chunk: str) -> int:
+    """UTF-8 length after normalisation: each space becomes U+2581 (3 bytes)."""
+    return len(chunk.encode("utf-8")) + 2 * chunk.count(" ")

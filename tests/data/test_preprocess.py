@@ -114,6 +114,7 @@ BAD_INPUTS = {
     "invalid utf-8 jsonl": ("in.jsonl", b'{"text": "a"}\n{"text": "b\xff"}\n', 2, "invalid UTF-8"),
     "invalid utf-8 text": ("in.txt", b"fine\nalso fine\nbad \xc3\x28 byte\n", 3, "invalid UTF-8"),
     "invalid utf-8 gzip": ("in.jsonl.gz", b'{"text": "a"}\n\n{"text": "\xfe"}\n', 3, "invalid UTF-8"),
+    "invalid utf-8 document per file": ("in.txt", b"line one\nline two \xe2\x82\n", 2, "invalid UTF-8"),
 }
 
 
@@ -124,8 +125,9 @@ def test_bad_input_stops_with_file_line_and_reason_and_leaves_no_output(tool, ca
     path.write_bytes(gzip.compress(content) if name.endswith(".gz") else content)
     out = tmp_path / "out"
     out.mkdir()
+    mode = ["--text-mode", "file"] if case.endswith("per file") else []
     code, err = run(tool, capsys, "--input", path, "--output-prefix", out / "ds",
-                    "--tokenizer-type", "NullTokenizer", "--vocab-size", 10)
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, *mode)
     assert code == 1
     assert len(err) == 1 and err[0].startswith(f"error: {path}:{line}: ") and reason in err[0], err
     assert os.listdir(out) == []  # no final names, no temporary files

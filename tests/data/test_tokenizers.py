@@ -69,7 +69,7 @@ def test_chunk_cache_fast_paths_equal_plain_encoding(sp_model, gpt2_files, demo_
     vocab, merges, _ = gpt2_files
     sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
     gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    assert sp._cache is not None  # train_tokenizer.py's models qualify for the word cache
+    assert sp.chunking == "fine"  # train_tokenizer.py models qualify for the finest chunk cache
     texts = demo_texts + EDGE_TEXTS + random_texts(0)
     for tok in (sp, gpt2):
         fast = []
@@ -79,17 +79,43 @@ def test_chunk_cache_fast_paths_equal_plain_encoding(sp_model, gpt2_files, demo_
         assert [tok.encode(t) for t in EDGE_TEXTS] == [tok.encode_reference(t) for t in EDGE_TEXTS]
 
 
-def test_sentencepiece_models_outside_the_fast_path_fall_back(data_dir, demo_texts):
+def test_sentencepiece_chunking_follows_the_model(data_dir, demo_texts):
     import sentencepiece as spm
 
-    prefix = str(data_dir / "nfkc")
-    # the default normaliser (nmt_nfkc, extra whitespace removed) rules the word cache out
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(demo_texts[:60]), model_prefix=prefix, vocab_size=400,
-                                   model_type="bpe", minloglevel=2)
-    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=prefix + ".model")
-    assert tok._cache is None
+    common = dict(vocab_size=800, model_type="bpe", minloglevel=2)
+    # pieces may mix letters, digits and punctuation (no script or number splitting): words only
+    mixed = str(data_dir / "mixed")
+    spm.SentencePieceTrainer.train(**common, sentence_iterator=iter(demo_texts[:200]), model_prefix=mixed,
+                                   byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_by_unicode_script=False,
+                                   split_digits=False, split_by_number=False)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=mixed + ".model")
+    assert tok.chunking == "word"
+    texts = demo_texts[:40] + EDGE_TEXTS + random_texts(1, 100)
+    assert [np.frombuffer(b, np.int32).tolist() for b in tok.encode_batch_bytes(texts)] == \
+        [tok.encode_reference(t) for t in texts]
+    # the default normaliser (nmt_nfkc, extra whitespace removed) rules chunking out
+    nfkc = str(data_dir / "nfkc")
+    spm.SentencePieceTrainer.train(**common, sentence_iterator=iter(demo_texts[:60]), model_prefix=nfkc)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=nfkc + ".model")
+    assert tok.chunking is None and tok._cache is None
     text = "Some  text   with  spaces"
     assert tok.encode(text) == tok.sp.encode(text)
+
+
+def test_chunk_pattern_classes_agree_with_char_kind():
+    import re
+
+    from megalite.data.sentencepiece_tokenizer import CHUNK_PATTERNS, char_kind
+
+    letter, digit = re.compile(r"[^\W\d_]"), re.compile(r"\d")
+    for cp in list(range(0x30000)) + list(range(0xE0000, 0xE0200)):
+        c = chr(cp)
+        expected = ("S" if c in " \u2581" else "D" if digit.match(c) else "L" if letter.match(c) else "O")
+        assert char_kind(c) == expected, hex(cp)
+    text = " ab12_c.(d)  ef\u3000g9\t "
+    assert CHUNK_PATTERNS["fine"].findall(text) == [" ab", "12", "_", "c", ".(", "d", ")", "  ef", "\u3000", "g",
+                                                    "9", "\t", " "]
 
 
 def test_train_tokenizer_is_deterministic_and_reads_text_files(tmp_path, demo_corpus, demo_texts):
@@ -150,3 +176,15 @@ def test_hugging_face_eod_comes_from_tokenizer_config(tmp_path, gpt2_files):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     assert tok.eod == 0 and tok.vocab_size == 600
+
+
+def test_demo_corpus_is_deterministic_and_sized(tmp_path):
+    tool = load_tool("make_demo_corpus")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    tool.main(["--output", str(a), "--max-mb", "0.2"])
+    tool.main(["--output", str(b), "--max-mb", "0.2"])
+    assert a.read_bytes() == b.read_bytes()
+    assert 0.1e6 < a.stat().st_size <= 0.2e6
+    docs = [json.loads(line)["text"] for line in a.read_text(encoding="utf-8").splitlines()]
+    assert len(docs) > 10 and all(d.strip() for d in docs)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]
