@@ -53,8 +53,9 @@ class MixedPrecisionOptimizer:
                 self.mains += [m for shard in shards for m in shard.mains]
             else:
                 self.mains += chunk.main_params(pstate.tp_rank)
+        # From the configuration, not from this rank's shards: a rank may own none at all.
         self.sharded_over_dp = pstate.dp_size > 1 and any(
-            m.dp_group is not None or hasattr(m.main, "to_local") for m in self.mains)
+            isinstance(c, FSDPChunk) or c.use_distributed_optimizer for c in self.chunks)
         self.comm_device = next(p for c in self.chunks for p in c.module.parameters()).device
         decay = [m.main for m in self.mains if not no_weight_decay(m.name, m.param)]
         plain = [m.main for m in self.mains if no_weight_decay(m.name, m.param)]

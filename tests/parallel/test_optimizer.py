@@ -6,7 +6,7 @@ One spawn of 4 gloo processes runs: bf16 at DP = 2 with the distributed optimize
 fp16 at DP = 4 with an inf and a NaN planted on one rank each; PP = 2 x DP = 2 with tied
 embeddings (a hand-written two-stage schedule) against the single-process reference; a state
 dict saved at DP = 2 with the distributed optimizer, compared with the one saved without it,
-and resumed at DP = 4; and the memory figures at DP = 2 and 4.
+and resumed at DP = 4 (distributed optimizer on, off, and FSDP2); and the memory figures at DP = 2 and 4 (and FSDP2 at DP = 4).
 """
 
 import contextlib
@@ -217,13 +217,21 @@ def _resharding(rank, pair, world):
         resumed_opt.load_state_dict(from_dist[0])
         train_step(resumed, resumed_opt, world, 2, 4)
         out[f"resumed_dp4_dist{int(load_dist)}"] = full_params(resumed.module, None)
+    resumed, resumed_opt = build(world, "llama", fsdp=True)
+    resumed_opt.load_state_dict(from_dist[0])
+    reloaded = resumed_opt.state_dict()
+    out["fsdp_state_roundtrip"] = all(torch.equal(reloaded["params"][n][k], v)
+                                      for n, entry in from_dist[0]["params"].items() for k, v in entry.items())
+    train_step(resumed, resumed_opt, world, 2, 4)
+    out["resumed_dp4_fsdp"] = full_params(resumed.module, None)
     if rank == 0:
         out["state_dist"], out["state_plain"] = from_dist[0], from_plain[0]
     return out
 
 
-def _memory(pstate):
-    chunk, optimizer = build(pstate, "gpt2", dist_opt=True, params_dtype="bfloat16")
+def _memory(pstate, fsdp=False):
+    chunk, optimizer = build(pstate, "gpt2", dist_opt=not fsdp, fsdp=fsdp,
+                             params_dtype="float32" if fsdp else "bfloat16")
     train_step(chunk, optimizer, pstate, 0, 4)
     return memory_report([chunk], optimizer, pstate)[0]
 
@@ -233,7 +241,7 @@ def _optimizer_worker(rank, world_size):
     world = ParallelState.create(ParallelLayout(world_size))
     pipeline = ParallelState.create(ParallelLayout(world_size, pipeline=2))
     out = {"bf16": _bf16_check(pair, dist_opt=rank >= 2), "fp16": _fp16_overflow(world),
-           "memory_dp2": _memory(pair), "memory_dp4": _memory(world)}
+           "memory_dp2": _memory(pair), "memory_dp4": _memory(world), "memory_fsdp_dp4": _memory(world, fsdp=True)}
     for dist_opt in (False, True):
         result = _pipeline_run(pipeline, dist_opt)
         out[f"pipeline_dist{int(dist_opt)}_stage{pipeline.pp_rank}"] = result if pipeline.dp_rank == 0 else None
@@ -284,10 +292,11 @@ def test_state_dict_is_the_same_with_and_without_distributed_optimizer(spawned):
             assert rel_error(with_dist["params"][name][key], value) <= TOL, f"{name}.{key}"
 
 
-def test_state_dict_saved_at_dp2_resumes_at_dp4(spawned):
+def test_state_dict_saved_at_dp2_resumes_at_dp4_with_either_optimizer_or_fsdp2(spawned):
     finished = spawned[0]["finished_dp2"]
     for rank, result in enumerate(spawned):
-        for key in ("resumed_dp4_dist1", "resumed_dp4_dist0"):
+        assert result["fsdp_state_roundtrip"], f"rank {rank}: FSDP2 state dict differs from the one it loaded"
+        for key in ("resumed_dp4_dist1", "resumed_dp4_dist0", "resumed_dp4_fsdp"):
             for name, expected in finished.items():
                 assert rel_error(result[key][name], expected) <= TOL, f"rank {rank} {key} {name}"
 
@@ -298,3 +307,9 @@ def test_distributed_optimizer_memory_per_rank_matches_formula(spawned, dp):
     assert abs(info["optimizer_bytes_per_param"] / (12 / dp) - 1) < 0.01, info
     assert abs(info["bytes_per_param"] / (6 + 12 / dp) - 1) < 0.01, info
     assert info["formula_bytes_per_param"] == 6 + 12 / dp
+
+
+def test_fsdp2_memory_per_rank_matches_formula(spawned):
+    info = spawned[0]["memory_fsdp_dp4"]
+    assert info["formula_bytes_per_param"] == 16 / 4
+    assert abs(info["bytes_per_param"] / (16 / 4) - 1) < 0.01, info
