@@ -55,7 +55,7 @@ class BucketShard:
 
     def load_grads(self) -> None:
         if self.grad_flat is not None:
-            self.grad_flat.copy_(self.bucket.grad_shard(), non_blocking=True)
+            self.grad_flat.copy_(self.bucket.grad_shard())
 
     @torch.no_grad()
     def store_params(self) -> None:
@@ -63,10 +63,10 @@ class BucketShard:
         if self.main_flat is None:
             return
         if self.bucket.param_data is not None:
-            self.bucket.param_shard().copy_(self.main_flat, non_blocking=True)
+            self.bucket.param_shard().copy_(self.main_flat)
         else:
             for m in self.mains:
-                m.param.detach().view(-1)[m.lo:m.hi].copy_(m.main, non_blocking=True)
+                m.param.detach().view(-1)[m.lo:m.hi].copy_(m.main)
 
 
 def counts_in_norm(param, tp_rank: int, chunk_module) -> bool:
