@@ -43,7 +43,7 @@ class ParallelArgs:
     distributed_backend: str | None = arg(
         None, "torch.distributed backend. Megatron's default is nccl; megalite's None means "
         "nccl with CUDA, gloo without.", choices=("nccl", "gloo"))
-    distributed_timeout_minutes: int = arg(
+    distributed_timeout_minutes: float = arg(
         10, "Timeout of collective operations: a rank whose peer died exits after this long.")
 
 

@@ -118,6 +118,9 @@ class CheckpointArgs:
     no_load_rng: bool = arg(False, "Do not load the random-number generator states.")
     finetune: bool = arg(
         False, "Load only the model weights and start at iteration 0 (no optimizer, no RNG).")
+    ckpt_fallback_to_previous: bool = arg(
+        False, "When the latest checkpoint under --load is damaged, load the newest earlier one "
+        "instead of stopping.", origin=MEGALITE)
 
 
 @dataclass

@@ -155,11 +155,11 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
             shutil.rmtree(tmp)  # left by a crash during an earlier save
         tmp.mkdir()
     _barrier(group)
-    opt_states = optimizer.sharded_param_states() if optimizer is not None else {}
-    entries, vocab = _tensor_entries(chunks, opt_states, pstate, for_load=False)
+    optimizer_state = optimizer.state_dict() if optimizer is not None else {"params": {}}
+    entries, vocab = _tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
     state = _dcp_state_dict(entries, pstate, vocab)
     save_rng_state(tmp / rng_file_name(pstate), rng_tracker)
-    common = {**common, "iteration": iteration, "optimizer_scalars": optimizer.scalar_state() if optimizer else {},
+    common = {**common, "iteration": iteration, "optimizer": optimizer_state,
               "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}}
     writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
     no_dist = not _distributed()
@@ -187,21 +187,18 @@ def _check_shapes(metadata, entries, pstate, vocab, path: Path):
                                   f"model expects {expected}")
 
 
-def _load_one(path: Path, *, chunks, optimizer, pstate, rng_tracker, load_optim: bool, load_rng: bool):
+def _read_common(path: Path) -> dict:
     common_path = path / "common.json"
     if not common_path.exists():
         raise CheckpointError(f"{common_path}: missing (incomplete checkpoint)")
     try:
-        common = json.loads(common_path.read_text())
+        return json.loads(common_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{common_path}: not valid JSON ({e})") from e
-    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
-    problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
-    if problems:
-        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _load_tensors(path: Path, entries, pstate, vocab) -> None:
     metadata = read_metadata_file(path / ".metadata")
-    opt_states = optimizer.sharded_param_states() if load_optim and optimizer is not None else {}
-    entries, vocab = _tensor_entries(chunks, opt_states, pstate, for_load=True)
     _check_shapes(metadata, entries, pstate, vocab, path)
     state = _dcp_state_dict(entries, pstate, vocab)
     try:
@@ -209,20 +206,47 @@ def _load_one(path: Path, *, chunks, optimizer, pstate, rng_tracker, load_optim:
             dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
-    if opt_states:
-        optimizer.load_sharded_param_states(opt_states)
-        optimizer.load_scalar_state(common.get("optimizer_scalars", {}))
+
+
+def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dict:
+    common = _read_common(path)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
+    problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
+    _load_tensors(path, entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))
-    return common
+    return {**common, "path": str(path)}
 
 
-def load_checkpoint(root, *, chunks, optimizer, pstate, rng_tracker=None, load_optim=True, load_rng=True,
-                    fallback=False, iteration: int | None = None):
-    """Load the latest checkpoint under `root` into `chunks` (and `optimizer`); return its
-    common state (a dict) or None when there is none. A damaged checkpoint raises
-    CheckpointError naming the file, unless `fallback` is set: then earlier checkpoints are
-    tried, newest first."""
+def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
+    """Second phase of a load: the optimizer's state from the checkpoint `load_checkpoint`
+    returned. Build the optimizer after loading the model, so its fp32 main parameters start
+    from the loaded weights; then call this unless --no-load-optim or --finetune."""
+    path = Path(common["path"])
+    saved = common.get("optimizer") or {}
+    if saved.get("optimizer") not in (None, optimizer.kind):
+        raise CheckpointError(f"{path}: optimizer state is for {saved.get('optimizer')!r}, this run uses "
+                              f"{optimizer.kind!r} (use --no-load-optim to start the optimizer afresh)")
+    metadata = read_metadata_file(path / ".metadata")
+    states = sorted({k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optimizer/")})
+    buffers = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            buffers[name] = {s: torch.zeros(param.shape, dtype=torch.float32) for s in states}
+    entries, vocab = _tensor_entries(chunks, buffers, pstate, for_load=True)
+    _load_tensors(path, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
+    optimizer.load_state_dict({**saved, "params": buffers})
+
+
+def load_checkpoint(root, *, chunks, pstate, rng_tracker=None, load_rng=True, fallback=False,
+                    iteration: int | None = None):
+    """Load the model weights (and RNG states) of the latest checkpoint under `root` into
+    `chunks`; return its common state (a dict, with "path") or None when there is none. A
+    damaged checkpoint raises CheckpointError naming the file, unless `fallback` is set: then
+    earlier checkpoints are tried, newest first. Optimizer state: `load_optimizer_state`."""
     root = Path(root)
     latest = read_tracker(root) if iteration is None else iteration
     if latest is None:
@@ -237,8 +261,7 @@ def load_checkpoint(root, *, chunks, optimizer, pstate, rng_tracker=None, load_o
         try:
             if not path.is_dir():
                 raise CheckpointError(f"{path}: missing (tracker {root / TRACKER} points at iteration {it})")
-            return _load_one(path, chunks=chunks, optimizer=optimizer, pstate=pstate, rng_tracker=rng_tracker,
-                             load_optim=load_optim, load_rng=load_rng)
+            return _load_one(path, chunks=chunks, pstate=pstate, rng_tracker=rng_tracker, load_rng=load_rng)
         except CheckpointError as e:
             if not fallback:
                 raise

@@ -47,7 +47,7 @@ def _reshard_worker(rank, world_size, root):
         for tp, pp in LOAD_LAYOUTS:
             state = ParallelState.create(ParallelLayout(world_size, tensor=tp, pipeline=pp))
             chunks = _chunks(config, state, seed=99)  # a different initialisation, overwritten by the load
-            common = load_checkpoint(f"{root}/{family}", chunks=chunks, optimizer=None, pstate=state)
+            common = load_checkpoint(f"{root}/{family}", chunks=chunks, pstate=state)
             out[(family, tp, pp)] = {"common": common, "full": _full(chunks)}
     return out
 
@@ -100,7 +100,7 @@ def test_single_process_round_trip_and_tracker(tmp_path):
     save_checkpoint(tmp_path, 7, chunks=chunks, optimizer=None, pstate=state, common={})
     assert (tmp_path / TRACKER).read_text() == "7"
     fresh, _ = _single(tmp_path, seed=2)
-    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)["iteration"] == 7
+    assert load_checkpoint(tmp_path, chunks=fresh, pstate=state)["iteration"] == 7
     for (n, a), (_, b) in zip(chunks[0].named_parameters(), fresh[0].named_parameters()):
         assert torch.equal(a, b), n
     assert not list(tmp_path.glob("*.tmp"))
@@ -108,7 +108,7 @@ def test_single_process_round_trip_and_tracker(tmp_path):
 
 def test_no_checkpoint_returns_none(tmp_path):
     chunks, state = _single(tmp_path)
-    assert load_checkpoint(tmp_path / "nothing", chunks=chunks, optimizer=None, pstate=state) is None
+    assert load_checkpoint(tmp_path / "nothing", chunks=chunks, pstate=state) is None
 
 
 def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
@@ -120,7 +120,7 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     (partial / "__0_0.distcp").write_bytes(b"half")
     assert read_tracker(tmp_path) == 3
     fresh, _ = _single(tmp_path, seed=2)
-    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)["iteration"] == 3
+    assert load_checkpoint(tmp_path, chunks=fresh, pstate=state)["iteration"] == 3
     save_checkpoint(tmp_path, 4, chunks=chunks, optimizer=None, pstate=state, common={})  # cleans it up
     assert read_tracker(tmp_path) == 4 and not partial.exists()
 
@@ -140,8 +140,8 @@ def test_damaged_checkpoint_refused_naming_file_then_fallback(tmp_path, damage):
         target.unlink()
     fresh, _ = _single(tmp_path, seed=2)
     with pytest.raises(CheckpointError, match=str(target)):
-        load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
-    assert load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state, fallback=True)["iteration"] == 1
+        load_checkpoint(tmp_path, chunks=fresh, pstate=state)
+    assert load_checkpoint(tmp_path, chunks=fresh, pstate=state, fallback=True)["iteration"] == 1
 
 
 def test_different_model_shape_refused_naming_tensor_and_shapes(tmp_path):
@@ -150,7 +150,7 @@ def test_different_model_shape_refused_naming_tensor_and_shapes(tmp_path):
     other, _ = _single(tmp_path, ffn_hidden_size=128)
     with pytest.raises(CheckpointError, match=r"tensor model/layers\.0\.mlp\.linear_fc1\.weight has shape "
                                               r"\[192, 64\] in the checkpoint but the model expects \[256, 64\]"):
-        load_checkpoint(tmp_path, chunks=other, optimizer=None, pstate=state)
+        load_checkpoint(tmp_path, chunks=other, pstate=state)
 
 
 class _Exploit:
@@ -173,7 +173,7 @@ def test_crafted_checkpoint_does_not_run_code(tmp_path):
     (directory / "common.json").write_text(json.dumps(common))  # digests updated: only the unpickler stands guard
     fresh, _ = _single(tmp_path, seed=2)
     with pytest.raises(CheckpointError, match=r"\.metadata: not a valid checkpoint metadata file .*refusing to load global"):
-        load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
+        load_checkpoint(tmp_path, chunks=fresh, pstate=state)
     assert not marker.exists()
 
 
@@ -188,7 +188,7 @@ def test_async_save_captures_values_at_save_time(tmp_path):
     pending.finalize()
     assert read_tracker(tmp_path) == 1
     fresh, _ = _single(tmp_path, seed=2)
-    load_checkpoint(tmp_path, chunks=fresh, optimizer=None, pstate=state)
+    load_checkpoint(tmp_path, chunks=fresh, pstate=state)
     for n, p in fresh[0].named_parameters():
         assert torch.equal(p, before[n]), n
 
@@ -197,5 +197,5 @@ def test_bad_tracker_file_is_named(tmp_path):
     (tmp_path / TRACKER).write_text("not-a-number")
     chunks, state = _single(tmp_path)
     with pytest.raises(CheckpointError, match=f"{tmp_path / TRACKER}: expected an iteration number"):
-        load_checkpoint(tmp_path, chunks=chunks, optimizer=None, pstate=state)
+        load_checkpoint(tmp_path, chunks=chunks, pstate=state)
     assert Path(tmp_path / TRACKER).exists()
