@@ -3,8 +3,12 @@
 The algorithm is GPT-2's: split the text with GPT-2's pre-tokenisation regex, map each
 piece's UTF-8 bytes to printable characters, then apply merges by rank until none applies.
 Ids match Megatron's GPT2BPETokenizer and Hugging Face's byte-level BPE for the same files.
-Text is tokenised through a `ChunkCache` (chunks end before a whitespace character that
-follows a non-whitespace one, which the regex never matches across).
+
+`encode_reference` is that algorithm as written (pure Python, one cache of pre-tokens).
+`encode` gives the same ids faster: text goes through a `ChunkCache` (chunks end before a
+whitespace character that follows a non-whitespace one, which the regex never matches
+across); unseen chunks are pre-tokenised together, ASCII ones with an equivalent `re`
+pattern, and unseen pre-tokens are merged by the `tokenizers` library's BPE when installed.
 """
 
 import json
@@ -18,6 +22,10 @@ import numpy as np
 from megalite.data.chunk_cache import ChunkCache
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The same pattern for ASCII text, for the re module (2-3x faster than regex's \p classes):
+# \p{L} and \p{N} restricted to ASCII are [A-Za-z] and [0-9], regex's \s on ASCII is re's
+# ASCII \s, and the contractions share their apostrophe (same leftmost-first order).
+GPT2_ASCII_PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
 EOD_TOKEN = "<|endoftext|>"
 
 
@@ -84,10 +92,13 @@ class GPT2BPE:
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         self._byte_table = [self.byte_encoder[b] for b in range(256)]
         self._pattern = regex.compile(GPT2_PATTERN)
+        self._ascii_pattern = re.compile(GPT2_ASCII_PATTERN, re.ASCII)
         # The regex module's \s (Unicode White_Space; no code point above U+3000 has it).
         space = regex.compile(r"\s")
         self._whitespace = frozenset(chr(c) for c in range(0x3001) if space.match(chr(c)))
-        self._piece_cache: dict[str, bytes] = {}
+        self._reference_pieces: dict[str, bytes] = {}  # pre-token -> ids, for encode_reference
+        self._fast_pieces: dict[str, bytes] = {}  # the same, for the chunk-cache path
+        self._rust_bpe = _rust_bpe(self.encoder, self.ranks)
         # Chunks are cut with the re module (faster than regex here), using regex's \s set.
         ws_class = "".join(re.escape(c) for c in sorted(self._whitespace))
         chunk_pattern = re.compile(f"[{ws_class}]*[^{ws_class}]+|[{ws_class}]+")
@@ -118,48 +129,59 @@ class GPT2BPE:
             parts = merged
         return parts
 
-    def _piece_bytes(self, pieces) -> dict[str, bytes]:
-        """The piece -> int32 id bytes table, with every piece of `pieces` present."""
-        table = self._piece_cache
+    def _python_bpe_ids(self, mapped: str) -> list[int]:
+        try:
+            return [self.encoder[t] for t in self.bpe(mapped)]
+        except KeyError as e:
+            raise ValueError(f"--vocab-file {self.vocab_file}: no id for BPE symbol {e.args[0]!r}") from None
+
+    def _fast_bpe_ids(self, mapped: str) -> list[int]:
+        if self._rust_bpe is None:
+            return self._python_bpe_ids(mapped)
+        return [t.id for t in self._rust_bpe.tokenize(mapped)]
+
+    def _piece_bytes(self, pieces, table: dict[str, bytes], bpe_ids) -> dict[str, bytes]:
+        """`table` (pre-token -> int32 id bytes) with every piece of `pieces` present."""
         missing = set(filterfalse(table.__contains__, pieces))
         if len(table) + len(missing) > (1 << 19):
             table.clear()
             missing = set(pieces)
+        byte_table = self._byte_table
         for piece in missing:
-            mapped = "".join(self._byte_table[b] for b in piece.encode("utf-8"))
-            try:
-                table[piece] = array("i", [self.encoder[t] for t in self.bpe(mapped)]).tobytes()
-            except KeyError as e:
-                raise ValueError(f"--vocab-file {self.vocab_file}: no id for BPE symbol {e.args[0]!r}") from None
+            table[piece] = array("i", bpe_ids("".join(byte_table[b] for b in piece.encode("utf-8")))).tobytes()
         return table
 
     def encode_reference(self, text: str) -> list[int]:
         """Plain GPT-2 encoding (regex, then BPE per pre-token with a per-pre-token cache, as
         Megatron's tokenizer does), without the chunk cache."""
         pieces = self._pattern.findall(text)
-        table = self._piece_bytes(pieces)
+        table = self._piece_bytes(pieces, self._reference_pieces, self._python_bpe_ids)
         return array("i", b"".join(map(table.__getitem__, pieces))).tolist()
 
     def _encode_chunks(self, chunks: list[str]) -> list[bytes]:
         """Encode cache misses. Chunks that start with whitespace and end without it can be
         concatenated without changing their pre-tokens, so they share one regex pass (the
-        regex module's per-call overhead dominates short chunks) and one bytes.join, then
-        are cut apart at their pre-token boundaries; the rest go one by one."""
+        regex module's per-call overhead dominates short chunks; ASCII ones use the faster
+        re pattern) and one bytes.join, then are cut apart at pre-token boundaries; the
+        rest go one by one."""
         ws = self._whitespace
         joinable = [c for c in chunks if c[0] in ws and c[-1] not in ws]
         out = {}
-        if joinable:
-            pieces = self._pattern.findall("".join(joinable))
-            lookup = self._piece_bytes(pieces).__getitem__
-            encoded = list(map(lookup, pieces))
-            joined = b"".join(encoded)
-            piece_ends = np.cumsum(list(map(len, pieces)))
-            byte_ends = np.cumsum(list(map(len, encoded)))
-            chunk_ends = np.cumsum(list(map(len, joinable)))
-            last_piece = np.searchsorted(piece_ends, chunk_ends)  # a chunk ends where a piece ends
-            stops = byte_ends[last_piece].tolist()
-            out = {c: joined[a:b] for c, a, b in zip(joinable, [0] + stops[:-1], stops)}
+        for group, pattern in (([c for c in joinable if c.isascii()], self._ascii_pattern),
+                               ([c for c in joinable if not c.isascii()], self._pattern)):
+            if group:
+                out.update(self._encode_joined(group, pattern))
         return [out[c] if c in out else array("i", self.encode_reference(c)).tobytes() for c in chunks]
+
+    def _encode_joined(self, chunks: list[str], pattern) -> dict[str, bytes]:
+        pieces = pattern.findall("".join(chunks))
+        encoded = list(map(self._piece_bytes(pieces, self._fast_pieces, self._fast_bpe_ids).__getitem__, pieces))
+        joined = b"".join(encoded)
+        piece_ends = np.cumsum(list(map(len, pieces)))
+        byte_ends = np.cumsum(list(map(len, encoded)))
+        last_piece = np.searchsorted(piece_ends, np.cumsum(list(map(len, chunks))))  # chunks end at piece ends
+        stops = byte_ends[last_piece].tolist()
+        return {c: joined[a:b] for c, a, b in zip(chunks, [0] + stops[:-1], stops)}
 
     def encode(self, text: str) -> list[int]:
         return self._chunks.encode(text)
@@ -173,3 +195,13 @@ class GPT2BPE:
     def decode(self, ids) -> str:
         text = "".join(self.decoder[int(i)] for i in ids)
         return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
+
+
+def _rust_bpe(encoder: dict[str, int], ranks: dict[tuple[str, str], int]):
+    """The same merges run by the `tokenizers` library's BPE model (Rust), when installed;
+    tests check it gives the Python algorithm's ids."""
+    try:
+        from tokenizers import models
+    except ImportError:
+        return None
+    return models.BPE(vocab=encoder, merges=sorted(ranks, key=ranks.get))

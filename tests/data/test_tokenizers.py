@@ -59,6 +59,22 @@ def test_gpt2_bpe_matches_hugging_face_byte_level_bpe(gpt2_files, demo_texts):
         assert ours.encode(text) == hf.encode(text).ids, text[:50]
 
 
+def test_gpt2_ascii_pattern_equals_the_regex_pattern():
+    import re
+
+    import regex
+
+    from megalite.data.gpt2_bpe import GPT2_ASCII_PATTERN, GPT2_PATTERN
+
+    full, ascii_only = regex.compile(GPT2_PATTERN), re.compile(GPT2_ASCII_PATTERN, re.ASCII)
+    rng = random.Random(2)
+    alphabet = [chr(i) for i in range(128)] + ["'s", "'re", "'ll", " 've", "  ", "\n\n"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(3000)]
+    for text in texts + EDGE_TEXTS[:8] + ["it's  don't'll 'RE 'Ve x'd"]:
+        if text.isascii():
+            assert ascii_only.findall(text) == full.findall(text), repr(text)
+
+
 def random_texts(seed, count=300):
     rng = random.Random(seed)
     alphabet = list("ab cd  ef\n\t.,'s") + ["\u2581", "\u3000", "é", "日", "🎉", "\x85", "\x1c", "0", "9"]
