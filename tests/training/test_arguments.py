@@ -276,6 +276,7 @@ EXAMPLE_RUNS = {  # file: (intended world size, what its README command adds)
     "gpt2_350m_tp_pp.yaml": (8, "--vocab-file v.json --merge-file m.txt"),
     "llama_1b.yaml": (8, "--tokenizer-model tokenizer_dir"),
     "llama_7b_3d.yaml": (32, "--tokenizer-model tokenizer.model"),
+    "demo_cpu.yaml": (4, "--tokenizer-model tokenizer.model --save checkpoints"),
 }
 
 
