@@ -83,31 +83,27 @@ class ShardWorker:
         cfg = self.config
         result = ShardResult(shard.index)
         writers = [IndexedDatasetWriter(self.shard_prefix(shard.index, k), self.dtype) for k in cfg.json_keys]
-        batch: list[list[str]] = []
+        batch: list[tuple] = []  # (texts, where) per document
         batch_size = 0
         try:
             for item in read_shard(shard, cfg.json_keys, cfg.text_mode):
                 if isinstance(item, BadInput):
-                    where = (item.path, item.first_line_offset, item.line, item.reason)
-                    if not cfg.skip_bad_lines:
-                        result.error = where
-                        break
-                    result.bad_count += 1
-                    if len(result.bad) < 5:
-                        result.bad.append(where)
-                    continue
-                texts, nbytes = item
-                batch.append(texts)
-                batch_size += nbytes
-                if batch_size >= cfg.batch_bytes:
-                    self._flush(batch, batch_size, writers, result)
-                    batch, batch_size = [], 0
+                    self._bad(result, (item.path, item.first_line_offset, item.line, item.reason))
+                else:
+                    texts, nbytes, where = item
+                    batch.append((texts, where))
+                    batch_size += nbytes
+                    if batch_size >= cfg.batch_bytes:
+                        self._flush(batch, batch_size, writers, result)
+                        batch, batch_size = [], 0
+                if result.error is not None:
+                    break
             if result.error is None:
                 self._flush(batch, batch_size, writers, result)
-                for w in writers:
+            for w in writers:
+                if result.error is None:
                     w.finalize()
-            else:
-                for w in writers:
+                else:
                     w.abort()
         except BaseException:
             for w in writers:
@@ -115,12 +111,43 @@ class ShardWorker:
             raise
         return result
 
+    def _bad(self, result: ShardResult, where: tuple) -> None:
+        """Record a bad document: the shard's error, or one more skipped line."""
+        if not self.config.skip_bad_lines:
+            result.error = where
+            return
+        result.bad_count += 1
+        if len(result.bad) < 5:
+            result.bad.append(where)
+
+    def _encode(self, batch, result) -> list[list[bytes]] | None:
+        """Token bytes per key per document. If the tokenizer refuses the batch (the
+        NullTokenizer does, on a non-integer), documents go one at a time so that the bad
+        one is reported by file and line; skipped ones encode as empty."""
+        keys = range(len(self.config.json_keys))
+        try:
+            return [self.tokenizer.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
+        except ValueError:
+            pass
+        per_doc = []
+        for texts, (path, first_line_offset, line) in batch:
+            try:
+                per_doc.append([self.tokenizer.encode_batch_bytes([texts[k]])[0] for k in keys])
+            except ValueError as e:
+                self._bad(result, (path, first_line_offset, line, f"tokenizer refused the text: {e}"))
+                if result.error is not None:
+                    return None
+                per_doc.append([b"" for _ in keys])
+        return [list(column) for column in zip(*per_doc)]
+
     def _flush(self, batch, nbytes, writers, result):
         if not batch:
             return
         tokens_before = result.tokens
-        for k, writer in enumerate(writers):
-            encoded = self.tokenizer.encode_batch_bytes([texts[k] for texts in batch])
+        encoded_keys = self._encode(batch, result)
+        if encoded_keys is None:
+            return
+        for k, (writer, encoded) in enumerate(zip(writers, encoded_keys)):
             kept = [b for b in encoded if b]
             result.empty += len(encoded) - len(kept)
             if k == 0:

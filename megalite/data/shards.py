@@ -52,8 +52,9 @@ def plan_shards(paths, text_mode: str, workers: int, partitions: int, max_shard_
 
 
 def read_shard(shard: Shard, keys: list[str], text_mode: str):
-    """Yield (texts, nbytes) per document (texts: one string per key; blank lines give empty
-    strings) or a BadInput, carrying .first_line_offset, for a bad line."""
+    """Yield (texts, nbytes, where) per document (texts: one string per key; blank lines give
+    empty strings; where: (path, first_line_offset, line)) or a BadInput, carrying
+    .first_line_offset, for a bad line."""
     for path, start, end in shard.pieces:
         if text_mode == "file" and not is_jsonl(path):
             yield from _read_whole_file(path, len(keys))
@@ -81,7 +82,7 @@ def read_shard(shard: Shard, keys: list[str], text_mode: str):
                     err.first_line_offset = first_line_offset
                     yield err
                     continue
-                yield texts, len(raw)
+                yield texts, len(raw), (path, first_line_offset, lineno)
 
 
 def _read_whole_file(path: str, num_keys: int):
@@ -94,7 +95,7 @@ def _read_whole_file(path: str, num_keys: int):
         err.first_line_offset = 0
         yield err
         return
-    yield [text if text.strip() else ""] * num_keys, len(raw)
+    yield [text if text.strip() else ""] * num_keys, len(raw), (path, 0, 1)
 
 
 def absolute_line(path: str, first_line_offset: int, line: int) -> int:

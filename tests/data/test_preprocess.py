@@ -115,6 +115,7 @@ BAD_INPUTS = {
     "invalid utf-8 text": ("in.txt", b"fine\nalso fine\nbad \xc3\x28 byte\n", 3, "invalid UTF-8"),
     "invalid utf-8 gzip": ("in.jsonl.gz", b'{"text": "a"}\n\n{"text": "\xfe"}\n', 3, "invalid UTF-8"),
     "invalid utf-8 document per file": ("in.txt", b"line one\nline two \xe2\x82\n", 2, "invalid UTF-8"),
+    "tokenizer refuses": ("in.txt", b"1 2\n3 4\n5 x6\n7\n", 3, "tokenizer refused the text: NullTokenizer: 'x6'"),
 }
 
 
