@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megalite.data.corpus import BadInput, expand_inputs, is_gzip, is_jsonl
+from megalite.data.corpus import BadInput, expand_inputs
 from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from megalite.data.shards import Shard, absolute_line, plan_shards, read_shard
 
@@ -286,6 +286,3 @@ def _located(where) -> BadInput:
     line number counted from the start of the file."""
     path, first_line_offset, line, reason = where
     return BadInput(path, absolute_line(path, first_line_offset, line), reason)
-
-
-__all__ = ["PreprocessConfig", "preprocess", "output_prefix_for", "is_gzip", "is_jsonl"]

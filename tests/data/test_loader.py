@@ -81,7 +81,8 @@ def _distributed_loading(rank, world_size, corpus, cache_dir):
     train, _, _ = build_gpt_datasets(data_path=[corpus], split="1", seq_length=16, seed=3, num_samples=(400, 0, 0),
                                      eod_token=0, vocab_size=1000, reset_attention_mask=True, cache_path=cache_dir)
     out = {}
-    for name, layout in (("tp2_dp2", ParallelLayout(4, tensor=2)), ("tp2_pp2", ParallelLayout(4, tensor=2, pipeline=2))):
+    layouts = (("tp2_dp2", ParallelLayout(4, tensor=2)), ("tp2_pp2", ParallelLayout(4, tensor=2, pipeline=2)))
+    for name, layout in layouts:
         state = ParallelState.create(layout)
         it = build_data_iterator(train, consumed_samples=8 if name == "tp2_dp2" else 0, micro_batch_size=2,
                                  global_batch_size=8, pstate=state, num_workers=0)

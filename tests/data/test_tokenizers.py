@@ -160,7 +160,8 @@ def test_bad_or_missing_files_name_the_flag_and_path(tmp_path, sp_model, gpt2_fi
     v.pop("<|endoftext|>")
     no_eod.write_text(json.dumps(v), encoding="utf-8")
     cases = [
-        (("SentencePieceTokenizer",), dict(tokenizer_model=str(tmp_path / "nope.model")), "--tokenizer-model", "not found"),
+        (("SentencePieceTokenizer",), dict(tokenizer_model=str(tmp_path / "nope.model")), "--tokenizer-model",
+         "not found"),
         (("SentencePieceTokenizer",), dict(tokenizer_model=str(junk)), "--tokenizer-model", "not a SentencePiece"),
         (("SentencePieceTokenizer",), {}, "--tokenizer-model", "needs"),
         (("GPT2BPETokenizer",), dict(vocab_file=str(junk), merge_file=merges), "--vocab-file", "not a JSON"),

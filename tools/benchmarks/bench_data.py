@@ -47,10 +47,12 @@ def preprocessing_section(work, corpus_mb, repeats, vocab_size):
     tok_files = make_tokenizer_files(corpus, work, vocab_size)
     rows = bench_preprocessing(corpus, work, tok_files, repeats, log)
     print(f"\nPreprocessing: {rows[0]['corpus_mb']:.1f} MB demo corpus, best of {repeats}")
-    print(f"{'tokenizer':14s} {'method':40s} {'seconds':>8s} {'cpu s':>7s} {'tokens/s':>10s} {'MB/s':>6s} {'vs loop':>7s}")
+    print(f"{'tokenizer':14s} {'method':40s} {'seconds':>8s} {'cpu s':>7s} {'tokens/s':>10s} {'MB/s':>6s} "
+          f"{'vs loop':>7s}")
     for r in rows:
         print(f"{r['tokenizer']:14s} {r['method']:40s} {r['seconds']:8.2f} {r['cpu_seconds']:7.2f} "
               f"{r['tokens_per_s']:10.0f} {r['mb_per_s']:6.2f} {r['speedup']:6.2f}x")
+    print(f"peak RSS of any preprocessing worker process: {rows[-1]['peak_worker_rss_mb']:.0f} MB")
     return rows
 
 

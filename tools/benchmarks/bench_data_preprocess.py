@@ -110,7 +110,8 @@ def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, l
         tokens = int(np.fromfile(reference + ".idx", np.int32, count=_count(reference), offset=34).sum())
         base = best["straightforward loop (library encode)"][0]
         for method, (seconds, cpu) in best.items():
-            rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu,
+            rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu, peak_worker_rss_mb=
+                             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
                              tokens_per_s=tokens / seconds, mb_per_s=size / seconds / 1e6,
                              speedup=base / seconds, tokens=tokens, corpus_mb=size / 1e6))
     return rows
