@@ -52,7 +52,8 @@ def preprocessing_section(work, corpus_mb, repeats, vocab_size):
     for r in rows:
         print(f"{r['tokenizer']:14s} {r['method']:40s} {r['seconds']:8.2f} {r['cpu_seconds']:7.2f} "
               f"{r['tokens_per_s']:10.0f} {r['mb_per_s']:6.2f} {r['speedup']:6.2f}x")
-    print(f"peak RSS of any preprocessing worker process: {rows[-1]['peak_worker_rss_mb']:.0f} MB")
+    print(f"peak RSS of tools/preprocess_data.py --workers 2 (main process or a worker): "
+          f"{rows[-1]['cli_peak_rss_mb']:.0f} MB")
     return rows
 
 

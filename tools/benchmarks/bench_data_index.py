@@ -48,6 +48,15 @@ def write_synthetic_dataset(prefix: str, num_docs: int, num_tokens: int, seed: i
 
 
 def peak_rss_mb() -> float:
+    """Peak resident memory of this process since exec (VmHWM; ru_maxrss would also count
+    the parent's memory inherited through fork)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

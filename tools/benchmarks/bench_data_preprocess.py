@@ -80,9 +80,24 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - cpu0
 
 
+def cli_peak_rss_mb(corpus: str, work: str, tok_files: dict) -> float:
+    """Peak RSS of tools/preprocess_data.py --workers 2 (the process or any worker), each
+    tokenizer once. Call before this process has other children: RUSAGE_CHILDREN keeps the
+    maximum over every child and grandchild waited for."""
+    import subprocess
+
+    for tok_args in tok_files.values():
+        flags = [x for k, v in tok_args.items() for x in ("--" + k.replace("_", "-"), v)]
+        subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
+                        "--output-prefix", os.path.join(work, "cli"), "--append-eod", "--workers", "2", *flags],
+                       check=True, capture_output=True)
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
 def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, log) -> list[dict]:
     """Rows of (tokenizer, method, seconds, cpu seconds, tokens/s, MB/s, speed-up vs loop)."""
     size = os.path.getsize(corpus)
+    peak_rss = cli_peak_rss_mb(corpus, work, tok_files)
     rows = []
     for name, tok_args in tok_files.items():
         methods = {  # each run builds its own tokenizer, so no run starts with a warm cache
@@ -110,8 +125,7 @@ def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, l
         tokens = int(np.fromfile(reference + ".idx", np.int32, count=_count(reference), offset=34).sum())
         base = best["straightforward loop (library encode)"][0]
         for method, (seconds, cpu) in best.items():
-            rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu, peak_worker_rss_mb=
-                             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+            rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu, cli_peak_rss_mb=peak_rss,
                              tokens_per_s=tokens / seconds, mb_per_s=size / seconds / 1e6,
                              speedup=base / seconds, tokens=tokens, corpus_mb=size / 1e6))
     return rows
