@@ -38,7 +38,7 @@ class PipelineP2P:
         self.pipeline_size, self.pipeline_rank = pstate.pp_size, pstate.pp_rank
         self.num_chunks = num_chunks
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        self._receives: list = []           # Works of receives not yet waited on
+        self._receives: dict[Action, list] = {}   # Works of receives not yet waited on
         self._sends: list[tuple] = []       # (Work, tensors it reads), kept alive until done
         self._warm = False
 
@@ -55,7 +55,7 @@ class PipelineP2P:
         """Issue `actions` (communication only) as one batch. `outgoing` holds the tensor of
         every send. Returns a receive buffer per receive action, valid after wait_receives."""
         self.warm_up()
-        ops, received, sent, kinds = [], {}, [], []
+        ops, received, sent = [], {}, []
         for action in actions:
             other_rank, _ = peer(action, self.pipeline_rank, self.pipeline_size, self.num_chunks)
             if action.is_send:
@@ -71,25 +71,26 @@ class PipelineP2P:
                 tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[action] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=other_rank))
-            kinds.append(action.is_send)
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):  # one Work per op (gloo): sends and receives tracked apart
-            for is_send, work, op in zip(kinds, works, ops):
-                if is_send:
+            for action, work, op in zip(actions, works, ops):
+                if action.is_send:
                     self._sends.append((work, op.tensor))
                 else:
-                    self._receives.append(work)
+                    self._receives[action] = [work]
         else:  # coalesced (NCCL): the batch completes as a whole
-            if received:
-                self._receives.extend(works)
+            for action in received:
+                self._receives[action] = works
             self._sends.extend((work, sent) for work in works)
         return received
 
-    def wait_receives(self) -> None:
-        """Wait for every receive posted so far."""
-        for work in self._receives:
-            work.wait()
-        self._receives.clear()
+    def wait_receives(self, actions=None) -> None:
+        """Wait for the receives `actions` (those posted so far that are among them), or for
+        every receive posted so far when `actions` is None."""
+        keys = list(self._receives) if actions is None else [a for a in actions if a in self._receives]
+        for key in keys:
+            for work in self._receives.pop(key):
+                work.wait()
 
     def release_finished_sends(self) -> None:
         """Drop the tensors of sends that have completed (their storage may then be freed)."""

@@ -2,8 +2,12 @@
 
 The schedule is data (schedules.py): this rank's ordered actions. The executor walks them as
 schedule_actions.py prescribes: each run of consecutive transfers is one batch_isend_irecv
-(p2p.py); before each compute action it waits on the receives posted so far; sends are only
-polled, and waited on when the step ends.
+(p2p.py); sends are only polled, and waited on when the step ends. Before a compute action it
+waits on the receive that action reads (its input activation for F, its output gradient for
+B), not on every receive posted so far as the rule allows: waiting on less never deadlocks,
+and an interleaved step's forward then starts while the gradient its backward needs is still
+in flight (Megatron's overlap_p2p_comm). Under NCCL a batch completes as a whole, so there the
+wait covers the receive's whole batch.
 
     F  forward of micro-batch k through local chunk c. On the last virtual stage the result is
        the micro-batch's loss (masked mean over its tokens); it is scaled by 1/m so the summed
@@ -42,6 +46,7 @@ stage_layout.validate_pipeline; build_model_chunks and PipelineExecutor repeat t
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
 from megalite.model.gpt import masked_mean_loss
 from megalite.parallel.p2p import PipelineP2P
@@ -83,6 +88,28 @@ def deallocate_output(tensor: torch.Tensor) -> None:
     if tensor._base is not None:
         return  # a view shares its base's storage; freeing it would free nothing
     tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+
+def eager_send_order(actions: list[Action]) -> list[Action]:
+    """The same actions with every send moved to right after the compute that produced it.
+
+    Sends keep their relative order (a rank's sends are listed in the order their data is
+    produced), so every peer still receives its i-th message from this rank as its i-th
+    receive; receives stay where the schedule put them. Safe where a posted send never holds
+    the rank (gloo: the transfer runs on gloo's thread); it then reaches the peer up to a whole
+    schedule step earlier, which matters for interleaved 1F1B, whose schedule batches a step's
+    sends after its backward so that it also runs where sends do hold the rank (NCCL)."""
+    sends = {(a.kind, a.chunk, a.microbatch) for a in actions if a.is_send}
+    produced_by = {F: SEND_F, B: SEND_B}
+    order = []
+    for action in actions:
+        if action.is_send:
+            continue
+        order.append(action)
+        send = (produced_by.get(action.kind), action.chunk, action.microbatch)
+        if send in sends:
+            order.append(Action(*send))
+    return order
 
 
 class _Step:
@@ -136,13 +163,16 @@ class PipelineExecutor:
             micro-batch loss on the last virtual stage (default: GPTModel chunks).
         loss_scale: multiplies the loss before backward (fp16 loss scaling).
         deallocate_outputs: free each output activation's storage once sent.
+        eager_sends: post each send right after the compute that produced it instead of at its
+            place in the schedule (see `eager_send_order`). None: on for gloo, whose sends never
+            hold the rank; off otherwise (NCCL runs the schedule's batches as listed).
     """
 
     def __init__(self, chunks, pstate: ParallelState, schedule: str, *, num_microbatches: int,
                  seq_length: int, micro_batch_size: int, hidden_size: int,
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None,
                  forward_step=gpt_forward_step, loss_scale: float = 1.0,
-                 deallocate_outputs: bool = True):
+                 deallocate_outputs: bool = True, eager_sends: bool | None = None):
         self.chunks = list(chunks)
         self.pstate, self.num_microbatches = pstate, num_microbatches
         self.p, self.rank, self.v = pstate.pp_size, pstate.pp_rank, len(self.chunks)
@@ -161,7 +191,9 @@ class PipelineExecutor:
                                 dtype, device) if self.p > 1 else None)
         self.forward_step, self.loss_scale = forward_step, loss_scale
         self.deallocate_outputs = deallocate_outputs
-        self.groups = comm_batches(self.actions)
+        if eager_sends is None:
+            eager_sends = pstate.pp_group is not None and dist.get_backend(pstate.pp_group) == "gloo"
+        self.groups = comm_batches(eager_send_order(self.actions) if eager_sends else self.actions)
         self.split = self._split_backward()
         self.sync_points = self._sync_points()
 
@@ -220,14 +252,23 @@ class PipelineExecutor:
                 self._communicate(step, group)
                 continue
             if self.p2p is not None:
-                self.p2p.wait_receives()
+                self.p2p.wait_receives(self._consumed(group[0]))
                 self.p2p.release_finished_sends()
             run_compute[group[0].kind](step, group[0], index in self.sync_points)
         if self.p2p is not None:
+            self.p2p.wait_receives()
             self.p2p.wait_sends()
         if any(self._is_last(c) for c in range(self.v)):
             return torch.stack(step.losses).sum() / self.num_microbatches
         return None
+
+    def _consumed(self, action: Action) -> list[Action]:
+        """The receive a compute action reads: F its input, B its output gradient."""
+        if action.kind == F and not self._is_first(action.chunk):
+            return [Action(RECV_F, action.chunk, action.microbatch)]
+        if action.kind == B and not self._is_last(action.chunk):
+            return [Action(RECV_B, action.chunk, action.microbatch)]
+        return []
 
     def _communicate(self, step: _Step, group: list[Action]) -> None:
         outgoing = {}

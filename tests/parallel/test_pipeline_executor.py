@@ -8,12 +8,18 @@ One spawn of 4 gloo processes runs every pipelined case: PP=4 cases on the whole
 families in turn), PP=2 cases on two pipelines at once (data-parallel replica 0 runs GPT-2,
 replica 1 Llama; no data-parallel reduction is involved here)."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.pipeline_executor import (PipelineExecutor, deallocate_output,
-                                                 gpt_forward_step, run_pipeline_step, unwrap)
+                                                 eager_send_order, gpt_forward_step,
+                                                 run_pipeline_step, unwrap)
+from megalite.parallel.schedule_actions import B, F, SEND_B, SEND_F, Action
+from megalite.parallel.schedules import all_ranks
+from megalite.parallel.simulator import Costs, simulate
 from megalite.parallel.pipeline_model import build_model_chunks
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
@@ -23,25 +29,32 @@ from tests.parallel.pipeline_cases import (FAMILIES, HIDDEN, INIT_SEED, MICRO_BA
                                            compare_grads, make_config, microbatches,
                                            reference_run)
 
-# (pipeline size, chunks per rank, schedule, micro-batches, first-stage layers, last-stage layers)
+# (pipeline size, chunks per rank, schedule, micro-batches, first-stage layers, last-stage layers,
+#  eager sends: None = the executor's choice, on for gloo; False = the schedule's batches as
+#  listed, what runs on NCCL)
 CASES = [
-    *[(2, 1, s, m, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (1, 3, 4)],
-    (2, 2, "interleaved_1f1b", 2, None, None), (2, 2, "interleaved_1f1b", 6, None, None),
-    (2, 1, "1f1b", 3, 3, None), (2, 1, "zb_h1", 4, None, 2), (2, 2, "interleaved_1f1b", 4, 2, None),
-    *[(4, 1, s, m, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (3, 8)],
-    (4, 2, "interleaved_1f1b", 4, None, None), (4, 2, "interleaved_1f1b", 8, None, None),
-    (4, 1, "gpipe", 4, 1, 1), (4, 1, "zb_h1", 5, 3, 1), (4, 2, "interleaved_1f1b", 4, 2, 2),
+    *[(2, 1, s, m, None, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (1, 3, 4)],
+    (2, 2, "interleaved_1f1b", 2, None, None, None), (2, 2, "interleaved_1f1b", 6, None, None, None),
+    (2, 1, "1f1b", 3, 3, None, None), (2, 1, "zb_h1", 4, None, 2, None),
+    (2, 2, "interleaved_1f1b", 4, 2, None, None),
+    *[(4, 1, s, m, None, None, None) for s in ("gpipe", "1f1b", "zb_h1") for m in (3, 8)],
+    (4, 2, "interleaved_1f1b", 4, None, None, None), (4, 2, "interleaved_1f1b", 8, None, None, None),
+    (4, 1, "gpipe", 4, 1, 1, None), (4, 1, "zb_h1", 5, 3, 1, None),
+    (4, 2, "interleaved_1f1b", 4, 2, 2, None),
+    *[(4, v, s, 8, None, None, False) for s, v in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1),
+                                                   ("interleaved_1f1b", 2))],
+    (2, 2, "interleaved_1f1b", 4, None, None, False),
 ]
 
 
 def case_id(case):
-    p, v, schedule, m, first, last = case
+    p, v, schedule, m, first, last, eager = case
     uneven = f"-first{first}" * (first is not None) + f"-last{last}" * (last is not None)
-    return f"pp{p}-v{v}-{schedule}-m{m}{uneven}"
+    return f"pp{p}-v{v}-{schedule}-m{m}{uneven}" + ("-listed" if eager is False else "")
 
 
 def _run_case(family, case, state):
-    p, v, schedule, m, first, last = case
+    p, v, schedule, m, first, last, eager = case
     config = make_config(family)
     chunks = build_model_chunks(config, state, num_layers_first=first, num_layers_last=last,
                                 init_seed=INIT_SEED)
@@ -56,7 +69,7 @@ def _run_case(family, case, state):
     data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
     loss = run_pipeline_step(chunks, state, schedule, data, num_microbatches=m, seq_length=SEQ,
                              micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
-                             forward_step=forward_step)
+                             forward_step=forward_step, eager_sends=eager)
     all_reduce_shared_embedding_grads(chunks, state)
     grads = {}
     for chunk in chunks:
@@ -101,7 +114,7 @@ def references():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_pipeline_matches_single_device(pipeline_results, references, family, case):
-    p, v, schedule, m, first, last = case
+    p, v, schedule, m, first, last, _ = case
     what = f"{family} {case_id(case)}"
     ranks = [pipeline_results[(family, case_id(case), r)] for r in range(p)]
     reference = references(family, m)
@@ -186,3 +199,23 @@ def test_short_data_iterator_is_named():
     state = ParallelState.single()
     with pytest.raises(ValueError, match="iterator ended after 2 of 3 micro-batches"):
         _executor(state, "none", 3).run(microbatches(2))
+
+
+@pytest.mark.parametrize("name, p, v, m", [("gpipe", 4, 1, 5), ("1f1b", 4, 1, 8), ("zb_h1", 4, 1, 6),
+                                           ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 2, 4, 4)])
+def test_eager_send_order(name, p, v, m):
+    """Each send right after its producer, sends in listed order, receives untouched; the
+    reordered lists still pair every transfer and do not deadlock with buffered sends."""
+    listed = all_ranks(name, p, m, v)
+    eager = [eager_send_order(actions) for actions in listed]
+    for before, after in zip(listed, eager):
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        assert [a for a in before if a.is_send] == [a for a in after if a.is_send]
+        assert [a for a in before if not a.is_send] == [a for a in after if not a.is_send]
+        for i, action in enumerate(after):
+            if action.is_send:
+                producer = {SEND_F: F, SEND_B: B}[action.kind]
+                assert after[i - 1] == Action(producer, action.chunk, action.microbatch)
+    # raises on a mismatched transfer or a deadlock; moving sends earlier never costs time
+    costs = Costs(forward=1, backward=2, p2p_latency=Fraction(1, 10))
+    assert simulate(eager, v, costs).makespan <= simulate(listed, v, costs).makespan
