@@ -79,7 +79,9 @@ class GPT2BPE:
     """Byte-level BPE from GPT-2-style vocab.json and merges.txt."""
 
     def __init__(self, vocab_file: str, merge_file: str):
-        import regex  # GPT-2's pattern needs \p{L}/\p{N}, which the re module lacks
+        from megalite.data.tokenizers import require_package
+
+        regex = require_package("regex", "GPT2BPETokenizer")  # for \p{L}/\p{N}, which re lacks
 
         self.encoder = load_vocab(vocab_file)
         self.decoder = {v: k for k, v in self.encoder.items()}

@@ -76,7 +76,9 @@ class SentencePieceTokenizer:
     """Megatron's SentencePieceTokenizer for GPT: eod is the model's </s> (eos) id."""
 
     def __init__(self, model_file: str, use_chunk_cache: bool = True):
-        import sentencepiece as spm
+        from megalite.data.tokenizers import require_package
+
+        spm = require_package("sentencepiece", "SentencePieceTokenizer")
 
         if not model_file or not os.path.isfile(model_file):
             raise ValueError(f"--tokenizer-model {model_file}: file not found")

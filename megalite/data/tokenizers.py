@@ -47,6 +47,17 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
+def require_package(module: str, tokenizer_type: str, package: str | None = None):
+    """Import an optional dependency, or say which tokenizer needs which pip package."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs the '{package or module}' package: "
+                         f"pip install {package or module}") from None
+
+
 def _require(flag: str, value, tokenizer_type: str) -> None:
     if not value:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
@@ -127,7 +138,7 @@ class HuggingFaceTokenizer(Tokenizer):
     tokenizer.json, else the first of the usual names present in the vocabulary."""
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as HFTokenizer
+        HFTokenizer = require_package("tokenizers", "HuggingFaceTokenizer").Tokenizer
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
@@ -213,8 +224,7 @@ class TikTokenizer(Tokenizer):
 
     def __init__(self, path: str, vocab_size: int | None = None, tiktoken_pattern: str = "v2",
                  tiktoken_num_special_tokens: int = 1000, tiktoken_special_tokens=None):
-        import tiktoken
-
+        tiktoken = require_package("tiktoken", "TikTokenizer")
         if tiktoken_pattern not in TIKTOKEN_PATTERNS:
             raise ValueError(f"--tiktoken-pattern {tiktoken_pattern!r} is not one of v1, v2")
         specials = list(tiktoken_special_tokens or TIKTOKEN_SPECIALS)
