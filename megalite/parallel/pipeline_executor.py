@@ -7,7 +7,9 @@ waits on the receive that action reads (its input activation for F, its output g
 B), not on every receive posted so far as the rule allows: waiting on less never deadlocks,
 and an interleaved step's forward then starts while the gradient its backward needs is still
 in flight (Megatron's overlap_p2p_comm). Under NCCL a batch completes as a whole, so there the
-wait covers the receive's whole batch.
+wait covers the receive's whole batch. On gloo, whose transfers never hold the rank, sends are
+also posted right after the compute that produced them and receives one compute early
+(`eager_order`); on NCCL the schedule's batches run as listed.
 
     F  forward of micro-batch k through local chunk c. On the last virtual stage the result is
        the micro-batch's loss (masked mean over its tokens); it is scaled by 1/m so the summed
@@ -90,21 +92,31 @@ def deallocate_output(tensor: torch.Tensor) -> None:
     tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
-def eager_send_order(actions: list[Action]) -> list[Action]:
-    """The same actions with every send moved to right after the compute that produced it.
+def eager_order(actions: list[Action], receive_lookahead: int = 1) -> list[Action]:
+    """The same actions with every send moved to right after the compute that produced it and
+    every receive posted `receive_lookahead` compute actions before the schedule lists it.
 
-    Sends keep their relative order (a rank's sends are listed in the order their data is
-    produced), so every peer still receives its i-th message from this rank as its i-th
-    receive; receives stay where the schedule put them. Safe where a posted send never holds
-    the rank (gloo: the transfer runs on gloo's thread); it then reaches the peer up to a whole
-    schedule step earlier, which matters for interleaved 1F1B, whose schedule batches a step's
-    sends after its backward so that it also runs where sends do hold the rank (NCCL)."""
+    Sends keep their relative order, and so do receives, so every peer still gets this rank's
+    i-th message as its i-th receive from it. For backends where a posted send or receive never
+    holds the rank (gloo: transfers run on gloo's own thread). There a send waits until its
+    peer has posted the matching receive (measured), so posting receives a step ahead lets the
+    data arrive while the rank computes instead of after it asks; and a send reaches its peer
+    up to a schedule step earlier, which matters for interleaved 1F1B, whose schedule batches a
+    step's sends after its backward so that it also runs where transfers do hold the rank
+    (NCCL). Cost: the receive buffers of `receive_lookahead` more compute actions."""
     sends = {(a.kind, a.chunk, a.microbatch) for a in actions if a.is_send}
     produced_by = {F: SEND_F, B: SEND_B}
-    order = []
+    computes = [a for a in actions if a.is_compute]
+    receives_before = [[] for _ in computes]   # receives to post before compute j
+    index = 0
     for action in actions:
-        if action.is_send:
-            continue
+        if action.is_compute:
+            index += 1
+        elif not action.is_send:
+            receives_before[max(index - receive_lookahead, 0)].append(action)
+    order = []
+    for j, action in enumerate(computes):
+        order += receives_before[j]
         order.append(action)
         send = (produced_by.get(action.kind), action.chunk, action.microbatch)
         if send in sends:
@@ -163,9 +175,10 @@ class PipelineExecutor:
             micro-batch loss on the last virtual stage (default: GPTModel chunks).
         loss_scale: multiplies the loss before backward (fp16 loss scaling).
         deallocate_outputs: free each output activation's storage once sent.
-        eager_sends: post each send right after the compute that produced it instead of at its
-            place in the schedule (see `eager_send_order`). None: on for gloo, whose sends never
-            hold the rank; off otherwise (NCCL runs the schedule's batches as listed).
+        eager_sends: post each send right after the compute that produced it and each receive
+            a compute action early, instead of where the schedule lists them (`eager_order`).
+            None: on for gloo, whose transfers never hold the rank; off otherwise (NCCL runs
+            the schedule's batches as listed).
     """
 
     def __init__(self, chunks, pstate: ParallelState, schedule: str, *, num_microbatches: int,
@@ -193,7 +206,7 @@ class PipelineExecutor:
         self.deallocate_outputs = deallocate_outputs
         if eager_sends is None:
             eager_sends = pstate.pp_group is not None and dist.get_backend(pstate.pp_group) == "gloo"
-        self.groups = comm_batches(eager_send_order(self.actions) if eager_sends else self.actions)
+        self.groups = comm_batches(eager_order(self.actions) if eager_sends else self.actions)
         self.split = self._split_backward()
         self.sync_points = self._sync_points()
 

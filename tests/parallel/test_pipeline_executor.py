@@ -8,18 +8,15 @@ One spawn of 4 gloo processes runs every pipelined case: PP=4 cases on the whole
 families in turn), PP=2 cases on two pipelines at once (data-parallel replica 0 runs GPT-2,
 replica 1 Llama; no data-parallel reduction is involved here)."""
 
-from fractions import Fraction
-
 import pytest
 import torch
 
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.pipeline_executor import (PipelineExecutor, deallocate_output,
-                                                 eager_send_order, gpt_forward_step,
+                                                 eager_order, gpt_forward_step,
                                                  run_pipeline_step, unwrap)
-from megalite.parallel.schedule_actions import B, F, SEND_B, SEND_F, Action
+from megalite.parallel.schedule_actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, peer
 from megalite.parallel.schedules import all_ranks
-from megalite.parallel.simulator import Costs, simulate
 from megalite.parallel.pipeline_model import build_model_chunks
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
@@ -203,19 +200,85 @@ def test_short_data_iterator_is_named():
 
 @pytest.mark.parametrize("name, p, v, m", [("gpipe", 4, 1, 5), ("1f1b", 4, 1, 8), ("zb_h1", 4, 1, 6),
                                            ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 2, 4, 4)])
-def test_eager_send_order(name, p, v, m):
-    """Each send right after its producer, sends in listed order, receives untouched; the
-    reordered lists still pair every transfer and do not deadlock with buffered sends."""
+def test_eager_order(name, p, v, m):
+    """Each send right after its producer, each receive one compute earlier, sends and receives
+    each in listed order; run as the executor runs them on gloo, every transfer pairs and
+    nothing deadlocks."""
     listed = all_ranks(name, p, m, v)
-    eager = [eager_send_order(actions) for actions in listed]
+    eager = [eager_order(actions) for actions in listed]
     for before, after in zip(listed, eager):
         assert sorted(map(str, before)) == sorted(map(str, after))
-        assert [a for a in before if a.is_send] == [a for a in after if a.is_send]
-        assert [a for a in before if not a.is_send] == [a for a in after if not a.is_send]
+        for kind in ("send", "receive", "compute"):
+            def pick(actions):
+                return [a for a in actions if (a.is_send if kind == "send" else
+                        a.is_comm and not a.is_send if kind == "receive" else a.is_compute)]
+            assert pick(before) == pick(after), kind
+        def computes_before(actions, action):
+            return sum(a.is_compute for a in actions[:actions.index(action)])
+
         for i, action in enumerate(after):
             if action.is_send:
                 producer = {SEND_F: F, SEND_B: B}[action.kind]
                 assert after[i - 1] == Action(producer, action.chunk, action.microbatch)
-    # raises on a mismatched transfer or a deadlock; moving sends earlier never costs time
-    costs = Costs(forward=1, backward=2, p2p_latency=Fraction(1, 10))
-    assert simulate(eager, v, costs).makespan <= simulate(listed, v, costs).makespan
+            elif action.is_comm:  # a receive: one compute action earlier than listed
+                assert computes_before(after, action) == max(computes_before(before, action) - 1, 0)
+    _run_as_executor(eager, p, v)
+
+
+def _run_as_executor(lists, p, v):
+    """Run every rank's list the way the executor does with gloo: transfers are posted when
+    reached and never hold the rank; a compute waits only for the receive it reads, which
+    completes once the peer has posted the matching send (the i-th send from a to b pairs
+    with b's i-th receive from a). Raises AssertionError on a mismatch or a deadlock."""
+    sends, receives = {}, {}         # (src, dst) -> actions posted, in order (as the receiver names them)
+    where = {}                       # (rank, receive action) -> (channel, index)
+    position = [0] * p
+    needs = {F: RECV_F, B: RECV_B}
+
+    def advance(rank) -> bool:
+        moved = False
+        while position[rank] < len(lists[rank]):
+            action = lists[rank][position[rank]]
+            if action.is_comm:
+                other, expected = peer(action, rank, p, v)
+                if action.is_send:
+                    sends.setdefault((rank, other), []).append(expected)
+                else:
+                    channel = receives.setdefault((other, rank), [])
+                    where[(rank, action)] = ((other, rank), len(channel))
+                    channel.append(action)
+            elif action.kind in needs and _has_peer(rank, action, p, v):
+                needed = Action(needs[action.kind], action.chunk, action.microbatch)
+                assert (rank, needed) in where, f"rank {rank}: {action} before its receive"
+                channel, index = where[(rank, needed)]
+                if index >= len(sends.get(channel, [])):
+                    return moved  # the matching send is not posted yet
+                assert sends[channel][index] == needed, f"mismatched transfer on {channel}"
+            position[rank] += 1
+            moved = True
+        return moved
+
+    while any([advance(rank) for rank in range(p)]):
+        pass
+    stuck = [(rank, str(lists[rank][position[rank]])) for rank in range(p)
+             if position[rank] < len(lists[rank])]
+    assert not stuck, f"deadlock: {stuck}"
+
+
+def _has_peer(rank, action, p, v):
+    """Whether a compute reads a transfer (not F of the first or B of the last stage)."""
+    stage, last = action.chunk * p + rank, p * v - 1
+    return (action.kind == F and stage > 0) or (action.kind == B and stage < last)
+
+
+def test_executor_model_catches_bad_lists():
+    one = all_ranks("1f1b", 2, 1, 1)  # rank 0 sending its activation after its backward
+    late = [a for a in one[0] if a != Action(SEND_F, 0, 0)] + [Action(SEND_F, 0, 0)]
+    with pytest.raises(AssertionError, match="deadlock"):
+        _run_as_executor([late, one[1]], 2, 1)
+    lists = all_ranks("1f1b", 2, 3, 1)
+    receives = [a for a in lists[1] if a.kind == RECV_F]
+    swapped = [receives[1] if a == receives[0] else receives[0] if a == receives[1] else a
+               for a in lists[1]]
+    with pytest.raises(AssertionError, match="before its receive|mismatched"):
+        _run_as_executor([lists[0], swapped], 2, 1)
