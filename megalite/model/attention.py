@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import kernels
 from megalite.model.recompute import checkpointed
-from megalite.model.rope import apply_rotary
 from megalite.parallel import comm
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 from megalite.parallel.random import rng_fork_if
@@ -68,7 +68,8 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            impl = self.config.kernel_impl
+            q, k = kernels.apply_rotary(q, cos, sin, impl=impl), kernels.apply_rotary(k, cos, sin, impl=impl)
         if self.config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:

@@ -90,6 +90,11 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
+    @property
+    def kernel_impl(self) -> str:
+        """The megalite.kernels implementation: Triton on CUDA by default ("auto")."""
+        return {None: "auto", True: "triton", False: "torch"}[self.fused_kernels]
+
     def padded_vocab_size(self, tp_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple

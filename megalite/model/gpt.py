@@ -181,8 +181,10 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1)
+        # In-place backward: nothing else reads these logits, so their buffer takes the gradient.
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
-                                            self.config.label_smoothing)
+                                            self.config.label_smoothing, impl=self.config.kernel_impl,
+                                            inplace_backward=True)
         return loss.t()
 
 

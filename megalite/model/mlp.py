@@ -1,8 +1,9 @@
 """The transformer MLP: GeLU (GPT-2) or SwiGLU (Llama), column- then row-parallel."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from megalite import kernels
 
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
@@ -24,11 +25,9 @@ class MLP(nn.Module):
             init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
 
     def forward(self, x):
+        impl = self.config.kernel_impl
         if self.config.activation == "swiglu":
-            gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-            return self.linear_fc2(F.silu(gate) * up)
-        y, bias = self.linear_fc1(x)
-        if bias is not None:
-            y = y + bias
+            return self.linear_fc2(kernels.swiglu(self.linear_fc1(x), impl=impl))
+        y, bias = self.linear_fc1(x)  # the bias is added inside the fused GeLU
         approximate = "tanh" if self.config.activation == "openai_gelu" else "none"
-        return self.linear_fc2(F.gelu(y, approximate=approximate))
+        return self.linear_fc2(kernels.bias_gelu(y, bias, approximate, impl=impl))
