@@ -25,6 +25,9 @@ the output layer of the last stage). Megatron's zero-bubble implementation store
 inputs and output gradients of the linear layers; ours trades that memory for needing no
 change to the layers. ZB-H1 holds a micro-batch from F to W for at most p micro-batches, the
 same count as 1F1B's first stage, so the extra is per held micro-batch, not more of them.
+With sequence parallelism a row-parallel layer's output comes out of a reduce-scatter, so
+its W runs that reduce-scatter's backward (an all-gather over TP) a second time; every TP rank
+runs the same W's in the same order, so the collectives match.
 Activation recompute of whole layers is not split (W would recompute the layers once per
 module); the executor then runs the full backward in B and makes W a no-op.
 """

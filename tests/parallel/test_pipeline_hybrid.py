@@ -25,8 +25,8 @@ STEPS, LR = 3, 1e-2
 CASES = [
     ("gpt2", True, 1, "1f1b", 4, None),
     ("gpt2", True, 2, "interleaved_1f1b", 4, None),
-    ("gpt2", False, 1, "zb_h1", 3, None),
-    ("llama", True, 1, "gpipe", 2, 2),
+    ("gpt2", True, 1, "zb_h1", 3, None),
+    ("llama", False, 1, "gpipe", 2, 2),
 ]
 
 
