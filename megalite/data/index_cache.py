@@ -66,6 +66,8 @@ def cached_arrays(cache_dir: str | None, name: str, description: dict, names: tu
 
 
 def _acquire(lock, base, log):
+    """Take the exclusive lock, polling. Where the filesystem has no locks, go on without:
+    concurrent builders then write identical files, each renamed into place atomically."""
     import fcntl
 
     waited, next_log = 0.0, LOCK_LOG_SECONDS
@@ -79,12 +81,18 @@ def _acquire(lock, base, log):
             if waited >= next_log:
                 log(f"waiting {waited:.0f} s for another process building {base}-*.npy")
                 next_log += LOCK_LOG_SECONDS
+        except OSError as e:
+            log(f"cannot lock {base}.lock ({e}); building without the lock")
+            return
 
 
 def _release(lock):
     import fcntl
 
-    fcntl.flock(lock, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError:
+        pass
 
 
 def _save(path: str, array: np.ndarray):
