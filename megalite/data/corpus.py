@@ -91,6 +91,12 @@ def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[s
         value = obj[key]
         if not isinstance(value, str):
             raise BadInput(path, line, f"key {key!r} holds {type(value).__name__}, expected a string")
+        if b"\\u" in raw and not value.isascii():  # a \uD800-style escape may leave a lone surrogate
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadInput(path, line, f"key {key!r} holds a lone surrogate "
+                                           f"\\u{ord(value[e.start]):04x}, which is not valid Unicode") from None
         out.append(value)
     return out
 

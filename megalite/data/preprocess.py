@@ -127,13 +127,13 @@ class ShardWorker:
         keys = range(len(self.config.json_keys))
         try:
             return [self.tokenizer.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
-        except ValueError:
+        except (ValueError, TypeError):
             pass
         per_doc = []
         for texts, (path, first_line_offset, line) in batch:
             try:
                 per_doc.append([self.tokenizer.encode_batch_bytes([texts[k]])[0] for k in keys])
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
                 self._bad(result, (path, first_line_offset, line, f"tokenizer refused the text: {e}"))
                 if result.error is not None:
                     return None

@@ -111,6 +111,7 @@ BAD_INPUTS = {
     "missing key": ("in.jsonl", b'{"text": "a"}\n{"body": "b"}\n', 2, "missing key 'text'"),
     "not a string": ("in.jsonl", b'{"text": "a"}\n{"text": 5}\n', 2, "holds int, expected a string"),
     "not an object": ("in.jsonl", b'["text"]\n', 1, "expected a JSON object"),
+    "lone surrogate": ("in.jsonl", b'{"text": "a"}\n{"text": "\xc3\xa9 \\ud800"}\n', 2, "lone surrogate \\ud800"),
     "invalid utf-8 jsonl": ("in.jsonl", b'{"text": "a"}\n{"text": "b\xff"}\n', 2, "invalid UTF-8"),
     "invalid utf-8 text": ("in.txt", b"fine\nalso fine\nbad \xc3\x28 byte\n", 3, "invalid UTF-8"),
     "invalid utf-8 gzip": ("in.jsonl.gz", b'{"text": "a"}\n\n{"text": "\xfe"}\n', 3, "invalid UTF-8"),
