@@ -94,9 +94,12 @@ class GPTDataset:
                               if isinstance(self.documents, range) else sizes[self.documents]),
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
         }
-        arrays, self._paths = cached_arrays(
-            cache_dir, "GPTDataset", self.description, INDEX_NAMES,
-            lambda: build_gpt_indices(sizes, self.documents, num_samples, seq_length, seed))
+        try:
+            arrays, self._paths = cached_arrays(
+                cache_dir, "GPTDataset", self.description, INDEX_NAMES,
+                lambda: build_gpt_indices(sizes, self.documents, num_samples, seq_length, seed))
+        except ValueError as e:
+            raise ValueError(f"dataset {indexed.prefix}, {split_name} split: {e}") from None
         self._set_arrays(arrays)
 
     def _set_arrays(self, arrays):
