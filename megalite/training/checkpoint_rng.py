@@ -48,6 +48,10 @@ def load_rng_state(checkpoint_dir, pstate, rng_tracker, saved_layout: dict | Non
                         saved_layout, layout)
         return False
     path = checkpoint_dir / rng_file_name(pstate)
+    if not path.exists():  # a converted checkpoint, or one saved with --no-save-rng
+        if pstate.rank == 0:
+            log.warning("%s: no RNG states in this checkpoint; keeping this run's seeds", checkpoint_dir)
+        return False
     try:
         state = json.loads(path.read_text())
         version, mt, gauss = state["python"]

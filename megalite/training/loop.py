@@ -1,0 +1,192 @@
+"""The training loop: steps, logging, evaluation, checkpoints and every way a run stops.
+
+A run stops, saving a checkpoint first when --save is given, at the end of training, at
+--exit-interval, after --exit-duration-in-mins, or on SIGTERM / SIGUSR1 (Slurm's warning before
+a time limit). Ranks agree on stopping through one small all-reduce per iteration, so they
+always stop at the same iteration.
+"""
+
+import math
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.data_parallel import finalize_model_grads
+from megalite.training.checkpointing import save_checkpoint
+from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
+from megalite.training.setup_run import Run, build_data, data_iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Remembers a SIGTERM / SIGUSR1 until the loop reaches an iteration boundary."""
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _agree(run: Run, values: list[float]) -> list[float]:
+    """Element-wise maximum over all ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=run.device)
+    if run.pstate.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _dp_mean(run: Run, loss: torch.Tensor | None) -> float | None:
+    """The step's loss averaged over data-parallel replicas (last pipeline stage only)."""
+    if loss is None:
+        return None
+    loss = loss.detach().float().clone()
+    if run.pstate.dp_size > 1:
+        dist.all_reduce(loss, group=run.pstate.dp_group)
+        loss /= run.pstate.dp_size
+    return loss.item()
+
+
+def common_state(run: Run) -> dict:
+    return {"consumed_train_samples": run.consumed_train_samples, "consumed_valid_samples": run.consumed_valid_samples,
+            "lr_scheduler": run.scheduler.state_dict(), "args": run.args.to_dict(), "model_config": run.config.to_dict(),
+            "tokenizer": {"type": run.args.tokenizer_type, "model": run.args.tokenizer_model,
+                          "vocab_file": run.args.vocab_file, "merge_file": run.args.merge_file}}
+
+
+class Trainer:
+    def __init__(self, run: Run):
+        self.run, self.args = run, run.args
+        self.pending_save = None
+        self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
+                                              resume_iteration=run.iteration if run.loaded_from else None)
+        self.train_ds, self.valid_ds, self.test_ds = build_data(run)
+        self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save(self):
+        run, args = self.run, self.args
+        if not args.save:
+            return
+        self.finish_pending_save()
+        run.optimizer.finish_param_sync()
+        self.pending_save = save_checkpoint(
+            args.save, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
+            pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker, common=common_state(run),
+            async_save=args.async_save)
+        if not args.async_save:
+            self.pending_save = None
+            self.say(f"saved checkpoint at iteration {run.iteration} to {args.save}")
+
+    def finish_pending_save(self, only_if_done: bool = False):
+        if self.pending_save is None or (only_if_done and not self.pending_save.done()):
+            return
+        path = self.pending_save.finalize()
+        self.pending_save = None
+        self.say(f"saved checkpoint (asynchronously) to {path}")
+
+    def say(self, text: str):
+        if self.run.pstate.rank == 0:
+            print(text, flush=True)
+
+    # --- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, split: str, iterator) -> float | None:
+        run = self.run
+        if iterator is None and (run.pstate.is_first_stage or run.pstate.is_last_stage):
+            return None
+        for chunk in run.models:
+            chunk.eval()
+        losses = []
+        for _ in range(self.args.eval_iters):
+            loss = run.executor.run(iterator, forward_only=True)
+            losses.append(_dp_mean(run, loss))
+        for chunk in run.models:
+            chunk.train()
+        if split == "valid":
+            run.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
+        mean = sum(losses) / len(losses) if run.pstate.is_last_stage else None
+        if run.writes_logs:
+            self.logger.log_evaluation(split, run.iteration, mean)
+        return mean
+
+    # --- training ------------------------------------------------------------------------------
+    def train_step(self, iterator):
+        run = self.run
+        run.optimizer.zero_grad()
+        run.executor.loss_scale = run.optimizer.loss_scale
+        loss = run.executor.run(iterator)
+        finalize_model_grads(run.chunks, run.pstate)
+        ok, grad_norm, _ = run.optimizer.step()
+        if ok:
+            run.scheduler.step(self.args.global_batch_size)
+        run.iteration += 1
+        run.consumed_train_samples += self.args.global_batch_size
+        return _dp_mean(run, loss), ok, grad_norm
+
+    def _log(self, losses, skipped, nans, grad_norm, elapsed, iters):
+        run, args = self.run, self.args
+        seconds = elapsed / max(iters, 1)
+        rates = throughput(run.flops_per_token, args.global_batch_size * args.seq_length, seconds,
+                           run.pstate.world_size, run.peak_flops)
+        memory, kind = memory_usage_mb(run.device)
+        record = TrainingRecord(
+            iteration=run.iteration, train_iters=args.total_train_iters, consumed_samples=run.consumed_train_samples,
+            elapsed_ms_per_iteration=seconds * 1000, learning_rate=run.optimizer.param_groups[0]["lr"],
+            global_batch_size=args.global_batch_size, lm_loss=sum(losses) / len(losses) if losses else math.nan,
+            loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
+            nan_iterations=nans, memory_mb=memory, memory_kind=kind, **rates)
+        self.logger.log_training(record)
+
+    def train(self, signals: StopSignals) -> str:
+        """Train until a stop condition; returns why it stopped."""
+        run, args = self.run, self.args
+        iterator = data_iterator(run, self.train_ds, run.consumed_train_samples)
+        start, window_start = time.time(), time.time()
+        losses, skipped, nans, window_iters, grad_norm = [], 0, 0, 0, None
+        while run.iteration < args.total_train_iters:
+            loss, ok, norm = self.train_step(iterator)
+            window_iters += 1
+            skipped += 0 if ok else 1
+            grad_norm = norm if norm is not None else grad_norm
+            if loss is not None:
+                nans += 0 if math.isfinite(loss) else 1
+                losses.append(loss)
+            if run.iteration % args.log_interval == 0 and run.writes_logs:
+                self._log(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters)
+            if run.iteration % args.log_interval == 0:
+                losses, skipped, nans, window_iters, window_start = [], 0, 0, 0, time.time()
+            if args.eval_interval and run.iteration % args.eval_interval == 0:
+                self.evaluate("valid", self.valid_iter)
+            self.finish_pending_save(only_if_done=True)
+            got_signal, minutes = _agree(run, [1.0 if signals.received else 0.0, (time.time() - start) / 60])
+            if args.save_interval and run.iteration % args.save_interval == 0:
+                self.save()
+                saved = True
+            else:
+                saved = False
+            reason = None
+            if got_signal:
+                reason = "signal"
+            elif args.exit_duration_in_mins and minutes >= args.exit_duration_in_mins:
+                reason = "exit-duration-in-mins"
+            elif args.exit_interval and run.iteration % args.exit_interval == 0:
+                reason = "exit-interval"
+            if reason:
+                if not saved:
+                    self.save()
+                return reason
+        return "done"

@@ -1,0 +1,173 @@
+"""Everything a training run needs, built from its arguments in the order that matters:
+options checked before any process group; model weights loaded before the optimizer (whose
+fp32 main parameters start from them); optimizer state loaded after it is built."""
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
+from megalite.data.tokenizers import build_tokenizer
+from megalite.parallel.data_parallel import DistributedDataParallel
+from megalite.parallel.fsdp import apply_fsdp2
+from megalite.parallel.memory_report import memory_report
+from megalite.parallel.optimizer import build_optimizer
+from megalite.parallel.pipeline_executor import PipelineExecutor, unwrap
+from megalite.parallel.pipeline_model import build_model_chunks
+from megalite.parallel.random import seed_everything
+from megalite.parallel.state import ParallelState
+from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.training.checkpointing import load_checkpoint, load_optimizer_state
+from megalite.training.flops import flops_per_token, peak_flops
+from megalite.training.lr_schedule import lr_scheduler_from_args
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    args: object
+    pstate: ParallelState
+    device: torch.device
+    tracker: object
+    tokenizer: object
+    config: object
+    chunks: list  # DistributedDataParallel / FSDPChunk wrappers, one per model chunk
+    optimizer: object
+    scheduler: object
+    executor: PipelineExecutor
+    flops_per_token: float
+    peak_flops: float | None
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    loaded_from: str | None = None
+
+    @property
+    def models(self) -> list:
+        return [unwrap(c) for c in self.chunks]
+
+    @property
+    def writes_logs(self) -> bool:
+        """The last pipeline stage's first TP and DP rank reports (it holds the loss)."""
+        ps = self.pstate
+        return ps.is_last_stage and ps.tp_rank == 0 and ps.dp_rank == 0
+
+
+def init_distributed(args) -> tuple[ParallelState, torch.device]:
+    """Validate the options, then join the process group and build the parallel state."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    validate_args(args, world)
+    layout = layout_from_args(args, world)  # refuses impossible layouts before any group exists
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    return ParallelState.create(layout, args.distributed_timeout_minutes), device
+
+
+def _dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _wrap(models, args, pstate):
+    if args.use_torch_fsdp2:
+        return [apply_fsdp2(m, pstate, param_dtype=_dtype(args)) for m in models]
+    grad_dtype = torch.float16 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else torch.float32
+    return [DistributedDataParallel(m, pstate, bucket_size=args.ddp_bucket_size,
+                                    overlap_grad_reduce=args.overlap_grad_reduce,
+                                    use_distributed_optimizer=args.use_distributed_optimizer, grad_dtype=grad_dtype)
+            for m in models]
+
+
+def build_run(args) -> Run:
+    pstate, device = init_distributed(args)
+    tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
+    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+    config = model_config_from_args(args, tokenizer.vocab_size)
+    if args.use_torch_fsdp2:
+        config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16
+    models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
+                                num_layers_last=args.decoder_last_pipeline_num_layers, rng_tracker=tracker,
+                                init_seed=args.seed, device=device)
+    if args.torch_compile:
+        for model in models:
+            for layer in model.layers.values():
+                layer.compile()
+    common = None
+    if args.load:
+        common = load_checkpoint(args.load, chunks=models, pstate=pstate, rng_tracker=tracker,
+                                 load_rng=not (args.no_load_rng or args.finetune),
+                                 fallback=args.ckpt_fallback_to_previous)
+        if common is None and pstate.rank == 0:
+            log.warning("no checkpoint under --load %s: starting from scratch", args.load)
+    chunks = _wrap(models, args, pstate)
+    optimizer = build_optimizer(
+        chunks, pstate, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, fp16=args.fp16,
+        bf16=args.bf16 and not args.use_torch_fsdp2, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+        cpu_offload=args.optimizer_cpu_offload)
+    scheduler = lr_scheduler_from_args(args, optimizer)
+    executor = PipelineExecutor(
+        chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
+        sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device)
+    peak = peak_flops() if device.type == "cuda" else None
+    run = Run(args, pstate, device, tracker, tokenizer, config, chunks, optimizer, scheduler, executor,
+              flops_per_token(config, args.seq_length, config.padded_vocab_size(pstate.tp_size)),
+              peak[1] if peak else None)
+    if common is not None:
+        run.loaded_from = common["path"]
+        if not args.finetune:
+            run.iteration = common["iteration"]
+            run.consumed_train_samples = common.get("consumed_train_samples", 0)
+            run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
+            if not args.no_load_optim:
+                load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
+                scheduler.load_state_dict(common["lr_scheduler"])
+    info, line = memory_report(chunks, optimizer, pstate)
+    if pstate.dp_rank == 0:
+        print(line, flush=True)
+    return run
+
+
+def build_data(run: Run):
+    """(train, valid, test) datasets on the ranks that read data; Nones elsewhere."""
+    args, pstate = run.args, run.pstate
+    if not (pstate.is_first_stage or pstate.is_last_stage):
+        return None, None, None
+    train_iters = run.args.total_train_iters
+    num_samples = megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, args.global_batch_size)
+    return build_gpt_datasets(
+        data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path, split=args.split or "969, 30, 1", seq_length=args.seq_length, seed=args.seed,
+        num_samples=num_samples, cache_path=args.data_cache_path, mock_data=args.mock_data,
+        eod_token=run.tokenizer.eod, vocab_size=run.tokenizer.vocab_size, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
+
+
+def data_iterator(run: Run, dataset, consumed_samples: int):
+    """Micro-batches for this rank, on its device; None where no data is needed."""
+    source = build_data_iterator(dataset, consumed_samples=consumed_samples, micro_batch_size=run.args.micro_batch_size,
+                                 global_batch_size=run.args.global_batch_size, pstate=run.pstate,
+                                 num_workers=run.args.num_workers, seed=run.args.seed, device=run.device)
+    if source is None:
+        return None
+    return ({k: v.to(run.device, non_blocking=True) for k, v in batch.items()} for batch in source)

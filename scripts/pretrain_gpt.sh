@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Pretrain a GPT with megalite.
+#
+#   bash scripts/pretrain_gpt.sh                      # the embedded default, end to end on CPU
+#   bash scripts/pretrain_gpt.sh --config examples/gpt2_124m.yaml --data-path ...   # your run
+#
+# Locally the run goes through torchrun on every GPU of this machine, or on CPU processes
+# joined by gloo when there is none. Inside a Slurm step (srun) each task is one rank, with
+# ranks, node list and master address taken from the SLURM_* variables.
+#
+# Environment: NPROC_PER_NODE (processes on this node; default: GPU count, or TP x PP on CPU),
+# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun), LAUNCHER (torchrun|srun,
+# to override detection), PYTHON (interpreter), RUN_DIR (the embedded default's output folder).
+# Every argument is passed to `python -m megalite.pretrain_gpt`.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+gpu_count() {
+    "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
+}
+
+has_flag() {  # has_flag --name "$@": whether the arguments set --name
+    local name=$1; shift
+    for a in "$@"; do [[ $a == "$name" || $a == "$name="* ]] && return 0; done
+    return 1
+}
+
+flag_value() {  # flag_value --name default "$@"
+    local name=$1 default=$2; shift 2
+    local prev=""
+    for a in "$@"; do
+        [[ $prev == "$name" ]] && { echo "$a"; return; }
+        [[ $a == "$name="* ]] && { echo "${a#*=}"; return; }
+        prev=$a
+    done
+    echo "$default"
+}
+
+launch() {
+    local -a extra=()
+    local gpus
+    gpus=$(gpu_count)
+    if [[ $gpus == 0 ]] && ! has_flag --distributed-backend "$@"; then
+        extra+=(--distributed-backend gloo)
+    fi
+    local launcher=${LAUNCHER:-}
+    if [[ -z $launcher ]]; then
+        if [[ -n ${SLURM_STEP_ID:-${SLURM_STEPID:-}} && -n ${SLURM_PROCID:-} ]]; then launcher=srun; else launcher=torchrun; fi
+    fi
+    if [[ $launcher == srun ]]; then
+        export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=${SLURM_LOCALID:-0}
+        export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+        export MASTER_PORT=${MASTER_PORT:-6000}
+        exec "$PYTHON" -m megalite.pretrain_gpt "$@" "${extra[@]}"
+    fi
+    local nproc=${NPROC_PER_NODE:-}
+    if [[ -z $nproc ]]; then
+        if [[ $gpus != 0 ]]; then
+            nproc=$gpus
+        else
+            nproc=$(( $(flag_value --tensor-model-parallel-size 1 "$@") * $(flag_value --pipeline-model-parallel-size 1 "$@") ))
+        fi
+    fi
+    if [[ $gpus == 0 && -z ${OMP_NUM_THREADS:-} ]]; then
+        local cores
+        cores=$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')
+        export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+    fi
+    exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$nproc" --nnodes "${NNODES:-1}" \
+        --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
+        --master-port "${MASTER_PORT:-29500}" -m megalite.pretrain_gpt "$@" "${extra[@]}"
+}
+
+if [[ $# -gt 0 ]]; then
+    launch "$@"
+fi
+
+# ---- the embedded default: no download, no GPU -------------------------------------------
+# Builds a corpus from this Python's own standard library, trains a SentencePiece tokenizer,
+# preprocesses it into Megatron's .bin/.idx files and trains a small GPT with TP=2 and PP=2 on
+# four CPU processes; then evaluates, saves a checkpoint and plots the loss.
+RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/megalite-demo}
+mkdir -p "$RUN_DIR/data"
+cd "$REPO"
+echo "megalite demo: writing to $RUN_DIR"
+"$PYTHON" tools/make_demo_corpus.py --output "$RUN_DIR/data/corpus.jsonl"
+"$PYTHON" tools/train_tokenizer.py --input "$RUN_DIR/data/corpus.jsonl" --json-keys text \
+    --vocab-size 2048 --model-prefix "$RUN_DIR/data/tokenizer"
+"$PYTHON" tools/preprocess_data.py --input "$RUN_DIR/data/corpus.jsonl" --json-keys text \
+    --output-prefix "$RUN_DIR/data/demo" --tokenizer-type SentencePieceTokenizer \
+    --tokenizer-model "$RUN_DIR/data/tokenizer.model" --append-eod --workers 2
+rm -rf "$RUN_DIR/checkpoints" "$RUN_DIR/metrics.jsonl"
+(launch --config "$REPO/examples/demo_cpu.yaml" \
+    --data-path "$RUN_DIR/data/demo_text_document" \
+    --tokenizer-model "$RUN_DIR/data/tokenizer.model" \
+    --save "$RUN_DIR/checkpoints" --metrics-file "$RUN_DIR/metrics.jsonl")
+"$PYTHON" tools/plot_metrics.py "$RUN_DIR/metrics.jsonl" --output "$RUN_DIR/loss.png"
+"$PYTHON" tools/demo_summary.py --metrics-file "$RUN_DIR/metrics.jsonl" \
+    --data-path "$RUN_DIR/data/demo_text_document" --checkpoint "$RUN_DIR/checkpoints" --plot "$RUN_DIR/loss.png"
