@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, persistent_programs, rows_per_program, to_dtype, warps_for
+from megalite.kernels.triton_common import compile_opaque, persistent_programs, reduce_sum, rows_per_program, sigmoid, to_dtype, warps_for
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def _swiglu_fwd_kernel(X, Y, n_rows, f, stride_x, stride_y, BLOCK_M: tl.constexp
     gate_ptr = X + rows[:, None] * stride_x + cols[None, :]
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + f, mask=mask, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
+    y = gate * sigmoid(gate) * up
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], to_dtype(y, Y.dtype.element_ty), mask=mask)
 
 
@@ -33,7 +33,7 @@ def _swiglu_bwd_kernel(X, DY, DX, n_rows, f, stride_x, stride_dy, stride_dx,
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + f, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
+    sig = sigmoid(gate)
     silu = gate * sig
     dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     dx_ptr = DX + rows[:, None] * stride_dx + cols[None, :]
@@ -48,7 +48,7 @@ def _gelu_and_grad(u, APPROX_TANH: tl.constexpr):
     1/sqrt(2) = 0.7071067811865476, 1/sqrt(2*pi) = 0.3989422804014327."""
     if APPROX_TANH:
         dz = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * u * u)
-        s = tl.sigmoid(2.0 * 0.7978845608028654 * (u + 0.044715 * u * u * u))
+        s = sigmoid(2.0 * 0.7978845608028654 * (u + 0.044715 * u * u * u))
         return u * s, s + 2.0 * u * s * (1.0 - s) * dz
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
@@ -78,8 +78,8 @@ def _bias_gelu_bwd_kernel(X, B, DY, DX, DB_PART, n_rows, f, stride_x, stride_dy,
     col_ok = cols < f
     if HAS_BIAS:
         bias = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+    db_acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    for block in range(pid, (n_rows + BLOCK_M - 1) // BLOCK_M, tl.num_programs(0)):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         mask = (rows < n_rows)[:, None] & col_ok[None, :]
         u = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -89,7 +89,7 @@ def _bias_gelu_bwd_kernel(X, B, DY, DX, DB_PART, n_rows, f, stride_x, stride_dy,
         _, grad = _gelu_and_grad(u, APPROX_TANH)
         du = tl.where(mask, dy * grad, 0.0)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], to_dtype(du, DX.dtype.element_ty), mask=mask)
-        db_acc += tl.sum(du, axis=0)
+        db_acc += reduce_sum(du, axis=0)
     if HAS_BIAS:
         tl.store(DB_PART + pid * f + cols, db_acc, mask=col_ok)
 

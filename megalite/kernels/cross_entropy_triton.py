@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, to_dtype
+from megalite.kernels.triton_common import compile_opaque, reduce_max, reduce_sum, to_dtype
 
 
 @triton.jit
@@ -23,8 +23,8 @@ def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_v
     # The running max starts finite (-3e38, below any real logit) so that max - max is never
     # inf - inf; a row with no valid column ends with that max and a zero sum.
     m_lane = tl.full([BLOCK_V], -3.0e38, dtype=tl.float32)
-    s_lane = tl.zeros([BLOCK_V], dtype=tl.float32)
-    zsum_lane = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s_lane = tl.full([BLOCK_V], 0.0, dtype=tl.float32)
+    zsum_lane = tl.full([BLOCK_V], 0.0, dtype=tl.float32)
     for start in range(0, n_valid, BLOCK_V):
         ok = start + cols < n_valid
         z = tl.load(base + start + cols, mask=ok, other=float("-inf")).to(tl.float32)
@@ -35,11 +35,11 @@ def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_v
         m_lane = tl.maximum(m_lane, z)
         if NEED_SUM:
             zsum_lane += tl.where(ok, z, 0.0)
-    m = tl.max(m_lane, axis=0)
+    m = reduce_max(m_lane, axis=0)
     tl.store(MAX + row, m)
-    tl.store(SUMEXP + row, tl.sum(s_lane * tl.exp(m_lane - m), axis=0))
+    tl.store(SUMEXP + row, reduce_sum(s_lane * tl.exp(m_lane - m), axis=0))
     if NEED_SUM:
-        tl.store(ZSUM + row, tl.sum(zsum_lane, axis=0))
+        tl.store(ZSUM + row, reduce_sum(zsum_lane, axis=0))
     target = tl.load(TARGET + row)
     z_t = tl.load(base + tl.maximum(target, 0), mask=target >= 0, other=0.0).to(tl.float32)
     tl.store(ZTARGET + row, tl.where(target >= 0, z_t, 0.0))

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, persistent_programs, rows_per_program, to_dtype, warps_for
+from megalite.kernels.triton_common import compile_opaque, persistent_programs, reduce_sum, rows_per_program, to_dtype, warps_for
 
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
@@ -23,12 +23,12 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, stride_x, stride_y,
     mask = row_ok[:, None] & col_ok[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(reduce_sum(x * x, axis=1) / n_cols + eps)
         xhat = x * rstd[:, None]
     else:
-        mean = tl.sum(x, axis=1) / n_cols
+        mean = reduce_sum(x, axis=1) / n_cols
         xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(reduce_sum(xc * xc, axis=1) / n_cols + eps)
         xhat = xc * rstd[:, None]
         tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -51,9 +51,9 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+    dw_acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    for block in range(pid, (n_rows + BLOCK_M - 1) // BLOCK_M, tl.num_programs(0)):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
@@ -66,17 +66,17 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         wdy = w[None, :] * dy
-        c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+        c1 = reduce_sum(xhat * wdy, axis=1) / n_cols
         if IS_RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
             # y = w * round(xhat): dweight sees the rounded xhat, dx passes straight through.
-            dw_acc += tl.sum(dy * to_dtype(xhat, DX.dtype.element_ty).to(tl.float32), axis=0)
+            dw_acc += reduce_sum(dy * to_dtype(xhat, DX.dtype.element_ty).to(tl.float32), axis=0)
         else:
-            c2 = tl.sum(wdy, axis=1) / n_cols
+            c2 = reduce_sum(wdy, axis=1) / n_cols
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += reduce_sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += reduce_sum(dy, axis=0)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], to_dtype(dx, DX.dtype.element_ty), mask=mask)
     tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
     if HAS_BIAS:

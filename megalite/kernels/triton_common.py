@@ -34,6 +34,37 @@ else:
         return x.to(dtype)
 
 
+# Reductions and sigmoid written on Triton builtins only. triton.language's own tl.sum, tl.max,
+# tl.sigmoid, tl.zeros and tl.cdiv are @jit functions decorated when triton.language is first
+# imported: if anything in the process (megatron.core, torch._dynamo) imported it before
+# TRITON_INTERPRET=1 was set, they are compiled-mode functions the interpreter cannot call. Ours
+# are decorated lazily with megalite's kernels, so the CPU tests work in a shared process; the
+# compiled code is the same (tl.sum is tl.reduce with an add).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
 def rows_per_program(n_cols_block: int, n_rows: int, target_elems: int = 4096) -> int:
     """Rows handled by one program so that a tile holds about `target_elems` elements."""
     return max(1, min(target_elems // n_cols_block, triton.next_power_of_2(max(n_rows, 1))))

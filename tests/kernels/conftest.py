@@ -3,7 +3,11 @@
 TRITON_INTERPRET must be set before triton decorates a kernel: megalite imports its Triton
 modules lazily (on the first impl='triton' call), and conftest files are imported at collection,
 before any test runs, so setting it here is early enough even when the whole suite shares one
-pytest process. Spawned processes (the TP=2 test) inherit it through the environment.
+pytest process. Other test areas may have imported triton.language already (megatron.core does),
+whose own @jit helpers (tl.sum, tl.sigmoid, ...) are then compiled-mode functions the interpreter
+cannot call; megalite's kernels use only builtins and helpers of their own for that reason
+(triton_common.py; test_dispatch.py checks it). Spawned processes (the TP=2 test) inherit the
+variable through the environment.
 
 With TRITON_INTERPRET=0 and a GPU, the same tests run the compiled kernels on CUDA instead.
 """

@@ -48,7 +48,38 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("script", [CPU_AUTO_SCRIPT, NO_TRITON_SCRIPT], ids=["cpu_auto", "no_triton"])
+# triton.language imported before TRITON_INTERPRET is set, as megatron.core (an oracle of other test
+# areas) does when the whole suite shares one pytest process: every kernel must still interpret.
+LATE_INTERPRET_SCRIPT = """
+import os
+import triton.language
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import megalite.kernels as k
+g = torch.Generator().manual_seed(0)
+x = torch.randn(5, 2, 16, generator=g, requires_grad=True)
+w, b = torch.randn(16, generator=g), torch.randn(16, generator=g)
+cos, sin = torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+target = torch.randint(0, 16, (5, 2), generator=g)
+ops = {
+    "rms_norm": lambda impl: k.rms_norm(x, w, 1e-6, impl=impl),
+    "layer_norm": lambda impl: k.layer_norm(x, w, b, 1e-5, impl=impl),
+    "swiglu": lambda impl: k.swiglu(x, impl=impl),
+    "bias_gelu": lambda impl: k.bias_gelu(x, b, "none", impl=impl),
+    "apply_rotary": lambda impl: k.apply_rotary(x.view(5, 2, 2, 8), cos, sin, impl=impl),
+    "cross_entropy": lambda impl: k.cross_entropy(x, target, label_smoothing=0.1, impl=impl),
+}
+for name, op in ops.items():
+    got, want = op("triton"), op("torch")
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), name
+    grads = [torch.autograd.grad(y.sum(), [x])[0] for y in (got, want)]
+    assert torch.allclose(*grads, rtol=1e-5, atol=1e-5), name
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [CPU_AUTO_SCRIPT, NO_TRITON_SCRIPT, LATE_INTERPRET_SCRIPT],
+                         ids=["cpu_auto", "no_triton", "late_interpret"])
 def test_fresh_process(script):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
