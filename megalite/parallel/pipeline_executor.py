@@ -97,10 +97,10 @@ def eager_order(actions: list[Action], receive_lookahead: int = 1) -> list[Actio
     every receive posted `receive_lookahead` compute actions before the schedule lists it.
 
     Sends keep their relative order, and so do receives, so every peer still gets this rank's
-    i-th message as its i-th receive from it. For backends where a posted send or receive never
-    holds the rank (gloo: transfers run on gloo's own thread). There a send waits until its
-    peer has posted the matching receive (measured), so posting receives a step ahead lets the
-    data arrive while the rank computes instead of after it asks; and a send reaches its peer
+    i-th message as its i-th receive from it. Meant for backends where a posted transfer never
+    holds the rank (gloo, whose transfers run on its own thread). A gloo send waits until the
+    peer has posted the matching receive (measured), so a receive posted a step ahead lets the
+    data arrive while the rank computes rather than after it asks; and a send reaches its peer
     up to a schedule step earlier, which matters for interleaved 1F1B, whose schedule batches a
     step's sends after its backward so that it also runs where transfers do hold the rank
     (NCCL). Cost: the receive buffers of `receive_lookahead` more compute actions."""
