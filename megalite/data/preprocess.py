@@ -180,6 +180,12 @@ def _init_worker(config, tmp_dir, progress):
     _WORKER = ShardWorker(config, tmp_dir, progress)
 
 
+def _adopt_worker(worker):
+    """Pool initializer under fork: the parent's worker (tokenizer loaded) is inherited."""
+    global _WORKER  # noqa: PLW0603 - per-process state of a multiprocessing worker
+    _WORKER = worker
+
+
 def _run_shard(shard):
     return _WORKER.run(shard)
 
@@ -225,14 +231,17 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
     try:
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         counters = ctx.Array("q", 3)
+        # built here first, so that tokenizer errors surface before any worker starts
+        worker = ShardWorker(config, tmp_dir, counters, progress_report.update if config.workers == 1 else None)
+        dtype = worker.dtype
         if config.workers == 1:
-            worker = ShardWorker(config, tmp_dir, counters, progress_report.update)
             results = map(worker.run, shards)
-            dtype = worker.dtype
         else:
-            pool = ctx.Pool(config.workers, _init_worker, (config, tmp_dir, counters))
+            if ctx.get_start_method() == "fork":  # workers inherit `worker`, nothing is pickled
+                pool = ctx.Pool(config.workers, _adopt_worker, (worker,))
+            else:
+                pool = ctx.Pool(config.workers, _init_worker, (config, tmp_dir, counters))
             results = pool.imap(_run_shard, shards)
-            dtype = ShardWorker(config, tmp_dir).dtype  # also surfaces tokenizer errors here
         writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), dtype) for k in config.json_keys]
         summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
         for result in _with_progress(results, pool, progress_report, counters):
