@@ -1,5 +1,9 @@
 import os
 
+# Triton kernels run in Triton's CPU interpreter in these tests; the variable must be set before
+# anything (megatron.core, say) imports triton.language.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -89,11 +89,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
             pieces += [stats[3], torch.tensor([float(valid_vocab)], device=logits.device)]
         reduced = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group)
         n_rows = row_max.shape[0]
-        lse = global_max + torch.log(reduced[:n_rows])
-        loss = lse - reduced[n_rows:2 * n_rows]
+        log_sum_exp = torch.log(reduced[:n_rows])
+        lse = global_max + log_sum_exp
+        # Subtract the large terms from each other first: lse - z_t = log_sum_exp + (max - z_t),
+        # exact even when the logits are large and lse would round at their magnitude.
+        loss = log_sum_exp + (global_max - reduced[n_rows:2 * n_rows])
         if need_sum:
             vocab_size = reduced[-1:]  # stays on the device: no host sync
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - reduced[2 * n_rows:3 * n_rows] / vocab_size)
+            mean_logit = reduced[2 * n_rows:3 * n_rows] / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum_exp + (global_max - mean_logit))
             smooth = label_smoothing / vocab_size
         else:
             smooth = torch.zeros(1, dtype=torch.float32, device=logits.device)
