@@ -51,7 +51,8 @@ class PipelineP2P:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         self._warm = True
 
-    def post(self, actions: list[Action], outgoing: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
+    def post(self, actions: list[Action],
+             outgoing: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
         """Issue `actions` (communication only) as one batch. `outgoing` holds the tensor of
         every send. Returns a receive buffer per receive action, valid after wait_receives."""
         self.warm_up()
@@ -61,9 +62,9 @@ class PipelineP2P:
             if action.is_send:
                 tensor = outgoing[action]
                 if tuple(tensor.shape) != self.shape:
-                    raise ValueError(f"{action} on pipeline rank {self.pipeline_rank}: tensor of shape "
-                                     f"{tuple(tensor.shape)}, expected {self.shape} (seq/TP if sequence "
-                                     "parallel, micro-batch, hidden)")
+                    raise ValueError(f"{action} on pipeline rank {self.pipeline_rank}: tensor of "
+                                     f"shape {tuple(tensor.shape)}, expected {self.shape} (seq/TP "
+                                     "if sequence parallel, micro-batch, hidden)")
                 tensor = tensor.contiguous()
                 sent.append(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, group=self.group, group_peer=other_rank))
@@ -87,7 +88,8 @@ class PipelineP2P:
     def wait_receives(self, actions=None) -> None:
         """Wait for the receives `actions` (those posted so far that are among them), or for
         every receive posted so far when `actions` is None."""
-        keys = list(self._receives) if actions is None else [a for a in actions if a in self._receives]
+        keys = (list(self._receives) if actions is None
+                else [a for a in actions if a in self._receives])
         for key in keys:
             for work in self._receives.pop(key):
                 work.wait()

@@ -32,13 +32,14 @@ How the training loop runs it (check the configuration first with
 stage_layout.validate_pipeline; build_model_chunks and PipelineExecutor repeat those checks):
 
     chunks = [DistributedDataParallel(c, pstate, overlap_grad_reduce=True)
-              for c in build_model_chunks(config, pstate, num_layers_first=..., num_layers_last=...)]
+              for c in build_model_chunks(config, pstate, num_layers_first=f, num_layers_last=l)]
     executor = PipelineExecutor(chunks, pstate, schedule, num_microbatches=m,
                                 seq_length=s, micro_batch_size=b, hidden_size=config.hidden_size,
                                 sequence_parallel=config.sequence_parallel, dtype=activation_dtype)
     for each step:
         for chunk in chunks: chunk.zero_grad_buffer()
-        loss = executor.run(data_iterator if pstate.is_first_stage or pstate.is_last_stage else None)
+        has_data = pstate.is_first_stage or pstate.is_last_stage
+        loss = executor.run(data_iterator if has_data else None)
         finalize_model_grads(chunks, pstate)     # DP, sequence-parallel and tied-embedding sums
         optimizer.step()
     # loss: mean over the m micro-batches on the last stage (None elsewhere); average it over
@@ -205,7 +206,8 @@ class PipelineExecutor:
         self.forward_step, self.loss_scale = forward_step, loss_scale
         self.deallocate_outputs = deallocate_outputs
         if eager_sends is None:
-            eager_sends = pstate.pp_group is not None and dist.get_backend(pstate.pp_group) == "gloo"
+            eager_sends = (pstate.pp_group is not None
+                           and dist.get_backend(pstate.pp_group) == "gloo")
         self.groups = comm_batches(eager_order(self.actions) if eager_sends else self.actions)
         self.split = self._split_backward()
         self.sync_points = self._sync_points()
@@ -221,11 +223,13 @@ class PipelineExecutor:
     def _check_chunk_roles(self) -> None:
         for c, chunk in enumerate(self.chunks):
             model = unwrap(chunk)
-            for attr, expected in (("pre_process", self._is_first(c)), ("post_process", self._is_last(c))):
+            for attr, expected in (("pre_process", self._is_first(c)),
+                                   ("post_process", self._is_last(c))):
                 if hasattr(model, attr) and getattr(model, attr) != expected:
                     raise ValueError(f"chunk {c} of pipeline rank {self.rank} has {attr}="
                                      f"{getattr(model, attr)}, expected {expected} (virtual stage "
-                                     f"{virtual_stage(self.rank, c, self.p)} of {self.p * self.v}); "
+                                     f"{virtual_stage(self.rank, c, self.p)} of "
+                                     f"{self.p * self.v}); "
                                      "build the chunks with build_model_chunks")
 
     def _split_backward(self) -> dict[int, SplitBackward]:

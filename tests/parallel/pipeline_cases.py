@@ -19,8 +19,9 @@ FAMILIES = ("gpt2", "llama")
 def make_config(family: str, **overrides) -> GPTConfig:
     """GPT-2 (tied embeddings, learned positions, biases incl. a deferred fc1 bias) or Llama
     (untied, RoPE, SwiGLU, RMSNorm, GQA, no biases); fp32, dropout off."""
-    common = dict(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=VOCAB,
-                  max_position_embeddings=SEQ, attention_dropout=0.0, hidden_dropout=0.0)
+    common = dict(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
+                  vocab_size=VOCAB, max_position_embeddings=SEQ, attention_dropout=0.0,
+                  hidden_dropout=0.0)
     if family == "gpt2":
         family_cfg = dict(activation="openai_gelu")
     else:

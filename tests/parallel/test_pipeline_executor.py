@@ -206,16 +206,16 @@ def test_eager_order(name, p, v, m):
     nothing deadlocks."""
     listed = all_ranks(name, p, m, v)
     eager = [eager_order(actions) for actions in listed]
+
+    def computes_before(actions, action):
+        return sum(a.is_compute for a in actions[:actions.index(action)])
+
     for before, after in zip(listed, eager):
         assert sorted(map(str, before)) == sorted(map(str, after))
-        for kind in ("send", "receive", "compute"):
-            def pick(actions):
-                return [a for a in actions if (a.is_send if kind == "send" else
-                        a.is_comm and not a.is_send if kind == "receive" else a.is_compute)]
-            assert pick(before) == pick(after), kind
-        def computes_before(actions, action):
-            return sum(a.is_compute for a in actions[:actions.index(action)])
-
+        for kind in ("is_send", "is_compute"):
+            assert [a for a in before if getattr(a, kind)] == [a for a in after if getattr(a, kind)]
+        receives = [[a for a in actions if a.is_comm and not a.is_send] for actions in (before, after)]
+        assert receives[0] == receives[1]
         for i, action in enumerate(after):
             if action.is_send:
                 producer = {SEND_F: F, SEND_B: B}[action.kind]
@@ -230,8 +230,8 @@ def _run_as_executor(lists, p, v):
     reached and never hold the rank; a compute waits only for the receive it reads, which
     completes once the peer has posted the matching send (the i-th send from a to b pairs
     with b's i-th receive from a). Raises AssertionError on a mismatch or a deadlock."""
-    sends, receives = {}, {}         # (src, dst) -> actions posted, in order (as the receiver names them)
-    where = {}                       # (rank, receive action) -> (channel, index)
+    sends, receives = {}, {}  # (src, dst) -> posted, in order, named as the receiver names them
+    where = {}                # (rank, receive action) -> (channel, index in it)
     position = [0] * p
     needs = {F: RECV_F, B: RECV_B}
 

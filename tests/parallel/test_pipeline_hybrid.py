@@ -77,7 +77,8 @@ def _run_case(case, state):
 
 
 def _hybrid_worker(rank, world_size, cases):
-    states = {v: ParallelState.create(ParallelLayout(world_size, tensor=2, pipeline=2, virtual_pipeline=v))
+    states = {v: ParallelState.create(ParallelLayout(world_size, tensor=2, pipeline=2,
+                                                     virtual_pipeline=v))
               for v in sorted({c[2] for c in cases})}
     out = {}
     for case in cases:
@@ -123,7 +124,8 @@ def test_tp_dp_pp_matches_single_device(hybrid_results, case):
     reference, reference_losses = _reference_steps(make_config(family), m)
     results = {key[1:]: value for key, value in hybrid_results.items() if key[0] == case_id(case)}
     assert len(results) == 8
-    compare_grads([results[(0, dp, pp)]["grads"] for dp in (0, 1) for pp in (0, 1)], reference, what)
+    compare_grads([results[(0, dp, pp)]["grads"] for dp in (0, 1) for pp in (0, 1)],
+                  reference, what)
     for step in range(STEPS):
         for tp in (0, 1):
             assert all(results[(tp, dp, 0)]["losses"][step] is None for dp in (0, 1))
@@ -135,7 +137,8 @@ def test_tp_dp_pp_matches_single_device(hybrid_results, case):
         for tp in (0, 1):
             for dp in (0, 1):
                 first_copy, last_copy = results[(tp, dp, 0)]["tied"], results[(tp, dp, 1)]["tied"]
-                assert torch.equal(first_copy, last_copy), f"{what}: tied copies differ (tp {tp}, dp {dp})"
+                assert torch.equal(first_copy, last_copy), \
+                    f"{what}: tied copies differ (tp {tp}, dp {dp})"
         start = reference["params"]["embedding.word_embeddings.weight"]
         assert not torch.allclose(results[(0, 0, 0)]["tied"][:VOCAB], start[:VOCAB]), \
             f"{what}: the embedding did not train"
