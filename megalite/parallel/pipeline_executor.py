@@ -138,6 +138,7 @@ class _Step:
         self.received: dict[Action, torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
+        self.forward_only = False
 
     def batch(self, microbatch: int):
         """Micro-batch `microbatch` from the iterator (read in order, kept until every chunk of
@@ -208,7 +209,11 @@ class PipelineExecutor:
         if eager_sends is None:
             eager_sends = (pstate.pp_group is not None
                            and dist.get_backend(pstate.pp_group) == "gloo")
-        self.groups = comm_batches(eager_order(self.actions) if eager_sends else self.actions)
+        order = eager_order(self.actions) if eager_sends else self.actions
+        self.groups = comm_batches(order)
+        # Evaluation: the schedule's forwards and activation transfers alone (every schedule's
+        # forward part runs deadlock-free under either transfer rule; simulated in the tests).
+        self.forward_groups = comm_batches([a for a in order if a.kind in (F, SEND_F, RECV_F)])
         self.split = self._split_backward()
         self.sync_points = self._sync_points()
 
@@ -252,19 +257,21 @@ class PipelineExecutor:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def run(self, microbatches=None) -> torch.Tensor | None:
+    def run(self, microbatches=None, forward_only: bool = False) -> torch.Tensor | None:
         """One step over `num_microbatches` micro-batches from the iterable `microbatches`
         (dicts). Only ranks holding the first or last virtual stage need data; a rank given data
         passes each micro-batch to all its chunks. Gradients accumulate into the chunks'
         parameters. Returns the mean micro-batch loss on the rank holding the last virtual
-        stage, None elsewhere."""
+        stage, None elsewhere. `forward_only` (evaluation, under torch.no_grad()) runs the
+        forwards and their transfers alone."""
         needs_data = any(self._is_first(c) or self._is_last(c) for c in range(self.v))
         if needs_data and microbatches is None:
             raise ValueError(f"pipeline rank {self.rank} holds the first or last stage and needs "
                              "an iterator of micro-batches")
         step = _Step(microbatches, self.v, self.num_microbatches)
+        step.forward_only = forward_only
         run_compute = {F: self._forward, B: self._backward, W: self._weight_backward}
-        for index, group in enumerate(self.groups):
+        for index, group in enumerate(self.forward_groups if forward_only else self.groups):
             if group[0].is_comm:
                 self._communicate(step, group)
                 continue
@@ -296,10 +303,11 @@ class PipelineExecutor:
             elif action.kind == SEND_B:
                 outgoing[action] = step.input_grads.pop(key)
         step.received.update(self.p2p.post(group, outgoing))
-        if self.deallocate_outputs:
-            for action in group:
-                if action.kind == SEND_F:
-                    deallocate_output(step.outputs[(action.chunk, action.microbatch)])
+        for action in group:
+            if action.kind == SEND_F and step.forward_only:
+                del step.outputs[(action.chunk, action.microbatch)]  # no backward will need it
+            elif action.kind == SEND_F and self.deallocate_outputs:
+                deallocate_output(step.outputs[(action.chunk, action.microbatch)])
 
     def _backward_context(self, chunk: int, sync: bool):
         """The chunk's no_sync() for every backward but its last (data-parallel chunks)."""
@@ -310,9 +318,12 @@ class PipelineExecutor:
         c, k = action.chunk, action.microbatch
         hidden = None
         if not self._is_first(c):
-            hidden = step.received.pop(Action(RECV_F, c, k)).requires_grad_()
+            hidden = step.received.pop(Action(RECV_F, c, k))
+            if not step.forward_only:
+                hidden.requires_grad_()
         batch = step.batch(k)
-        record = self.split[c].record() if c in self.split else nullcontext()
+        split = c in self.split and not step.forward_only
+        record = self.split[c].record() if split else nullcontext()
         with record as recorded:
             out = self.forward_step(self.chunks[c], batch, hidden)
         step.forward_done(k)
@@ -322,6 +333,10 @@ class PipelineExecutor:
                                  "the last pipeline stage; expected the micro-batch's scalar loss")
             step.losses.append(out.detach().reshape(()))
             out = out * (self.loss_scale / self.num_microbatches)
+        if step.forward_only:
+            if not self._is_last(c):
+                step.outputs[(c, k)] = out  # until sent
+            return
         step.inputs[(c, k)], step.outputs[(c, k)] = hidden, out
         if recorded is not None:
             step.records[(c, k)] = recorded
