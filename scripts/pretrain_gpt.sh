@@ -27,15 +27,14 @@ has_flag() {  # has_flag --name "$@": whether the arguments set --name
     return 1
 }
 
-flag_value() {  # flag_value --name default "$@"
-    local name=$1 default=$2; shift 2
-    local prev=""
-    for a in "$@"; do
-        [[ $prev == "$name" ]] && { echo "$a"; return; }
-        [[ $a == "$name="* ]] && { echo "${a#*=}"; return; }
-        prev=$a
-    done
-    echo "$default"
+model_parallel_size() {  # TP x PP of the run, from the command line and any --config file
+    "$PYTHON" -c 'import sys
+from megalite.training.arguments import parse_args
+try:
+    a = parse_args(sys.argv[1:])
+except ValueError as e:
+    sys.exit(f"pretrain_gpt: error: {e}")
+print(a.tensor_model_parallel_size * a.pipeline_model_parallel_size)' "$@"
 }
 
 launch() {
@@ -60,7 +59,7 @@ launch() {
         if [[ $gpus != 0 ]]; then
             nproc=$gpus
         else
-            nproc=$(( $(flag_value --tensor-model-parallel-size 1 "$@") * $(flag_value --pipeline-model-parallel-size 1 "$@") ))
+            nproc=$(model_parallel_size "$@")
         fi
     fi
     if [[ $gpus == 0 && -z ${OMP_NUM_THREADS:-} ]]; then

@@ -4,6 +4,7 @@ fp32 main parameters start from them); optimizer state loaded after it is built.
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -58,6 +59,12 @@ class Run:
         return ps.is_last_stage and ps.tp_rank == 0 and ps.dp_rank == 0
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(args) -> tuple[ParallelState, torch.device]:
     """Validate the options, then join the process group and build the parallel state."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -72,7 +79,10 @@ def init_distributed(args) -> tuple[ParallelState, torch.device]:
     else:
         device = torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:
+        if world > 1:
+            raise ValueError("MASTER_PORT is not set: launch with torchrun or srun (scripts/pretrain_gpt.sh)")
+        os.environ["MASTER_PORT"] = str(_free_port())  # a lone process needs no agreed port
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
     return ParallelState.create(layout, args.distributed_timeout_minutes), device
