@@ -60,7 +60,9 @@ class SelfAttention(nn.Module):
                                                  enable_gqa=self.groups != self.heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def forward(self, x, rotary=None, attention_mask=None):
+    def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
+        """`kv_cache` (inference only): one layer's megalite.inference.KVCache; the new keys
+        and values are appended to it and the queries attend to every cached position."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
@@ -70,7 +72,10 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             impl = self.config.kernel_impl
             q, k = kernels.apply_rotary(q, cos, sin, impl=impl), kernels.apply_rotary(k, cos, sin, impl=impl)
-        if self.config.recompute_granularity == "selective":
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+            context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
+        elif self.config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:
             context = self.core_attention(q, k, v, attention_mask)

@@ -142,9 +142,13 @@ class GPTModel(nn.Module):
             self._rotary_cache_key = key
         return self._rotary_cache
 
-    def _run_layers(self, x, rotary, attention_mask):
+    def _run_layers(self, x, rotary, attention_mask, inference_cache=None):
         layers = list(self.layers.values())
         cfg = self.config
+        if inference_cache is not None:
+            for layer in layers:
+                x = layer(x, rotary, attention_mask, inference_cache)
+            return x
         if cfg.recompute_granularity != "full":
             for layer in layers:
                 x = layer(x, rotary, attention_mask)
@@ -166,12 +170,20 @@ class GPTModel(nn.Module):
                 x = checkpointed(run([layer]), self.rng_tracker, x) if i < n else layer(x, rotary, attention_mask)
         return x
 
-    def forward(self, tokens=None, position_ids=None, attention_mask=None, labels=None, hidden_states=None):
+    def forward(self, tokens=None, position_ids=None, attention_mask=None, labels=None, hidden_states=None,
+                inference_cache=None):
         """Returns per-token losses [b, s] (fp32) when `labels` is given on the last stage,
         vocab-parallel logits [b, s, V/t] without labels, and hidden states [s(/t), b, h] on
         other stages. `hidden_states` is the previous stage's output (not pre_process).
         `attention_mask` is bool [b, 1, s, s], True where attention is not allowed; None
-        means causal."""
+        means causal.
+
+        `inference_cache` (generation, no sequence parallelism): a
+        megalite.inference.InferenceCache; the tokens sit at positions cache.offset onwards
+        and attend to the cached keys and values, which they extend. The caller advances
+        cache.offset after the call."""
+        if inference_cache is not None:
+            return self._forward_cached(tokens, hidden_states, inference_cache)
         x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         seq_len = x.shape[0] * (self.pstate.tp_size if self.config.sequence_parallel else 1)
         x = self._run_layers(x, self._rotary(seq_len, x.device), attention_mask)
@@ -186,6 +198,24 @@ class GPTModel(nn.Module):
                                             self.config.label_smoothing, impl=self.config.kernel_impl,
                                             inplace_backward=True)
         return loss.t()
+
+    def _forward_cached(self, tokens, hidden_states, cache):
+        if self.config.sequence_parallel:
+            raise ValueError("generation with a KV cache needs sequence_parallel off")
+        offset = cache.offset
+        if self.pre_process:
+            positions = torch.arange(offset, offset + tokens.shape[1], device=tokens.device).unsqueeze(0)
+            x = self.embedding(tokens, positions)
+        else:
+            x = hidden_states
+        cache.check_room(x.shape[0])
+        rotary = self._rotary(cache.max_length, x.device)
+        if rotary is not None:
+            rotary = tuple(t[offset:offset + x.shape[0]] for t in rotary)
+        x = self._run_layers(x, rotary, None, cache)
+        if not self.post_process:
+            return x
+        return self.output_layer(self.final_layernorm(x), weight=self.output_weight()).transpose(0, 1)
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

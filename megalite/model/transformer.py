@@ -26,6 +26,7 @@ class TransformerLayer(nn.Module):
         with rng_fork_if(self.rng_tracker, self.config.sequence_parallel):
             return residual + F.dropout(x, p, training=True)
 
-    def forward(self, x, rotary=None, attention_mask=None):
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, attention_mask), x)
+    def forward(self, x, rotary=None, attention_mask=None, inference_cache=None):
+        kv_cache = None if inference_cache is None else inference_cache.layer(self.layer_number)
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

@@ -1,0 +1,92 @@
+"""Command line of tools/checkpoint/convert.py (Megatron's converter flag names).
+
+    python tools/checkpoint/convert.py --loader hf --saver megalite --load-dir HF_DIR --save-dir OUT \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/checkpoint/convert.py --loader megalite --saver hf --load-dir CKPT --save-dir HF_OUT
+    python tools/checkpoint/convert.py --loader megalite --saver megalite --load-dir CKPT --save-dir OUT \\
+        --target-tensor-parallel-size 4
+
+Exit status 0 on success; 2 with one line on stderr naming the file, tensor, flag or config
+field for bad input (nothing is then left under --save-dir).
+"""
+
+import argparse
+import sys
+
+from megalite.convert.converters import hf_to_megalite, megalite_to_hf, megalite_to_megalite
+from megalite.convert.hints import hint_text
+from megalite.convert.megalite_reader import read_common
+from megalite.convert.publish import ConversionError
+from megalite.convert.safetensors_io import parse_size
+from megalite.convert.target_layout import TargetLayout
+from megalite.training.checkpoint_format import CheckpointError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConversionError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tools/checkpoint/convert.py", description="Convert GPT checkpoints between Hugging Face "
+                "transformers and megalite, and between megalite parallel layouts, on CPU.")
+    p.add_argument("--loader", required=True, choices=("hf", "megalite"), help="format of --load-dir")
+    p.add_argument("--saver", required=True, choices=("hf", "megalite"), help="format to write to --save-dir")
+    p.add_argument("--load-dir", required=True, help="Hugging Face model directory or megalite --save directory")
+    p.add_argument("--save-dir", required=True, help="output directory (must not exist, or be empty)")
+    p.add_argument("--target-tensor-parallel-size", type=int,
+                   help="TP size of the megalite checkpoint (default: 1 from hf, the source's from megalite)")
+    p.add_argument("--target-pipeline-parallel-size", type=int,
+                   help="PP size of the megalite checkpoint (default: 1 from hf, the source's from megalite)")
+    p.add_argument("--target-num-virtual-stages", type=int,
+                   help="virtual pipeline stages per PP rank (default: 1 from hf, the source's from megalite)")
+    p.add_argument("--iteration", type=int, help="megalite loader: this iteration instead of the latest")
+    p.add_argument("--max-shard-size", default="5GB", help="hf saver: safetensors shard size (default 5GB)")
+    p.add_argument("--model-type", choices=("GPT",), default="GPT", help="accepted for Megatron scripts (GPT only)")
+    return p
+
+
+def _target(args, source_layout: dict | None) -> TargetLayout:
+    source_layout = source_layout or {}
+    tp = args.target_tensor_parallel_size or source_layout.get("tp", 1)
+    pp = args.target_pipeline_parallel_size or source_layout.get("pp", 1)
+    vp = args.target_num_virtual_stages or (source_layout.get("vp", 1) if pp == source_layout.get("pp") else 1)
+    return TargetLayout(tp, pp, vp)
+
+
+def convert(args) -> list[str]:
+    """Run the conversion `args` asks for; the lines to print."""
+    if args.loader == "hf" and args.saver == "hf":
+        raise ConversionError("--loader hf --saver hf: nothing to convert (one side must be megalite)")
+    if args.saver == "hf":
+        if any(v is not None for v in (args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                                       args.target_num_virtual_stages)):
+            raise ConversionError("--target-* sizes apply to --saver megalite only")
+        summary = megalite_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size), args.iteration)
+        lines = [f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) to {summary.output}"]
+        return lines + [f"  {n}" for n in summary.notes]
+    if args.loader == "hf":
+        layout = _target(args, None)
+        summary = hf_to_megalite(args.load_dir, args.save_dir, layout)
+    else:
+        try:
+            common, _ = read_common(args.load_dir, args.iteration)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from None
+        layout = _target(args, common.get("layout"))
+        summary = megalite_to_megalite(args.load_dir, args.save_dir, layout, args.iteration)
+    lines = [f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) to {summary.output} "
+             f"at TP={layout.tp} PP={layout.pp}" + (f" VP={layout.vp}" if layout.vp > 1 else "")]
+    lines += [f"  note: {n}" for n in summary.notes]
+    return lines + [hint_text(summary.flags, layout)]
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        lines = convert(args)
+    except (ConversionError, CheckpointError) as error:
+        print(f"convert: error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0

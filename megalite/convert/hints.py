@@ -1,0 +1,99 @@
+"""The Megatron flags that rebuild a converted model in `python -m megalite.pretrain_gpt`.
+
+`model_config_from_args(parse_args(flags), vocab_size)` gives back the converted GPTConfig
+(tested), so the printed hint and common.json's `args` describe the model exactly.
+"""
+
+import shlex
+
+from megalite.model.config import GPTConfig
+from megalite.training.arguments import parse_args
+
+
+def _number(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def model_flags(config: GPTConfig) -> list[str]:
+    """Flags giving `config`'s architecture."""
+    flags = ["--num-layers", str(config.num_layers), "--hidden-size", str(config.hidden_size),
+             "--num-attention-heads", str(config.num_attention_heads),
+             "--ffn-hidden-size", str(config.ffn_hidden_size),
+             "--max-position-embeddings", str(config.max_position_embeddings),
+             "--seq-length", str(min(config.max_position_embeddings, 4096))]
+    if config.num_query_groups != config.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(config.num_query_groups)]
+    if config.kv_channels != config.hidden_size // config.num_attention_heads:
+        flags += ["--kv-channels", str(config.kv_channels)]
+    if config.position_embedding_type == "rope":
+        flags += ["--position-embedding-type", "rope", "--rotary-base", _number(config.rotary_base)]
+        if config.rotary_percent != 1.0:
+            flags += ["--rotary-percent", _number(config.rotary_percent)]
+    if config.normalization != "LayerNorm":
+        flags += ["--normalization", config.normalization]
+    flags += ["--norm-epsilon", _number(config.norm_epsilon)]
+    flags += {"swiglu": ["--swiglu"], "openai_gelu": ["--openai-gelu"], "gelu": []}[config.activation]
+    if not config.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    if config.add_qkv_bias:
+        flags.append("--add-qkv-bias")
+    if config.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if config.make_vocab_size_divisible_by != 128:
+        flags += ["--make-vocab-size-divisible-by", str(config.make_vocab_size_divisible_by)]
+    flags += ["--init-method-std", _number(config.init_method_std),
+              "--attention-dropout", _number(config.attention_dropout),
+              "--hidden-dropout", _number(config.hidden_dropout)]
+    if config.attention_softmax_in_fp32:
+        flags.append("--attention-softmax-in-fp32")
+    flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
+    return flags
+
+
+def layout_flags(layout, sequence_parallel: bool = False) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vp > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.vp)]
+    if sequence_parallel and layout.tp > 1:
+        flags.append("--sequence-parallel")
+    return flags
+
+
+def tokenizer_flags(entry: dict, vocab_size: int) -> list[str]:
+    if not entry.get("type"):
+        return []
+    flags = ["--tokenizer-type", entry["type"]]
+    for key, flag in (("model", "--tokenizer-model"), ("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")):
+        if entry.get(key):
+            flags += [flag, str(entry[key])]
+    if entry["type"] == "NullTokenizer":
+        flags += ["--vocab-size", str(vocab_size - 1)]  # Megatron's NullTokenizer adds the EOD id
+    return flags
+
+
+def training_flags(config: GPTConfig, layout, tokenizer: dict, load_dir) -> list[str]:
+    """Every flag a run loading the converted checkpoint from `load_dir` needs."""
+    return (model_flags(config) + layout_flags(layout, config.sequence_parallel)
+            + tokenizer_flags(tokenizer, config.vocab_size) + ["--load", str(load_dir)])
+
+
+def args_dict(flags: list[str]) -> dict:
+    """common.json's `args`: the Arguments these flags parse to (Megatron's defaults elsewhere)."""
+    return parse_args(flags).to_dict()
+
+
+def hint_text(flags: list[str], layout, vocab_note: str | None = None) -> str:
+    """The lines printed after a conversion to megalite."""
+    lines = [f"To train from it ({layout.tp * layout.pp} processes per data-parallel replica):",
+             f"  torchrun --nproc-per-node {layout.tp * layout.pp} -m megalite.pretrain_gpt \\"]
+    pairs, i = [], 0
+    while i < len(flags):
+        take = 2 if i + 1 < len(flags) and not flags[i + 1].startswith("--") else 1
+        pairs.append(" ".join(shlex.quote(f) for f in flags[i:i + take]))
+        i += take
+    lines += [f"    {p} \\" for p in pairs]
+    lines.append("    --finetune   # or --no-load-optim --no-load-rng; plus your data, batch and lr flags")
+    lines.append("  (--seq-length is a suggestion: any length up to --max-position-embeddings works)")
+    if vocab_note:
+        lines.append(f"  note: {vocab_note}")
+    return "\n".join(lines)

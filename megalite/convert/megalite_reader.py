@@ -1,0 +1,94 @@
+"""A megalite checkpoint read one full tensor at a time, whatever layout wrote it.
+
+Each `get(key)` asks DCP for that one tensor at its full stored shape; DCP assembles it from
+the chunks the ranks of the saving run wrote. The files are checked against common.json's
+digests first, and metadata is unpickled only through megalite's allowlist reader.
+"""
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megalite.convert.publish import ConversionError
+from megalite.model.config import GPTConfig
+from megalite.training.checkpoint_format import (
+    CheckpointError, SafeFileSystemReader, read_metadata_file, verify_files,
+)
+from megalite.training.checkpointing import TRACKER, iteration_dir, read_tracker
+
+
+def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
+    """(common.json of the latest (or given) checkpoint under `load_dir`, its iteration)."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"{root / TRACKER}: missing (not a megalite checkpoint directory)")
+    path = iteration_dir(root, iteration) / "common.json"
+    try:
+        common = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (incomplete checkpoint)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(common.get("model_config"), dict):
+        raise CheckpointError(f"{path}: no model_config entry (cannot rebuild the model)")
+    return common, iteration
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class MegaliteCheckpoint:
+    """The latest (or given) checkpoint under a megalite --save directory."""
+
+    def __init__(self, load_dir, iteration: int | None = None, verify: bool = True):
+        self.root = Path(load_dir)
+        try:
+            self.common, self.iteration = read_common(self.root, iteration)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from None
+        self.path = iteration_dir(self.root, self.iteration)
+        if verify:
+            problems = verify_files(self.path, self.common.get("files", {}))
+            if problems:
+                raise ConversionError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        try:
+            self.metadata = read_metadata_file(self.path / ".metadata")
+            self.config = GPTConfig.from_dict(self.common["model_config"])
+        except (CheckpointError, ValueError, TypeError) as e:
+            raise ConversionError(f"{self.path}: {e}") from None
+
+    def keys(self) -> list[str]:
+        return list(self.metadata.state_dict_metadata)
+
+    def spec(self, key: str) -> tuple[tuple, torch.dtype]:
+        """(stored shape, dtype) of tensor `key`."""
+        meta = self.metadata.state_dict_metadata.get(key)
+        if meta is None or not hasattr(meta, "size"):
+            raise ConversionError(f"{self.path}: checkpoint has no tensor {key}")
+        return tuple(meta.size), meta.properties.dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor `key` ('model/<name>' or 'optimizer/<state>/<name>')."""
+        shape, dtype = self.spec(key)
+        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            with _quiet_single_process():
+                dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - DCP wraps failures; name the checkpoint and tensor
+            raise ConversionError(f"{self.path}: cannot read tensor {key} ({str(e).splitlines()[0][:200]})") from None
+        return tensor
+
+    def get_model(self, name: str) -> torch.Tensor:
+        return self.get(f"model/{name}")

@@ -1,0 +1,94 @@
+"""Hugging Face -> megalite (TP=2, PP=2) -> Hugging Face returns bit-identical tensors for GPT-2
+and Llama (GQA, tied and untied), from safetensors (single and sharded) and PyTorch weights;
+megalite -> megalite at other layouts keeps every tensor; the checkpoint is what a run at the
+target layout describes to DCP."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.convert.safetensors_io import read_header
+from megalite.model.gpt import GPTModel
+from megalite.training.checkpointing import iteration_dir, load_checkpoint, read_tracker
+from tests.convert.hf_models import FAMILIES, convert, hf_model, hf_to_megalite, megalite_to_hf, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+def _assert_identical(reference: dict, directory, family: str):
+    back = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert set(back) == set(reference), f"{family}: names differ: {set(back) ^ set(reference)}"
+    for name, tensor in reference.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), f"{family}: {name} differs"
+
+
+CASES = [("gpt2", {}), ("llama", {}), ("llama", {"tied": True})]
+
+
+@pytest.mark.parametrize("family, options", CASES, ids=["gpt2", "llama-gqa", "llama-tied"])
+def test_hf_megalite_tp2_pp2_hf_is_bit_identical(tmp_path, family, options):
+    model = hf_model(family, **options)
+    ckpt = hf_to_megalite(save_hf(model, tmp_path / "hf"), tmp_path / "ml", tp=2, pp=2)
+    megalite_to_hf(ckpt, tmp_path / "back")
+    _assert_identical(model.state_dict(), tmp_path / "back", family)
+    common = json.loads((iteration_dir(ckpt, 0) / "common.json").read_text())
+    assert common["layout"] == {"tp": 2, "pp": 2, "dp": 1, "vp": 1} and common["iteration"] == 0
+    assert sorted(p.name for p in iteration_dir(ckpt, 0).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert set(common["files"]) == {p.name for p in iteration_dir(ckpt, 0).iterdir()} - {"common.json"}
+
+
+def test_sharded_safetensors_and_pytorch_bin_inputs(tmp_path):
+    model = hf_model("llama", seed=1)
+    sharded = save_hf(model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (Path(sharded) / "model.safetensors.index.json").exists()
+    ckpt = hf_to_megalite(sharded, tmp_path / "from_sharded", tp=2)
+    megalite_to_hf(ckpt, tmp_path / "back1")
+    _assert_identical(model.state_dict(), tmp_path / "back1", "llama (sharded input)")
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "pytorch_model.bin").rename(bin_dir / "pytorch_model.bin")
+    (bin_dir / "config.json").write_text((Path(sharded) / "config.json").read_text())
+    megalite_to_hf(hf_to_megalite(bin_dir, tmp_path / "from_bin", pp=2), tmp_path / "back2")
+    _assert_identical(model.state_dict(), tmp_path / "back2", "llama (pytorch_model.bin input)")
+
+
+def test_sharded_safetensors_output(tmp_path):
+    model = hf_model("gpt2", seed=2)
+    ckpt = hf_to_megalite(save_hf(model, tmp_path / "hf"), tmp_path / "ml")
+    megalite_to_hf(ckpt, tmp_path / "back", "--max-shard-size", "100KB")
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    sizes = [sum(e["data_offsets"][1] - e["data_offsets"][0] for e in read_header(tmp_path / "back" / s)[0].values())
+             for s in shards]
+    assert index["metadata"]["total_size"] == sum(sizes)
+    _assert_identical(model.state_dict(), tmp_path / "back", "gpt2 (sharded output)")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megalite_to_megalite_relayout(tmp_path, family):
+    """TP=2 PP=2 -> TP=1 PP=4 VP=... -> TP=2 PP=1: every tensor identical; loads at TP=1."""
+    model = hf_model(family, seed=3)
+    first = hf_to_megalite(save_hf(model, tmp_path / "hf"), tmp_path / "a", tp=2, pp=2)
+    status = convert("--loader", "megalite", "--saver", "megalite", "--load-dir", first, "--save-dir", tmp_path / "b",
+                     "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 2,
+                     "--target-num-virtual-stages", 2)
+    assert status == 0
+    status = convert("--loader", "megalite", "--saver", "megalite", "--load-dir", tmp_path / "b",
+                     "--save-dir", tmp_path / "c", "--target-tensor-parallel-size", 2,
+                     "--target-pipeline-parallel-size", 1)
+    assert status == 0
+    a, c = MegaliteCheckpoint(first), MegaliteCheckpoint(tmp_path / "c")
+    assert a.keys() == c.keys()
+    for key in a.keys():
+        assert torch.equal(a.get(key), c.get(key)), f"{family}: {key} changed"
+    assert MegaliteCheckpoint(tmp_path / "b").common["layout"] == {"tp": 1, "pp": 2, "dp": 1, "vp": 2}
+    assert c.common["args"]["tensor_model_parallel_size"] == 2 and c.common["args"]["pipeline_model_parallel_size"] == 1
+    chunk = GPTModel(c.config.replace(params_dtype="float32"), init_seed=5)
+    load_checkpoint(tmp_path / "c", chunks=[chunk], pstate=chunk.pstate)
+    for name, param in chunk.named_parameters():
+        assert torch.equal(param.data[: a.spec(f"model/{name}")[0][0]], a.get_model(name)), name
