@@ -25,7 +25,6 @@ from megalite.convert.tokenizer_files import (
     copy_hf_tokenizer, export_tokenizer, relocate_tokenizer, resolved_entry, tokenizer_eod,
 )
 from megalite.model import hf_mapping
-from megalite.training.checkpoint_format import file_digest
 from megalite.training.checkpointing import TRACKER, iteration_dir, write_text_atomic
 
 PARAMS_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -64,10 +63,10 @@ def _stream_to_dcp(writer: StreamingDCPWriter, placement: TensorPlacement, tenso
     return writer.close()
 
 
-def _publish_checkpoint(staging: Path, iteration: int, files: list[str], common: dict) -> None:
+def _publish_checkpoint(staging: Path, iteration: int, digests: dict, common: dict) -> None:
     """common.json (with the file digests) in the iteration folder, then the tracker file."""
     folder = iteration_dir(staging, iteration)
-    common = {**common, "iteration": iteration, "files": {n: file_digest(folder / n) for n in files}}
+    common = {**common, "iteration": iteration, "files": digests}
     write_text_atomic(folder / "common.json", json.dumps(common, indent=1, sort_keys=True))
     write_text_atomic(staging / TRACKER, str(iteration))
 

@@ -8,6 +8,7 @@ load and reshard it like any other checkpoint. Only the tensor being added is in
 
 import os
 import pickle
+import zlib
 from pathlib import Path
 
 import torch
@@ -21,6 +22,33 @@ from megalite.convert.publish import ConversionError
 DCP_VERSION = "1.0.0"
 
 
+class _DigestingFile:
+    """An append-only file that keeps the size and CRC32 of what was written (the digests
+    common.json lists), so nothing is read back."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "wb")
+        self.size, self.crc = 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.file.write(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return {"size": self.size, "crc32": self.crc}
+
+
 class StreamingDCPWriter:
     """Write chunks of full tensors into per-rank files; `close()` writes .metadata."""
 
@@ -32,9 +60,9 @@ class StreamingDCPWriter:
         self.storage: dict[MetadataIndex, _StorageInfo] = {}
         self.bytes_written = 0
 
-    def _file(self, rank: int):
+    def _file(self, rank: int) -> _DigestingFile:
         if rank not in self.files:
-            self.files[rank] = open(self.dir / self.file_name(rank), "wb")
+            self.files[rank] = _DigestingFile(self.dir / self.file_name(rank))
         return self.files[rank]
 
     @staticmethod
@@ -61,25 +89,18 @@ class StreamingDCPWriter:
         self.tensors[key] = TensorStorageMetadata(properties=TensorProperties(dtype=tensor.dtype),
                                                   size=torch.Size(tensor.shape), chunks=metas)
 
-    def close(self) -> list[str]:
-        """Flush every file and write .metadata; returns the names of the files written."""
-        names = []
-        for rank, stream in sorted(self.files.items()):
-            stream.flush()
-            os.fsync(stream.fileno())
-            stream.close()
-            names.append(self.file_name(rank))
+    def close(self) -> dict[str, dict]:
+        """Flush every file and write .metadata; returns {file name: {size, crc32}}."""
+        digests = {self.file_name(rank): stream.close() for rank, stream in sorted(self.files.items())}
         metadata = Metadata(state_dict_metadata=self.tensors, planner_data={k: (k,) for k in self.tensors},
                             storage_data=self.storage, storage_meta=StorageMeta(checkpoint_id=str(self.dir)),
                             version=DCP_VERSION)
-        tmp = self.dir / ".metadata.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / ".metadata")
-        return names + [".metadata"]
+        tmp = _DigestingFile(self.dir / ".metadata.tmp")
+        pickle.dump(metadata, tmp)
+        digests[".metadata"] = tmp.close()
+        os.replace(self.dir / ".metadata.tmp", self.dir / ".metadata")
+        return digests
 
     def abort(self) -> None:
         for stream in self.files.values():
-            stream.close()
+            stream.file.close()

@@ -6,17 +6,20 @@ digests first, and metadata is unpickled only through megalite's allowlist reade
 """
 
 import contextlib
+import io
 import json
+import zlib
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megalite.convert.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.training.checkpoint_format import (
-    CheckpointError, SafeFileSystemReader, read_metadata_file, verify_files,
+    CheckpointError, SafeFileSystemReader, read_metadata_file,
 )
 from megalite.training.checkpointing import TRACKER, iteration_dir, read_tracker
 
@@ -42,6 +45,26 @@ def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
     return common, iteration
 
 
+def verify_digests(directory: Path, expected: dict) -> list[str]:
+    """checkpoint_format.verify_files' checks (size, then CRC32) reading 1 MiB at a time."""
+    problems = []
+    for name, digest in sorted(expected.items()):
+        path = directory / name
+        if not path.exists():
+            problems.append(f"{path}: missing")
+            continue
+        if path.stat().st_size != digest["size"]:
+            problems.append(f"{path}: truncated or altered ({path.stat().st_size} bytes, expected {digest['size']})")
+            continue
+        crc = 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                crc = zlib.crc32(block, crc)
+        if crc != digest["crc32"]:
+            problems.append(f"{path}: corrupted (checksum mismatch)")
+    return problems
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
     with warnings.catch_warnings():
@@ -60,7 +83,7 @@ class MegaliteCheckpoint:
             raise ConversionError(str(e)) from None
         self.path = iteration_dir(self.root, self.iteration)
         if verify:
-            problems = verify_files(self.path, self.common.get("files", {}))
+            problems = verify_digests(self.path, self.common.get("files", {}))
             if problems:
                 raise ConversionError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         try:
@@ -80,9 +103,35 @@ class MegaliteCheckpoint:
         return tuple(meta.size), meta.properties.dtype
 
     def get(self, key: str) -> torch.Tensor:
-        """The full tensor `key` ('model/<name>' or 'optimizer/<state>/<name>')."""
+        """The full tensor `key` ('model/<name>' or 'optimizer/<state>/<name>'), assembled
+        from its stored chunks (each a torch.save record read with weights_only=True)."""
         shape, dtype = self.spec(key)
         tensor = torch.empty(shape, dtype=dtype)
+        chunks = self.metadata.state_dict_metadata[key].chunks
+        infos = [self.metadata.storage_data.get(MetadataIndex(key, c.offsets)) for c in chunks]
+        if sum(torch.Size(c.sizes).numel() for c in chunks) != tensor.numel():
+            raise ConversionError(f"{self.path}: the chunks of tensor {key} do not cover its shape {list(shape)}")
+        if any(info is None or getattr(info, "transform_descriptors", None) for info in infos):
+            return self._get_through_dcp(key, tensor)  # compressed or unusual storage: DCP's reader
+        for chunk, info in zip(chunks, infos):
+            with open(self.path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                record = f.read(info.length)
+            if len(record) != info.length:
+                raise ConversionError(f"{self.path / info.relative_path}: truncated (tensor {key})")
+            try:
+                piece = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a record that does not load is damage
+                raise ConversionError(f"{self.path / info.relative_path}: tensor {key} unreadable ({e})") from None
+            del record
+            region = tensor[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            if tuple(piece.shape) != tuple(region.shape):
+                raise ConversionError(f"{self.path}: tensor {key} chunk at {list(chunk.offsets)} has shape "
+                                      f"{tuple(piece.shape)}, expected {tuple(region.shape)}")
+            region.copy_(piece)
+        return tensor
+
+    def _get_through_dcp(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         try:
             with _quiet_single_process():
                 dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
