@@ -108,7 +108,11 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     """
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     dtype = np.int32 if max(len(document_index), int(sizes.max(initial=0))) <= np.iinfo(np.int32).max else np.int64
-    ends = (sizes[document_index] if ordered_sizes is None else ordered_sizes).astype(np.int64)
+    if ordered_sizes is None:
+        # np.take from the most compact copy of the lengths: the gather is random access
+        table = sizes.astype(np.uint16) if int(sizes.max(initial=0)) < (1 << 16) else sizes
+        ordered_sizes = np.take(table, document_index.astype(np.intp))
+    ends = ordered_sizes.astype(np.int64)
     np.cumsum(ends, out=ends)
     out = np.empty((num_samples + 1, 2), dtype=dtype)
     chunk = 1 << 22  # bounded temporaries for very long runs

@@ -8,6 +8,7 @@ the same for any number of workers, memory stays bounded by the shard batch size
 final names appear only when everything succeeded.
 """
 
+import gc
 import multiprocessing
 import os
 import shutil
@@ -238,6 +239,7 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
             results = map(worker.run, shards)
         else:
             if ctx.get_start_method() == "fork":  # workers inherit `worker`, nothing is pickled
+                gc.freeze()  # the children's garbage collector then skips (and never copies) our heap
                 pool = ctx.Pool(config.workers, _adopt_worker, (worker,))
             else:
                 pool = ctx.Pool(config.workers, _init_worker, (config, tmp_dir, counters))
@@ -270,6 +272,7 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
         if pool is not None:
             pool.terminate()
             pool.join()
+            gc.unfreeze()
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 

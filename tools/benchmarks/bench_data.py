@@ -10,8 +10,9 @@
 2. Index building for a synthetic dataset (1e9 tokens in 1e7 documents, seq 2048, one epoch):
    megalite's build_gpt_datasets (document, sample and shuffle indices, cache written)
    against the same arrays built by Megatron-Core's GPTDataset steps with its shipped
-   compiled helper (megatron.core.datasets.helpers_cpp.build_sample_idx), each in a fresh
-   process for peak memory; plus the sample-index step alone on identical inputs.
+   compiled helper (megatron.core.datasets.helpers_cpp.build_sample_idx), cache written
+   too, each in a fresh process for peak memory; plus the sample-index step alone on
+   identical inputs.
    Targets: < 10 s, < 2 GB peak, no slower than Megatron-Core.
 Timings are the best of --repeats runs (wall clock); the machine's load average is printed,
 as other work on the machine slows both sides.

@@ -73,9 +73,10 @@ def build_ours(prefix, seq_length, num_samples, cache):
                 digest=_digest(train.document_index, train.sample_index, train.shuffle_index))
 
 
-def build_megatron(prefix, seq_length, num_samples):
-    """The same arrays by Megatron-Core's GPTDataset steps: numpy shuffles and its compiled
-    helpers_cpp.build_sample_idx (what GPTDataset._build_document_sample_shuffle_indices does)."""
+def build_megatron(prefix, seq_length, num_samples, cache):
+    """The same arrays by Megatron-Core's GPTDataset steps: numpy shuffles, its compiled
+    helpers_cpp.build_sample_idx and numpy.save of the three arrays to the cache directory
+    (what GPTDataset._build_document_sample_shuffle_indices does)."""
     from megatron.core.datasets import helpers
     from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -94,6 +95,10 @@ def build_megatron(prefix, seq_length, num_samples):
     sample_index = helpers.build_sample_idx(sizes.copy(), document_index, seq_length, epochs, tokens, True, True)
     t2 = time.perf_counter()
     shuffle_index = _build_shuffle_index(len(sample_index) - 1, len(sample_index) - 1, state)
+    os.makedirs(cache, exist_ok=True)
+    for name, array in (("document_index", document_index), ("sample_index", sample_index),
+                        ("shuffle_index", shuffle_index)):
+        np.save(os.path.join(cache, f"megatron-{name}.npy"), array, allow_pickle=True)
     seconds = time.perf_counter() - t0
     return dict(seconds=seconds, sample_index_seconds=t2 - t1, samples=len(shuffle_index), peak_rss_mb=peak_rss_mb(),
                 rss_before_mb=start_rss, digest=_digest(document_index, sample_index, shuffle_index))
@@ -143,7 +148,7 @@ def main():
     if a.child == "ours":
         out = build_ours(a.prefix, a.seq_length, a.num_samples, a.cache)
     elif a.child == "megatron":
-        out = build_megatron(a.prefix, a.seq_length, a.num_samples)
+        out = build_megatron(a.prefix, a.seq_length, a.num_samples, a.cache)
     else:
         out = sample_index_step(a.prefix, a.seq_length)
     print(json.dumps(out))
