@@ -1,0 +1,101 @@
+"""Launch `python -m megalite.pretrain_gpt` as separate rank processes, as srun does (each rank
+its own process with RANK / WORLD_SIZE / MASTER_* in its environment), so tests can signal or
+kill individual ranks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A small Llama-style model on mock data; every run of a test shares these.
+BASE = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "211",
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "3e-4",
+    "--log-interval", "1", "--num-workers", "0", "--distributed-backend", "gloo", "--seed", "7",
+]
+
+
+class Ranks:
+    """The processes of one launch."""
+
+    def __init__(self, procs, logs):
+        self.procs, self.logs = procs, logs
+
+    def wait(self, timeout=300) -> list[int]:
+        deadline = time.time() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(1, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"ranks still running after {timeout}s:\n{self.output()}")
+        return codes
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def output(self) -> str:
+        return "\n".join(f"--- rank {r} ---\n{Path(log).read_text()[-3000:]}" for r, log in enumerate(self.logs))
+
+
+def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = None) -> Ranks:
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for rank in range(world_size):
+        rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(REPO), **(env or {})}
+        log = log_dir / f"rank{rank}.log"
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "megalite.pretrain_gpt", *args], env=rank_env,
+                                          stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
+        logs.append(log)
+    return Ranks(procs, logs)
+
+
+def run(args: list[str], world_size: int, log_dir: Path, timeout=300) -> Ranks:
+    ranks = launch(args, world_size, log_dir)
+    codes = ranks.wait(timeout)
+    assert codes == [0] * world_size, f"exit codes {codes}:\n{ranks.output()}"
+    return ranks
+
+
+def records(metrics_file: Path) -> list[dict]:
+    if not metrics_file.exists():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
+def train_losses(metrics_file: Path) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in records(metrics_file) if "split" not in r}
+
+
+def eval_losses(metrics_file: Path, split: str = "valid") -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in records(metrics_file) if r.get("split") == split}
+
+
+def wait_for(condition, timeout=240, what="condition", ranks: Ranks | None = None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        if ranks is not None and any(p.poll() is not None for p in ranks.procs):
+            raise AssertionError(f"a rank exited while waiting for {what}:\n{ranks.output()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
