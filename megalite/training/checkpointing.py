@@ -102,11 +102,13 @@ def _dcp_state_dict(entries, pstate, vocab):
 
 
 class PendingSave:
-    """A checkpoint being written; `finalize()` (on every rank) waits for it and publishes it."""
+    """A checkpoint being written; `finalize()` (on every rank) waits for it and publishes it.
+    Its own collectives run on the default group from the training thread; DCP's background
+    writes use the separate group given to save_checkpoint."""
 
-    def __init__(self, root, iteration, tmp, common, future=None, group=None):
+    def __init__(self, root, iteration, tmp, common, future=None):
         self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
-        self.future, self.group = future, group
+        self.future = future
 
     def done(self) -> bool:
         """Whether every rank's write has finished (a collective when distributed)."""
@@ -114,7 +116,7 @@ class PendingSave:
         if not _distributed():
             return local
         flag = torch.tensor([1 if local else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def finalize(self) -> Path:
@@ -125,7 +127,7 @@ class PendingSave:
         gathered = [mine]
         if _distributed():
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine, group=self.group)
+            dist.all_gather_object(gathered, mine)
         final = iteration_dir(self.root, self.iteration)
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
@@ -136,7 +138,7 @@ class PendingSave:
                 shutil.rmtree(final)
             os.replace(self.tmp, final)
             write_text_atomic(self.root / TRACKER, str(self.iteration))
-        _barrier(self.group)
+        _barrier()
         return final
 
 
@@ -146,7 +148,9 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
 
     Returns a PendingSave; synchronous saves are already published, asynchronous ones are
     published by `finalize()`. `common` holds JSON-able run state (iteration, consumed samples,
-    scheduler and optimizer scalars, args) and is written by rank 0."""
+    scheduler and optimizer scalars, args) and is written by rank 0. `group` carries DCP's
+    collectives: asynchronous saves need one of their own (a gloo group), since they run in a
+    background thread while training uses the default group."""
     root = Path(root)
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
     if _rank() == 0:
@@ -167,9 +171,9 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
-            return PendingSave(root, iteration, tmp, common, future, group)
+            return PendingSave(root, iteration, tmp, common, future)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    pending = PendingSave(root, iteration, tmp, common, None, group)
+    pending = PendingSave(root, iteration, tmp, common)
     pending.finalize()
     return pending
 

@@ -74,6 +74,8 @@ class Trainer:
         self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
                                               resume_iteration=run.iteration if run.loaded_from else None)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
+        # Background checkpoint writes get a process group of their own (see save_checkpoint).
+        self.save_group = dist.new_group(backend="gloo") if self.args.async_save else None
         self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
 
     # --- checkpoints ---------------------------------------------------------------------------
@@ -86,7 +88,7 @@ class Trainer:
         self.pending_save = save_checkpoint(
             args.save, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
             pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker, common=common_state(run),
-            async_save=args.async_save)
+            async_save=args.async_save, group=self.save_group)
         if not args.async_save:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {args.save}")

@@ -11,6 +11,7 @@ import torch
 
 from megalite.model.gpt import GPTModel
 from megalite.model.weights import gather_full_weights
+from megalite.parallel.pipeline_model import build_model_chunks
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.training.checkpoint_format import CheckpointError, tp_chunks
 from megalite.training.checkpointing import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
@@ -19,10 +20,8 @@ from tests.model.test_gpt_tp import make_config
 
 
 def _chunks(config, state, seed):
-    """This rank's pipeline stage as one chunk: layers split evenly over PP."""
-    per = config.num_layers // state.pp_size
-    layers = range(state.pp_rank * per, (state.pp_rank + 1) * per)
-    return [GPTModel(config, state, layer_numbers=layers, init_seed=seed)]
+    """This rank's model chunks (virtual pipeline stages included)."""
+    return build_model_chunks(config, state, init_seed=seed)
 
 
 def _full(chunks):
@@ -32,7 +31,7 @@ def _full(chunks):
     return out
 
 
-LOAD_LAYOUTS = ((1, 1), (4, 1), (2, 2))
+LOAD_LAYOUTS = ((1, 1, 1), (4, 1, 1), (2, 2, 1), (1, 2, 2))  # (TP, PP, virtual stages)
 
 
 def _reshard_worker(rank, world_size, root):
@@ -44,11 +43,11 @@ def _reshard_worker(rank, world_size, root):
         chunks = _chunks(config, state, seed=11)
         save_checkpoint(f"{root}/{family}", 5, chunks=chunks, optimizer=None, pstate=state, common={"note": "x"})
         out[(family, "saved")] = _full(chunks)
-        for tp, pp in LOAD_LAYOUTS:
-            state = ParallelState.create(ParallelLayout(world_size, tensor=tp, pipeline=pp))
+        for tp, pp, vp in LOAD_LAYOUTS:
+            state = ParallelState.create(ParallelLayout(world_size, tensor=tp, pipeline=pp, virtual_pipeline=vp))
             chunks = _chunks(config, state, seed=99)  # a different initialisation, overwritten by the load
             common = load_checkpoint(f"{root}/{family}", chunks=chunks, pstate=state)
-            out[(family, tp, pp)] = {"common": common, "full": _full(chunks)}
+            out[(family, tp, pp, vp)] = {"common": common, "full": _full(chunks)}
     return out
 
 
@@ -63,20 +62,20 @@ def reshard_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_reshards_tp2_pp2_dp1_to_tp1_dp4_and_tp4(reshard_results, family):
+def test_reshards_tp2_pp2_dp1_to_other_tp_pp_vp_dp(reshard_results, family):
     root, results = reshard_results
     reference = {**results[0][(family, "saved")], **results[2][(family, "saved")]}  # stages 0 and 1
     assert read_tracker(root / family) == 5 and (iteration_dir(root / family, 5) / "common.json").exists()
     vocab = make_config(family).vocab_size
-    for tp, pp in LOAD_LAYOUTS:
+    for tp, pp, vp in LOAD_LAYOUTS:
         got = {}
         for r in results:
-            got.update(r[(family, tp, pp)]["full"])
+            got.update(r[(family, tp, pp, vp)]["full"])
         assert set(got) == set(reference)
         for name, tensor in reference.items():
             assert torch.equal(_vocab_rows(name, got[name], vocab), _vocab_rows(name, tensor, vocab)), \
-                f"{family}: {name} differs after loading at TP={tp} PP={pp}"
-        common = results[0][(family, tp, pp)]["common"]
+                f"{family}: {name} differs after loading at TP={tp} PP={pp} VP={vp}"
+        common = results[0][(family, tp, pp, vp)]["common"]
         assert common["note"] == "x" and common["iteration"] == 5
 
 
@@ -199,3 +198,50 @@ def test_bad_tracker_file_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=f"{tmp_path / TRACKER}: expected an iteration number"):
         load_checkpoint(tmp_path, chunks=chunks, pstate=state)
     assert Path(tmp_path / TRACKER).exists()
+
+
+_SAVE_THEN_STALL = """
+import sys, time
+import torch.distributed.checkpoint as dcp
+from megalite.model.gpt import GPTModel
+from megalite.parallel.state import ParallelState
+from megalite.training.checkpointing import save_checkpoint
+from tests.model.test_gpt_tp import make_config
+
+root, state = sys.argv[1], ParallelState.single()
+chunks = [GPTModel(make_config("llama"), state, init_seed=1)]
+save_checkpoint(root, 1, chunks=chunks, optimizer=None, pstate=state, common={})
+write_data = dcp.FileSystemWriter.write_data
+
+
+def write_then_stall(self, plan, planner):
+    done = write_data(self, plan, planner)
+    done.wait()
+    print("data written", flush=True)
+    time.sleep(600)  # the test kills the process here, in the middle of the save
+
+
+dcp.FileSystemWriter.write_data = write_then_stall
+save_checkpoint(root, 2, chunks=chunks, optimizer=None, pstate=state, common={})
+"""
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.training.launch import REPO
+
+    proc = subprocess.Popen([sys.executable, "-c", _SAVE_THEN_STALL, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "data written"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert list(iteration_dir(tmp_path, 2).with_suffix(".tmp").glob("*.distcp"))  # killed mid-save
+    assert not iteration_dir(tmp_path, 2).exists()
+    assert read_tracker(tmp_path) == 1
+    fresh, state = _single(tmp_path, seed=2)
+    assert load_checkpoint(tmp_path, chunks=fresh, pstate=state)["iteration"] == 1

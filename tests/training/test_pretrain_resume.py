@@ -40,7 +40,9 @@ def _resume_and_compare(tmp, uninterrupted, stopped_at):
 
 
 def test_exact_resume_after_exit_interval(tmp_path, uninterrupted):
-    run(_args(tmp_path, "--exit-interval", "3", "--save", str(tmp_path / "ckpt")), 4, tmp_path / "logs")
+    """(The checkpoint is written in the background: --async-save.)"""
+    run(_args(tmp_path, "--exit-interval", "3", "--save", str(tmp_path / "ckpt"), "--async-save"), 4,
+        tmp_path / "logs")
     assert read_tracker(tmp_path / "ckpt") == 3
     _resume_and_compare(tmp_path, uninterrupted, 3)
 
