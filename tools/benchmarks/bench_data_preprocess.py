@@ -1,5 +1,9 @@
 """Preprocessing half of bench_data.py: megalite's preprocess against the straightforward loop.
 
+Every timed run is a fresh process (`python bench_data_preprocess.py --run METHOD ...`), so
+no run inherits another's warm caches, heap or threads; the times include interpreter start
+and imports on both sides, and CPU time includes worker processes.
+
 The straightforward loop is what a first preprocessing script does, one document at a
 time: json.loads, the tokenizer library's plain encode, append eod, write the document.
 "Plain encode" is SentencePiece's own `encode` and, for GPT-2 BPE, regex pre-tokenisation
@@ -74,10 +78,22 @@ def run_megalite(corpus: str, prefix: str, tok_args: dict, workers: int) -> None
         preprocess(config, stream=quiet)
 
 
-def timed(fn) -> tuple[float, float]:
+def run_method(method: str, corpus: str, prefix: str, tok_args: dict) -> tuple[float, float]:
+    """(wall seconds, CPU seconds incl. workers) of one method in a fresh process."""
+    import subprocess
+
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    fn()
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--run", method, "--corpus", corpus,
+                    "--prefix", prefix, "--tokenizer", json.dumps(tok_args)], check=True, capture_output=True)
     return time.perf_counter() - t0, cpu_seconds() - cpu0
+
+
+METHODS = {
+    "loop-library": "straightforward loop (library encode)",
+    "loop-megalite": "straightforward loop (megalite encode)",
+    "megalite-1": "megalite preprocess, 1 worker",
+    "megalite-2": "megalite preprocess, 2 workers",
+}
 
 
 def cli_peak_rss_mb(corpus: str, work: str, tok_files: dict) -> float:
@@ -100,20 +116,13 @@ def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, l
     peak_rss = cli_peak_rss_mb(corpus, work, tok_files)
     rows = []
     for name, tok_args in tok_files.items():
-        methods = {  # each run builds its own tokenizer, so no run starts with a warm cache
-            "straightforward loop (library encode)": lambda p: _loop(corpus, p, tok_args, reference=True),
-            "straightforward loop (megalite encode)": lambda p: _loop(corpus, p, tok_args, reference=False),
-            "megalite preprocess, 1 worker": lambda p: run_megalite(corpus, p, tok_args, 1),
-            "megalite preprocess, 2 workers": lambda p: run_megalite(corpus, p, tok_args, 2),
-        }
-        best = {m: (float("inf"), 0.0) for m in methods}
+        best = {m: (float("inf"), 0.0) for m in METHODS.values()}
         outputs = {}
         for rep in range(repeats):
-            for method, fn in methods.items():
-                prefix = os.path.join(work, f"out_{len(outputs)}_{rep}")
-                seconds, cpu = timed(lambda: fn(prefix))
-                final = output_prefix_for(prefix, "text") if method.startswith("megalite") else prefix
-                outputs[method] = final
+            for key, method in METHODS.items():
+                prefix = os.path.join(work, f"out_{key}_{rep}")
+                seconds, cpu = run_method(key, corpus, prefix, tok_args)
+                outputs[method] = output_prefix_for(prefix, "text") if key.startswith("megalite") else prefix
                 if seconds < best[method][0]:
                     best[method] = (seconds, cpu)
                 log(f"  {name:13s} {method:40s} {seconds:7.2f} s (cpu {cpu:.2f} s)")
@@ -141,3 +150,23 @@ def _count(prefix: str) -> int:
     with open(prefix + ".idx", "rb") as f:
         header = f.read(34)
     return int(np.frombuffer(header[18:26], np.uint64)[0])
+
+
+def main():
+    import argparse
+
+    p = argparse.ArgumentParser(description="one timed preprocessing run (used by bench_data.py)")
+    p.add_argument("--run", choices=sorted(METHODS), required=True)
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--tokenizer", required=True, help="build_tokenizer arguments as JSON")
+    a = p.parse_args()
+    tok_args = json.loads(a.tokenizer)
+    if a.run.startswith("loop"):
+        _loop(a.corpus, a.prefix, tok_args, reference=a.run == "loop-library")
+    else:
+        run_megalite(a.corpus, a.prefix, tok_args, int(a.run[-1]))
+
+
+if __name__ == "__main__":
+    main()
