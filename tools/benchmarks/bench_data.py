@@ -6,7 +6,8 @@
 1. Preprocessing (SentencePiece and GPT-2 BPE, vocab 8000, demo corpus from
    tools/make_demo_corpus.py): megalite's preprocess with 1 and 2 workers against the
    straightforward loop (json.loads + encode + append, one document at a time) in the same
-   run; all write byte-identical datasets. Target: >= 3x the loop with 2 workers.
+   run, each run a fresh process (start-up included); all write byte-identical datasets.
+   Target: >= 3x the loop with 2 workers.
 2. Index building for a synthetic dataset (1e9 tokens in 1e7 documents, seq 2048, one epoch):
    megalite's build_gpt_datasets (document, sample and shuffle indices, cache written)
    against the same arrays built by Megatron-Core's GPTDataset steps with its shipped
