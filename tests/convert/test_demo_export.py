@@ -111,3 +111,28 @@ def test_exported_tokenizer_encodes_like_megalite(demo_run):
     text = json.loads((root / "data" / "corpus.jsonl").read_text().splitlines()[3])["text"][:2000]
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == ours.eod
+
+
+def test_relayout_keeps_optimizer_state_and_training_continues(demo_run):
+    """The trained TP=2 PP=2 checkpoint (with Adam state) converted offline to TP=1 PP=1 keeps
+    every tensor; a one-process run continues from it (optimizer and scheduler loaded)."""
+    from megalite.convert.megalite_reader import MegaliteCheckpoint
+    from tests.convert.hf_models import convert
+
+    root, argv = demo_run
+    assert convert("--loader", "megalite", "--saver", "megalite", "--load-dir", root / "checkpoints",
+                   "--save-dir", root / "tp1", "--target-tensor-parallel-size", 1,
+                   "--target-pipeline-parallel-size", 1) == 0
+    source, target = MegaliteCheckpoint(root / "checkpoints"), MegaliteCheckpoint(root / "tp1")
+    assert any(k.startswith("optimizer/exp_avg_sq/") for k in source.keys())
+    assert source.keys() == target.keys() and target.iteration == source.iteration == TRAIN_ITERS
+    for key in source.keys():
+        assert torch.equal(source.get(key), target.get(key)), key
+    continued = [str(root / "continued") if a == str(root / "checkpoints") else a for a in argv]
+    proc = _run("-m", "megalite.pretrain_gpt", *continued, "--load", root / "tp1", "--tensor-model-parallel-size", "1",
+                "--pipeline-model-parallel-size", "1", "--train-iters", str(TRAIN_ITERS + 1), "--lr-decay-iters", str(TRAIN_ITERS),
+                "--eval-iters", "0", "--log-interval", "1",
+                "--metrics-file", str(root / "continued.jsonl"),
+                env={"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(free_port())})
+    records = [json.loads(line) for line in (root / "continued.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "lm_loss" in r and "split" not in r] == [TRAIN_ITERS + 1], proc.stdout

@@ -92,3 +92,31 @@ def test_megalite_to_megalite_relayout(tmp_path, family):
     load_checkpoint(tmp_path / "c", chunks=[chunk], pstate=chunk.pstate)
     for name, param in chunk.named_parameters():
         assert torch.equal(param.data[: a.spec(f"model/{name}")[0][0]], a.get_model(name)), name
+
+
+def test_gpt2_saved_from_the_base_model(tmp_path, capsys):
+    """Hub GPT-2 checkpoints name tensors without 'transformer.' and carry attn.bias buffers."""
+    from safetensors.torch import save_file
+
+    model = hf_model("gpt2", seed=5)
+    state = {n.removeprefix("transformer."): t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    state["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    (tmp_path / "hub").mkdir()
+    save_file(state, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "hub")
+    megalite_to_hf(hf_to_megalite(tmp_path / "hub", tmp_path / "ml", tp=2), tmp_path / "back")
+    assert "not used" not in capsys.readouterr().out
+    _assert_identical(model.state_dict(), tmp_path / "back", "gpt2 (base-model names)")
+
+
+def test_unused_tensors_are_reported(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    model = hf_model("llama", seed=6)
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a feature megalite lacks
+    (tmp_path / "hf").mkdir()
+    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "hf")
+    hf_to_megalite(tmp_path / "hf", tmp_path / "ml")
+    assert "1 tensor(s) of model.safetensors not used, e.g. model.layers.0.self_attn.q_norm.weight" in capsys.readouterr().out
