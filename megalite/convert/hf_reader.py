@@ -20,6 +20,11 @@ WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_mo
                 "pytorch_model.bin")
 # Checkpoints saved from the base model (GPT2Model, LlamaModel) name tensors without these.
 BASE_PREFIXES = ("transformer.", "model.")
+REQUIRED_FIELDS = {
+    "gpt2": ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"),
+    "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+              "max_position_embeddings"),
+}
 # Tensors a Hugging Face directory may hold that megalite does not need.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq", "lm_head.weight")
 
@@ -44,6 +49,10 @@ class HFCheckpoint:
         if not self.dir.is_dir():
             raise ConversionError(f"--load-dir {self.dir}: no such directory")
         self.hf_config = read_json(self.dir / "config.json", "a Hugging Face model directory needs config.json")
+        missing = [f for f in REQUIRED_FIELDS.get(self.hf_config.get("model_type"), ()) if self.hf_config.get(f) is None]
+        if missing:
+            raise ConversionError(f"{self.dir / 'config.json'}: no {', '.join(missing)} "
+                                  f"(needed for model_type {self.hf_config['model_type']!r})")
         try:
             self.config: GPTConfig = config_from_hf(self.hf_config)
         except (ValueError, TypeError) as e:

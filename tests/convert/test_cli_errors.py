@@ -78,6 +78,25 @@ def test_unsupported_architecture_names_the_field(capsys, tmp_path, llama_dir, c
     _refused(capsys, tmp_path, "--loader", "hf", "--saver", "megalite", "--load-dir", changed, expect=expect)
 
 
+def test_missing_config_field_is_named(capsys, tmp_path, llama_dir):
+    changed = _copy_without(llama_dir, tmp_path / "changed", config_changes={"intermediate_size": None})
+    _refused(capsys, tmp_path, "--loader", "hf", "--saver", "megalite", "--load-dir", changed,
+             expect="config.json: no intermediate_size")
+
+
+def test_megalite_model_without_a_hugging_face_family_is_refused(capsys, tmp_path):
+    from megalite.model.gpt import GPTModel
+    from megalite.training.checkpointing import save_checkpoint
+    from tests.model.test_gpt_tp import make_config
+
+    config = make_config("gpt2", normalization="RMSNorm")
+    model = GPTModel(config)
+    save_checkpoint(tmp_path / "ml", 3, chunks=[model], optimizer=None, pstate=model.pstate,
+                    common={"model_config": config.to_dict()})
+    _refused(capsys, tmp_path, "--loader", "megalite", "--saver", "hf", "--load-dir", tmp_path / "ml",
+             expect="normalization/activation=('RMSNorm', 'openai_gelu')")
+
+
 def test_bad_layouts_and_flags(capsys, tmp_path, llama_dir):
     base = ("--loader", "hf", "--saver", "megalite", "--load-dir", llama_dir)
     _refused(capsys, tmp_path, *base, "--target-tensor-parallel-size", 4,
