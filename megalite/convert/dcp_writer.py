@@ -84,7 +84,8 @@ class StreamingDCPWriter:
             torch.save(piece, stream)
             length = stream.tell() - start
             self.bytes_written += length
-            self.storage[MetadataIndex(key, torch.Size(offsets), index)] = _StorageInfo(self.file_name(rank), start, length)
+            info = _StorageInfo(self.file_name(rank), start, length)
+            self.storage[MetadataIndex(key, torch.Size(offsets), index)] = info
             metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         self.tensors[key] = TensorStorageMetadata(properties=TensorProperties(dtype=tensor.dtype),
                                                   size=torch.Size(tensor.shape), chunks=metas)

@@ -49,7 +49,8 @@ class HFCheckpoint:
         if not self.dir.is_dir():
             raise ConversionError(f"--load-dir {self.dir}: no such directory")
         self.hf_config = read_json(self.dir / "config.json", "a Hugging Face model directory needs config.json")
-        missing = [f for f in REQUIRED_FIELDS.get(self.hf_config.get("model_type"), ()) if self.hf_config.get(f) is None]
+        required = REQUIRED_FIELDS.get(self.hf_config.get("model_type"), ())
+        missing = [f for f in required if self.hf_config.get(f) is None]
         if missing:
             raise ConversionError(f"{self.dir / 'config.json'}: no {', '.join(missing)} "
                                   f"(needed for model_type {self.hf_config['model_type']!r})")
@@ -97,7 +98,8 @@ class HFCheckpoint:
                 except RuntimeError:  # the legacy (non-zip) format cannot be mapped
                     state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any failure means an unusable weight file
-                raise ConversionError(f"{path}: cannot be read as PyTorch weights ({str(e).splitlines()[0][:200]})") from None
+                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise ConversionError(f"{path}: cannot be read as PyTorch weights ({reason})") from None
             if not isinstance(state, dict):
                 raise ConversionError(f"{path}: expected a state dict, found {type(state).__name__}")
             self._bin_file, self._bin_state = path, state

@@ -126,7 +126,8 @@ def parse_size(text: str) -> int:
     try:
         result = int(float(number) * factor)
     except ValueError:
-        raise ConversionError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte count") from None
+        raise ConversionError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte "
+                              "count") from None
     if result <= 0:
         raise ConversionError(f"--max-shard-size {text!r}: must be positive")
     return result

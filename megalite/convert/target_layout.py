@@ -99,7 +99,8 @@ class TensorPlacement:
         if layer:
             number = int(layer.group(1))
             if number >= self.config.num_layers:
-                raise ConversionError(f"tensor {name}: layer {number} but the model has {self.config.num_layers} layers")
+                raise ConversionError(f"tensor {name}: layer {number} but the model has "
+                                      f"{self.config.num_layers} layers")
             return self.owners[number][0]
         return 0 if name.startswith("embedding.") else self.layout.pp - 1
 

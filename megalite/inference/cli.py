@@ -119,9 +119,9 @@ def run(args) -> list[dict]:
         new = generate_tokens(model, ids, args.max_new_tokens, params, eod=tokenizer.eod, generator=generator,
                               use_cache=not args.no_kv_cache)
         produced += len(new)
-        text_ids = new[:-1] if new and new[-1] == tokenizer.eod else new
-        results.append({"prompt": prompt, "prompt_tokens": ids, "tokens": new,
-                        "text": tokenizer.decode(ids + text_ids), "stopped_at_eod": bool(new) and new[-1] == tokenizer.eod})
+        at_eod = bool(new) and new[-1] == tokenizer.eod
+        text = tokenizer.decode(ids + (new[:-1] if at_eod else new))
+        results.append({"prompt": prompt, "prompt_tokens": ids, "tokens": new, "text": text, "stopped_at_eod": at_eod})
     if pstate.rank == 0:
         for r in results:
             print(r["text"], flush=True)

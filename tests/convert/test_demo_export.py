@@ -130,7 +130,8 @@ def test_relayout_keeps_optimizer_state_and_training_continues(demo_run):
         assert torch.equal(source.get(key), target.get(key)), key
     continued = [str(root / "continued") if a == str(root / "checkpoints") else a for a in argv]
     proc = _run("-m", "megalite.pretrain_gpt", *continued, "--load", root / "tp1", "--tensor-model-parallel-size", "1",
-                "--pipeline-model-parallel-size", "1", "--train-iters", str(TRAIN_ITERS + 1), "--lr-decay-iters", str(TRAIN_ITERS),
+                "--pipeline-model-parallel-size", "1", "--train-iters", str(TRAIN_ITERS + 1),
+                "--lr-decay-iters", str(TRAIN_ITERS),
                 "--eval-iters", "0", "--log-interval", "1",
                 "--metrics-file", str(root / "continued.jsonl"),
                 env={"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(free_port())})

@@ -52,7 +52,8 @@ def write_llama(directory: Path, layers=24, hidden=512, ffn=1024, vocab=2048) ->
                                       num_key_value_heads=4, intermediate_size=ffn, vocab_size=vocab,
                                       max_position_embeddings=128, tie_word_embeddings=False)
     with torch.device("meta"):
-        specs = [(n, tuple(t.shape), torch.float32) for n, t in transformers.LlamaForCausalLM(config).state_dict().items()]
+        state = transformers.LlamaForCausalLM(config).state_dict()
+    specs = [(n, tuple(t.shape), torch.float32) for n, t in state.items()]
     directory.mkdir()
     config.save_pretrained(directory)
     half = len(specs) // 2
@@ -92,4 +93,5 @@ def test_peak_memory_stays_near_the_largest_tensor(tmp_path):
     print(f"model {total / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB; peak RSS increase "
           f"HF->megalite {to_megalite / MIB:.1f} MiB, megalite->HF {to_hf / MIB:.1f} MiB (bound {bound / MIB:.0f} MiB)")
     for what, increase in (("HF->megalite", to_megalite), ("megalite->HF", to_hf)):
-        assert increase < min(bound, total / 8), f"{what}: peak +{increase / MIB:.1f} MiB for a {total / MIB:.0f} MiB model"
+        assert increase < min(bound, total / 8), \
+            f"{what}: peak +{increase / MIB:.1f} MiB for a {total / MIB:.0f} MiB model"

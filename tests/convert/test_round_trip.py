@@ -12,7 +12,7 @@ import torch
 from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.convert.safetensors_io import read_header
 from megalite.model.gpt import GPTModel
-from megalite.training.checkpointing import iteration_dir, load_checkpoint, read_tracker
+from megalite.training.checkpointing import iteration_dir, load_checkpoint
 from tests.convert.hf_models import FAMILIES, convert, hf_model, hf_to_megalite, megalite_to_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -119,4 +119,5 @@ def test_unused_tensors_are_reported(tmp_path, capsys):
     save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path / "hf")
     hf_to_megalite(tmp_path / "hf", tmp_path / "ml")
-    assert "1 tensor(s) of model.safetensors not used, e.g. model.layers.0.self_attn.q_norm.weight" in capsys.readouterr().out
+    expected = "1 tensor(s) of model.safetensors not used, e.g. model.layers.0.self_attn.q_norm.weight"
+    assert expected in capsys.readouterr().out
