@@ -5,11 +5,8 @@ the chunks the ranks of the saving run wrote. The files are checked against comm
 digests first, and metadata is unpickled only through megalite's allowlist reader.
 """
 
-import contextlib
 import io
 import json
-import zlib
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from megalite.convert.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.training.checkpoint_format import (
-    CheckpointError, SafeFileSystemReader, read_metadata_file,
+    CheckpointError, SafeFileSystemReader, read_metadata_file, single_process_dcp, verify_files,
 )
 from megalite.training.checkpointing import TRACKER, iteration_dir, read_tracker
 
@@ -45,33 +42,6 @@ def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
     return common, iteration
 
 
-def verify_digests(directory: Path, expected: dict) -> list[str]:
-    """checkpoint_format.verify_files' checks (size, then CRC32) reading 1 MiB at a time."""
-    problems = []
-    for name, digest in sorted(expected.items()):
-        path = directory / name
-        if not path.exists():
-            problems.append(f"{path}: missing")
-            continue
-        if path.stat().st_size != digest["size"]:
-            problems.append(f"{path}: truncated or altered ({path.stat().st_size} bytes, expected {digest['size']})")
-            continue
-        crc = 0
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                crc = zlib.crc32(block, crc)
-        if crc != digest["crc32"]:
-            problems.append(f"{path}: corrupted (checksum mismatch)")
-    return problems
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 class MegaliteCheckpoint:
     """The latest (or given) checkpoint under a megalite --save directory."""
 
@@ -83,7 +53,7 @@ class MegaliteCheckpoint:
             raise ConversionError(str(e)) from None
         self.path = iteration_dir(self.root, self.iteration)
         if verify:
-            problems = verify_digests(self.path, self.common.get("files", {}))
+            problems = verify_files(self.path, self.common.get("files", {}))
             if problems:
                 raise ConversionError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         try:
@@ -133,7 +103,7 @@ class MegaliteCheckpoint:
 
     def _get_through_dcp(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         try:
-            with _quiet_single_process():
+            with single_process_dcp():
                 dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
         except Exception as e:  # noqa: BLE001 - DCP wraps failures; name the checkpoint and tensor
             raise ConversionError(f"{self.path}: cannot read tensor {key} ({str(e).splitlines()[0][:200]})") from None

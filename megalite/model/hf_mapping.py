@@ -70,11 +70,12 @@ def config_from_hf(hf_config) -> GPTConfig:
             _refuse("pretraining_tp", _cfg(hf_config, "pretraining_tp"), "1")
         if _cfg(hf_config, "attention_bias", False) != _cfg(hf_config, "mlp_bias", False):
             _refuse("attention_bias", _cfg(hf_config, "attention_bias"), "attention_bias == mlp_bias")
-        rope = _cfg(hf_config, "rope_parameters") or _cfg(hf_config, "rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            _refuse("rope_scaling", rope, "no rope scaling (rope_type 'default')")
-        theta = rope.get("rope_theta", _cfg(hf_config, "rope_theta", 10000.0))
+        theta = _cfg(hf_config, "rope_theta", 10000.0)
+        for field in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names
+            rope = _cfg(hf_config, field) or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                _refuse(field, rope, "no rope scaling (rope_type 'default')")
+            theta = rope.get("rope_theta", theta)
         heads = _cfg(hf_config, "num_attention_heads")
         return GPTConfig(
             num_layers=_cfg(hf_config, "num_hidden_layers"), hidden_size=_cfg(hf_config, "hidden_size"),

@@ -51,7 +51,8 @@ class TrainingArgs:
     exit_interval: int | None = arg(None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: float | None = arg(None, "Save and exit after this many minutes.")
     exit_signal_handler: bool = arg(
-        False, "On SIGTERM (and megalite: SIGUSR1) save a checkpoint and exit.")
+        False, "Megatron's switch for saving and exiting on SIGTERM. megalite always does so, on "
+        "SIGTERM and on SIGUSR1 (Slurm's warning before a time limit); the flag is accepted.")
     eval_interval: int = arg(1000, "Evaluate on the validation split every this many iterations.")
     eval_iters: int = arg(100, "Batches per evaluation.")
 

@@ -10,8 +10,10 @@ read at any other: DCP assembles each reader's chunks from the stored ones.
 Replicas (DP ranks, the tied output copy) describe the same chunks; DCP writes each once.
 """
 
+import contextlib
 import io
 import pickle
+import warnings
 import zlib
 from pathlib import Path
 
@@ -24,6 +26,15 @@ VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file or tensor."""
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """Silence DCP's warning that it 'assumes' single-process use without torch.distributed:
+    for megalite's offline tools and single-process runs that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def tp_chunks(full_shape, partition_dim: int, stride: int, tp_size: int, valid_rows: int | None = None):
@@ -150,7 +161,7 @@ class SafeFileSystemReader(FileSystemReader):
 def file_digest(path: Path) -> dict:
     crc = 0
     with open(path, "rb") as f:
-        while block := f.read(1 << 24):
+        while block := f.read(1 << 20):  # small blocks: checking a file must not cost memory
             crc = zlib.crc32(block, crc)
     return {"size": path.stat().st_size, "crc32": crc}
 

@@ -12,12 +12,10 @@ loadable and the tracker pointing at it. Nothing is unpickled on load but DCP's 
 through an allowlist (see checkpoint_format).
 """
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from megalite.model.weights import source_name
 from megalite.training.checkpoint_format import (
     CheckpointError, SafeFileSystemReader, all_problems, describe, file_digest, global_shape_of,
-    read_metadata_file, verify_files,
+    read_metadata_file, single_process_dcp, verify_files,
 )
 from megalite.training.checkpoint_rng import load_rng_state, rng_file_name, save_rng_state
 
@@ -46,14 +44,6 @@ def _distributed() -> bool:
 def _barrier(group=None):
     if _distributed():
         dist.barrier(group=group)
-
-
-@contextlib.contextmanager
-def _single_process_is_intended():
-    """DCP warns that it 'assumes' single-process use without torch.distributed; it is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _rank() -> int:
@@ -167,7 +157,7 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
               "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}}
     writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
     no_dist = not _distributed()
-    with _single_process_is_intended():
+    with single_process_dcp():
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
@@ -206,7 +196,7 @@ def _load_tensors(path: Path, entries, pstate, vocab) -> None:
     _check_shapes(metadata, entries, pstate, vocab, path)
     state = _dcp_state_dict(entries, pstate, vocab)
     try:
-        with _single_process_is_intended():
+        with single_process_dcp():
             dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
@@ -231,7 +221,10 @@ def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
     from the loaded weights; then call this unless --no-load-optim or --finetune."""
     path = Path(common["path"])
     saved = common.get("optimizer") or {}
-    if saved.get("optimizer") not in (None, optimizer.kind):
+    if saved.get("optimizer") is None:
+        raise CheckpointError(f"{path}: the checkpoint has no optimizer state (a converted or --no-save-optim "
+                              "checkpoint): use --no-load-optim or --finetune")
+    if saved.get("optimizer") != optimizer.kind:
         raise CheckpointError(f"{path}: optimizer state is for {saved.get('optimizer')!r}, this run uses "
                               f"{optimizer.kind!r} (use --no-load-optim to start the optimizer afresh)")
     metadata = read_metadata_file(path / ".metadata")
