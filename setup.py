@@ -16,6 +16,7 @@ setup(
         "torch>=2.6",
         "numpy",
         "pyyaml",
+        "regex",  # GPT-2 BPE pre-tokenisation
         "sentencepiece",
     ],
     extras_require={
@@ -23,6 +24,7 @@ setup(
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "hf": ["transformers", "safetensors", "tokenizers"],
+        "tokenizers": ["tokenizers", "tiktoken", "protobuf"],
         "plot": ["matplotlib"],
         "dev": [
             "pytest",
@@ -31,6 +33,7 @@ setup(
             "safetensors",
             "tokenizers",
             "tiktoken",
+            "protobuf",
             "triton",
             "megatron-core",
             "matplotlib",

@@ -7,8 +7,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-# Tests are numerical comparisons at fp32; keep them on one deterministic thread budget.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the tests run many tiny ops, which a second OpenMP thread only slows down
+# (on a busy 2-core machine a 90x64 matmul waited 20 ms on it); spawned ranks use one as well.
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):

@@ -7,7 +7,6 @@ Exits 1 when the validation loss is not below the unigram entropy.
 """
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
+from megalite.training.metrics import read_metrics  # noqa: E402
 
 
 def unigram_entropy(prefix: str) -> float:
@@ -23,19 +23,6 @@ def unigram_entropy(prefix: str) -> float:
     counts = np.bincount(IndexedDataset(prefix).tokens().astype(np.int64))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
-
-
-def last_evaluation(metrics_file: str, split: str) -> dict | None:
-    found = None
-    with open(metrics_file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{metrics_file}:{number}: not JSON ({e})")
-            if record.get("split") == split:
-                found = record
-    return found
 
 
 def main(argv=None) -> int:
@@ -46,7 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
     entropy = unigram_entropy(args.data_path)
-    valid = last_evaluation(args.metrics_file, "valid")
+    _, evaluations = read_metrics(args.metrics_file)
+    last = {split: records[max(records)] for split, records in evaluations.items()}
+    valid = last.get("valid")
     if valid is None:
         print(f"{args.metrics_file}: no validation loss recorded", file=sys.stderr)
         return 1
@@ -54,7 +43,7 @@ def main(argv=None) -> int:
     print("megalite demo finished")
     print(f"  final validation loss : {loss:.4f} nats (perplexity {math.exp(loss):.1f}) at iteration {valid['iteration']}")
     print(f"  unigram entropy       : {entropy:.4f} nats (the best loss without context)")
-    test = last_evaluation(args.metrics_file, "test")
+    test = last.get("test")
     if test is not None:
         print(f"  test loss             : {test['lm_loss']:.4f} nats")
     for label, path in (("checkpoint", args.checkpoint), ("loss plot", args.plot), ("metrics", args.metrics_file)):

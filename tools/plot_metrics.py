@@ -8,33 +8,12 @@ renamed, so a reader never sees half a file.
 """
 
 import argparse
-import json
 import os
 import sys
+from pathlib import Path
 
-
-def read_metrics(path: str) -> tuple[dict, dict]:
-    """(training records by iteration, {split: evaluation records by iteration}).
-
-    Raises ValueError naming the file and line of a record that is not a JSON object with an
-    integer "iteration"."""
-    train, evals = {}, {}
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-                raise ValueError(f"{path}:{number}: expected a JSON object with an integer "
-                                 "\"iteration\"")
-            if "split" in record:
-                evals.setdefault(record["split"], {})[record["iteration"]] = record
-            else:
-                train[record["iteration"]] = record
-    return train, evals
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout too
+from megalite.training.metrics import read_metrics  # noqa: E402
 
 
 def _series(records: dict, key: str) -> tuple[list, list]:

@@ -116,24 +116,40 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def trim_metrics_file(path: str, after_iteration: int) -> None:
-    """Drop records logged after `after_iteration` (a resumed run logs them again); the file
-    is rewritten through a temporary name."""
-    if not os.path.exists(path):
-        return
-    kept = []
+def iter_metrics_records(path: str):
+    """(line, record) for every record of a --metrics-file. Raises ValueError naming the file
+    and line of one that is not a JSON object with an integer "iteration"."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                iteration = record["iteration"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{number}: not a metrics record with an "
-                                 "\"iteration\"") from None
-            if iteration <= after_iteration:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+                raise ValueError(f"{path}:{number}: expected a JSON object with an integer \"iteration\"")
+            yield line, record
+
+
+def read_metrics(path: str) -> tuple[dict, dict]:
+    """(training records by iteration, {split: evaluation records by iteration})."""
+    train, evals = {}, {}
+    for _, record in iter_metrics_records(path):
+        if "split" in record:
+            evals.setdefault(record["split"], {})[record["iteration"]] = record
+        else:
+            train[record["iteration"]] = record
+    return train, evals
+
+
+def trim_metrics_file(path: str, after_iteration: int) -> None:
+    """Drop records logged after `after_iteration` (a resumed run logs them again); the file
+    is rewritten through a temporary name."""
+    if not os.path.exists(path):
+        return
+    kept = [line if line.endswith("\n") else line + "\n"
+            for line, record in iter_metrics_records(path) if record["iteration"] <= after_iteration]
     temporary = f"{path}.tmp.{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as handle:
         handle.writelines(kept)

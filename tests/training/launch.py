@@ -2,13 +2,13 @@
 its own process with RANK / WORLD_SIZE / MASTER_* in its environment), so tests can signal or
 kill individual ranks."""
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,18 +76,14 @@ def run(args: list[str], world_size: int, log_dir: Path, timeout=300) -> Ranks:
     return ranks
 
 
-def records(metrics_file: Path) -> list[dict]:
-    if not metrics_file.exists():
-        return []
-    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-
-
 def train_losses(metrics_file: Path) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in records(metrics_file) if "split" not in r}
+    if not metrics_file.exists():
+        return {}
+    return {it: r["lm_loss"] for it, r in read_metrics(str(metrics_file))[0].items()}
 
 
 def eval_losses(metrics_file: Path, split: str = "valid") -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in records(metrics_file) if r.get("split") == split}
+    return {it: r["lm_loss"] for it, r in read_metrics(str(metrics_file))[1].get(split, {}).items()}
 
 
 def wait_for(condition, timeout=240, what="condition", ranks: Ranks | None = None):

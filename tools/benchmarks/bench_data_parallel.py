@@ -19,8 +19,6 @@ the report's bytes per parameter against 6 + 12/d (and the plain optimizer's 18 
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -37,6 +34,7 @@ from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megalite.parallel.memory_report import memory_report  # noqa: E402
 from megalite.parallel.optimizer import build_optimizer  # noqa: E402
+from megalite.parallel.spawn import run_distributed  # noqa: E402
 from megalite.parallel.state import ParallelLayout, ParallelState  # noqa: E402
 
 DP = 2
@@ -97,22 +95,13 @@ def _timed(runner) -> float:
     return time.perf_counter() - start
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank, world, port, nice=0):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _init(nice=0):
     if nice:
         os.nice(nice)  # negative needs root
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _timing_worker(rank, world, port, args, results):
-    _init(rank, world, port, args.nice)
+def _timing_worker(rank, world, args):
+    _init(args.nice)
     pstate = ParallelState.create(ParallelLayout(world))
     runners = {"megalite DDP, overlap off": MegaliteRunner(args, pstate, overlap=False),
                "megalite DDP, overlap on": MegaliteRunner(args, pstate, overlap=True),
@@ -124,15 +113,12 @@ def _timing_worker(rank, world, port, args, results):
     for _ in range(args.rounds):
         for name, runner in runners.items():
             times.setdefault(name, []).append(_timed(runner))
-    if rank == 0:
-        num_params = sum(p.numel() for p in runners["torch DDP (peer)"].model.parameters())
-        results.put({"times": times, "num_params": num_params})
-    dist.barrier()
-    dist.destroy_process_group()
+    num_params = sum(p.numel() for p in runners["torch DDP (peer)"].model.parameters())
+    return {"times": times, "num_params": num_params}
 
 
-def _memory_worker(rank, world, port, args, dist_opt, results):
-    _init(rank, world, port, args.nice)
+def _memory_worker(rank, world, args, dist_opt):
+    _init(args.nice)
     pstate = ParallelState.create(ParallelLayout(world))
     model = GPTModel(model_config(args, "bfloat16"), pstate, init_seed=1)
     chunk = DistributedDataParallel(model, pstate, use_distributed_optimizer=dist_opt)
@@ -143,30 +129,12 @@ def _memory_worker(rank, world, port, args, dist_opt, results):
     finalize_model_grads([chunk], pstate)
     optimizer.step()
     info, line = memory_report([chunk], optimizer, pstate)
-    if rank == 0:
-        results.put({"info": info, "line": line})
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"info": info, "line": line}
 
 
 def _spawn(target, world, *args):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    out = None
-    while out is None and all(proc.exitcode in (None, 0) for proc in procs):
-        try:
-            out = results.get(timeout=5)
-        except queue.Empty:
-            pass
-    for proc in procs:
-        proc.join(timeout=60)
-    if out is None or any(proc.exitcode for proc in procs):
-        raise RuntimeError(f"bench_data_parallel: a {target.__name__} process failed (see its traceback above)")
-    return out
+    """Rank 0's result of target(rank, world, *args) in `world` gloo processes."""
+    return run_distributed(target, world, *args, timeout=3600)[0]
 
 
 def timing_table(args, raw) -> tuple[list[str], dict]:

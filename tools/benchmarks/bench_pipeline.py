@@ -30,8 +30,6 @@ root) and read the per-round figures beside the best-of ones.
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -39,12 +37,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalite.parallel.pipeline_executor import PipelineExecutor  # noqa: E402
+from megalite.parallel.spawn import run_distributed  # noqa: E402
 from megalite.parallel.state import ParallelLayout, ParallelState  # noqa: E402
 
 P = 2
@@ -157,12 +155,9 @@ def _timed(runner) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank, port, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank, world, args):
     if args.nice:
         os.nice(args.nice)  # negative needs root: less interference from other processes
-    dist.init_process_group("gloo", rank=rank, world_size=P)
     states = {v: ParallelState.create(ParallelLayout(P, pipeline=P, virtual_pipeline=v)) for v in (1, 2)}
     times = {}
     for m in args.microbatches:
@@ -176,16 +171,7 @@ def _worker(rank, port, args, results):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:
                 times.setdefault((m, name), []).append(_timed(runners[name]))
-    if rank == 0:
-        results.put({f"{m}|{name}": t for (m, name), t in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {f"{m}|{name}": t for (m, name), t in times.items()}
 
 
 def report(args, raw: dict) -> tuple[list[str], dict, bool]:
@@ -248,23 +234,7 @@ def main(argv=None) -> int:
     for m in args.microbatches:
         if m % P:
             parser.error(f"--microbatches {m}: interleaved 1F1B needs a multiple of {P}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, results)) for r in range(P)]
-    for proc in procs:
-        proc.start()
-    raw = None
-    while raw is None and all(proc.exitcode in (None, 0) for proc in procs):
-        try:
-            raw = results.get(timeout=5)
-        except queue.Empty:
-            pass
-    for proc in procs:
-        proc.join(timeout=60)
-    if raw is None or any(proc.exitcode for proc in procs):
-        print("bench_pipeline: a benchmark process failed (see its traceback above)", file=sys.stderr)
-        return 1
+    raw = run_distributed(_worker, P, args, timeout=3600)[0]
     lines, summary, ok = report(args, raw)
     print(f"bench_pipeline: p={P}, hidden {args.hidden}, seq {args.seq}, micro-batch "
           f"{args.micro_batch}, {args.blocks_per_rank} blocks per rank, gloo, 1 thread per rank")

@@ -1,0 +1,71 @@
+"""Run a function in spawned CPU processes joined by a gloo process group (for tests,
+benchmarks and experiments on one machine; training runs use torchrun or srun).
+
+    results = run_distributed(fn, world_size, arg1, arg2)
+
+calls fn(rank, world_size, arg1, arg2) in each process (fn must be a module-level function)
+and returns the per-rank return values. A failure on any rank raises here with that rank's
+traceback; a hang is killed after `timeout` seconds.
+"""
+
+import io
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        # Tensors go by value: a queue would share their storage with a process about to exit.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{fn.__name__}: no result from ranks "
+                                   f"{sorted(set(range(world_size)) - set(out))} within {timeout}s")
+            if status == "error":
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
