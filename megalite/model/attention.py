@@ -76,7 +76,9 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(k, v)
             context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
         elif self.config.recompute_granularity == "selective":
-            context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
+            # The tracker matters only when attention dropout draws from it (core_attention).
+            forks = self.training and self.config.attention_dropout > 0
+            context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
         else:
             context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)
