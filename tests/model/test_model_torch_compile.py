@@ -103,22 +103,24 @@ def _attention_forward_ops(code: str) -> set[str]:
     return {op for op in re.findall(r"aten\.(_scaled_dot_product_\w+?)\.default", code) if not op.endswith("_backward")}
 
 
-_REFERENCES = {}
+@pytest.fixture(scope="module")
+def reference():
+    """reference(family): uncompiled, kernels off, no recompute (computed once per family)."""
+    done = {}
 
-
-def _reference(family):
-    """Uncompiled, kernels off, no recompute (computed once per family)."""
-    if family not in _REFERENCES:
-        _REFERENCES[family] = run(config(family, fused_kernels=False))
-    return _REFERENCES[family]
+    def get(family):
+        if family not in done:
+            done[family] = run(config(family, fused_kernels=False))
+        return done[family]
+    return get
 
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_compiled_layers_with_kernels_and_recompute_equal_eager(family, recompute):
+def test_compiled_layers_with_kernels_and_recompute_equal_eager(family, recompute, reference):
     recorder = RecordingBackend()
     compiled = run(config(family, fused_kernels=True, recompute_granularity=recompute), recorder.backend)
-    compare(compiled, _reference(family), f"{family} recompute={recompute}")
+    compare(compiled, reference(family), f"{family} recompute={recompute}")
 
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(recorder.graphs["forward"]) == 1 and len(recorder.graphs["backward"]) == 1, \
@@ -132,19 +134,19 @@ def test_compiled_layers_with_kernels_and_recompute_equal_eager(family, recomput
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_dropout_is_replayed_by_recompute_under_compile(recompute):
+def test_dropout_is_replayed_by_recompute_under_compile(recompute, reference):
     cfg = dict(attention_dropout=0.2, hidden_dropout=0.2)
-    reference = run(config("gpt2", fused_kernels=False, **cfg), train=True)
+    eager = run(config("gpt2", fused_kernels=False, **cfg), train=True)
     compiled = run(config("gpt2", fused_kernels=True, recompute_granularity=recompute, **cfg), "aot_eager", train=True)
-    compare(compiled, reference, f"dropout, recompute={recompute}")
+    compare(compiled, eager, f"dropout, recompute={recompute}")
     # Guard against a vacuous pass: dropout really changed the gradients.
-    no_dropout = _reference("gpt2")[1]["layers.0.mlp.linear_fc1.weight"]
-    assert rel_error(reference[1]["layers.0.mlp.linear_fc1.weight"], no_dropout) > 0.1
+    name = "layers.0.mlp.linear_fc1.weight"
+    assert rel_error(eager[1][name], reference("gpt2")[1][name]) > 0.1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_inductor_compiled_layers_with_kernels_and_recompute(family, recompute):
+def test_inductor_compiled_layers_with_kernels_and_recompute(family, recompute, reference):
     compiled = run(config(family, fused_kernels=True, recompute_granularity=recompute), "inductor")
-    compare(compiled, _reference(family), f"{family} inductor recompute={recompute}")
+    compare(compiled, reference(family), f"{family} inductor recompute={recompute}")
