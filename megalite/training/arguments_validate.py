@@ -293,11 +293,11 @@ def _check_data(args):
               "--test-data-path) or --mock-data")
     if per_split and not args.skip_train and args.train_data_path is None:
         _fail(f"{_flag(per_split[0])} needs --train-data-path as well (or --skip-train)")
-    if args.split is not None and args.data_path is None:
-        _fail("--split applies only to --data-path")
+    if args.split is not None and args.data_path is None and not args.mock_data:
+        _fail("--split applies only to --data-path and --mock-data")
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         _check_weighted_paths(name, getattr(args, name))
-    if args.data_path is not None:
+    if args.data_path is not None or args.mock_data:
         if args.split is None:
             args.split = "969, 30, 1"
         parts = args.split.replace("/", ",").split(",")

@@ -74,6 +74,14 @@ class Trainer:
         self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
                                               resume_iteration=run.iteration if run.loaded_from else None)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
+        # Only the first and last pipeline stages build datasets; every rank must agree on which
+        # splits exist, or the others would wait in the pipeline for a split that has no data.
+        reads = run.pstate.is_first_stage or run.pstate.is_last_stage
+        present = _agree(run, [float(reads and ds is not None) for ds in (self.train_ds, self.valid_ds, self.test_ds)])
+        self.has_split = dict(zip(("train", "valid", "test"), (p > 0 for p in present)))
+        if self.args.total_train_iters > 0 and not self.has_split["train"]:
+            raise ValueError(f"no training data: --split {self.args.split!r} (or --train-data-path) leaves the "
+                             "training split without documents")
         # Background checkpoint writes get a process group of their own (see save_checkpoint).
         self.save_group = dist.new_group(backend="gloo") if self.args.async_save else None
         self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
@@ -107,8 +115,10 @@ class Trainer:
     # --- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, split: str, iterator) -> float | None:
+        """Mean loss over --eval-iters batches of `split` (on the last stage); nothing when the
+        split has no data or --eval-iters is 0."""
         run = self.run
-        if iterator is None and (run.pstate.is_first_stage or run.pstate.is_last_stage):
+        if not self.has_split[split] or self.args.eval_iters == 0:
             return None
         for chunk in run.models:
             chunk.eval()

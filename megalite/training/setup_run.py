@@ -167,7 +167,7 @@ def build_data(run: Run):
     num_samples = megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, args.global_batch_size)
     return build_gpt_datasets(
         data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path, split=args.split or "969, 30, 1", seq_length=args.seq_length, seed=args.seed,
+        test_data_path=args.test_data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
         num_samples=num_samples, cache_path=args.data_cache_path, mock_data=args.mock_data,
         eod_token=run.tokenizer.eod, vocab_size=run.tokenizer.vocab_size, eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)

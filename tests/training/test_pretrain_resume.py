@@ -112,3 +112,14 @@ def test_impossible_layout_stops_every_rank_before_any_process_group(tmp_path):
         assert lines == ["pretrain_gpt: error: world size 2 is not divisible by --tensor-model-parallel-size 3 "
                          "x --pipeline-model-parallel-size 1 = 3"], log.read_text()
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_splits_without_data_are_skipped_on_every_stage(tmp_path):
+    """Validation and test splits with no documents: every pipeline stage (the middle ones
+    build no datasets) agrees to skip evaluation instead of waiting for activations."""
+    args = BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--train-iters", "3", "--eval-interval", "1", "--eval-iters", "2", "--split", "100,0,0",
+                   "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    run(args, 4, tmp_path / "logs", timeout=180)
+    assert sorted(train_losses(tmp_path / "metrics.jsonl")) == [1, 2, 3]
+    assert eval_losses(tmp_path / "metrics.jsonl") == {}
