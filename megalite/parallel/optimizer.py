@@ -44,7 +44,8 @@ class MixedPrecisionOptimizer:
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
         self.overlap_param_gather = overlap_param_gather
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        self.num_steps = 0
+        self.num_steps = 0  # successful steps: Adam's step count
+        self.num_attempts = 0  # step() calls in this process, skipped ones included
         self.bucket_shards, self.mains = [], []
         for chunk in self.chunks:
             if isinstance(chunk, DistributedDataParallel):
@@ -81,8 +82,12 @@ class MixedPrecisionOptimizer:
             chunk.zero_grad_buffer()
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int | None]:
-        """(update_successful, global grad norm, number of zero gradient elements or None)."""
+    def step(self, iteration: int | None = None) -> tuple[bool, float | None, int | None]:
+        """(update_successful, global grad norm, number of zero gradient elements or None).
+
+        `iteration` (the training loop's, counting skipped steps) only names the step in the
+        fp16 skip message; without it, the count of step() calls in this process is used."""
+        self.num_attempts += 1
         for shard in self.bucket_shards:
             shard.load_grads()
         if self.loss_scaler is not None:
@@ -90,7 +95,8 @@ class MixedPrecisionOptimizer:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 logger.warning("fp16: inf/NaN in the gradients on some rank, skipping this step "
-                               "(iteration %d); loss scale is now %g", self.num_steps + 1, self.loss_scaler.scale)
+                               "(iteration %d); loss scale is now %g", iteration or self.num_attempts,
+                               self.loss_scaler.scale)
                 return False, None, None
         grad_norm = self.global_grad_norm()
         if self.clip_grad > 0:

@@ -142,7 +142,7 @@ class Trainer:
         run.executor.loss_scale = run.optimizer.loss_scale
         loss = run.executor.run(iterator)
         finalize_model_grads(run.chunks, run.pstate)
-        ok, grad_norm, _ = run.optimizer.step()
+        ok, grad_norm, _ = run.optimizer.step(iteration=run.iteration + 1)
         if ok:
             run.scheduler.step(self.args.global_batch_size)
         run.iteration += 1
