@@ -8,17 +8,62 @@ import glob
 import gzip
 import json
 import os
+import zlib
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
 
 
 class BadInput(ValueError):
-    """A bad line of input; str() is 'FILE:LINE: REASON'."""
+    """A bad line of input; str() is 'FILE:LINE: REASON'. A fatal one (a damaged file, not
+    a bad line) stops preprocessing even with --skip-bad-lines."""
 
-    def __init__(self, path: str, line: int, reason: str):
-        self.path, self.line, self.reason = path, line, reason
+    def __init__(self, path: str, line: int, reason: str, fatal: bool = False):
+        self.path, self.line, self.reason, self.fatal = path, line, reason, fatal
         super().__init__(f"{path}:{line}: {reason}")
+
+
+GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def damaged_gzip(path: str, line: int, error: Exception) -> BadInput:
+    """The fatal BadInput for a gzip stream that broke while reading line `line`."""
+    if isinstance(error, EOFError):
+        reason = "gzip file is truncated (it ends before the end-of-stream marker)"
+    elif isinstance(error, gzip.BadGzipFile) and str(error).startswith("Not a gzipped file"):
+        reason = f"not a gzip file ({error}); rename it without .gz if it is not compressed"
+    else:
+        reason = f"corrupt gzip data ({error})"
+    return BadInput(path, line, reason, fatal=True)
+
+
+def read_lines(f, path: str):
+    """Yield the raw lines of an open binary file; a damaged gzip stream raises a fatal
+    BadInput naming the first line that could not be read."""
+    lineno = 0
+    try:
+        for lineno, raw in enumerate(f, 1):
+            yield raw
+    except GZIP_ERRORS as e:
+        raise damaged_gzip(path, lineno + 1, e) from None
+
+
+def read_document_file(path: str) -> tuple[str, int]:
+    """(text, size in bytes) of a one-document file; BadInput on invalid UTF-8 (the line
+    of the first bad byte) or on a damaged gzip stream (fatal)."""
+    chunks, newlines = [], 0
+    with open_binary(path) as f:
+        try:
+            while chunk := f.read(1 << 20):
+                chunks.append(chunk)
+                newlines += chunk.count(b"\n")
+        except GZIP_ERRORS as e:
+            raise damaged_gzip(path, newlines + 1, e) from None
+    raw = b"".join(chunks)
+    try:
+        return raw.decode("utf-8"), len(raw)
+    except UnicodeDecodeError as e:
+        raise BadInput(path, raw.count(b"\n", 0, e.start) + 1, f"invalid UTF-8 ({e.reason})") from None
 
 
 def is_gzip(path: str) -> bool:
@@ -77,11 +122,12 @@ def decode_utf8(raw: bytes, path: str, line: int) -> str:
 
 def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[str]:
     """The strings under `keys` of one JSONL line; BadInput on anything else."""
-    text = decode_utf8(raw, path, line)
+    text = decode_utf8(raw, path, line).rstrip("\r\n")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadInput(path, line, f"malformed JSON: {e.msg} at column {e.colno}") from None
+        where = " (end of line)" if e.pos >= len(text) else ""
+        raise BadInput(path, line, f"malformed JSON: {e.msg} at column {e.pos + 1}{where}") from None
     if not isinstance(obj, dict):
         raise BadInput(path, line, f"expected a JSON object, got {type(obj).__name__}")
     out = []
@@ -109,30 +155,26 @@ def iter_documents(paths: list[str], keys: list[str], text_mode: str = "line", o
     called with each BadInput; when None the error is raised.
     """
     for path in paths:
-        if not is_jsonl(path) and text_mode == "file":
-            with open_binary(path) as f:
-                raw = f.read()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                err = BadInput(path, raw.count(b"\n", 0, e.start) + 1, f"invalid UTF-8 ({e.reason})")
-                if on_bad is None:
-                    raise err from None
-                on_bad(err)
+        try:
+            if not is_jsonl(path) and text_mode == "file":
+                text, _ = read_document_file(path)
+                if text.strip():
+                    yield [text] * len(keys)
                 continue
-            if text.strip():
-                yield [text] * len(keys)
-            continue
-        with open_binary(path) as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    if is_jsonl(path):
-                        yield parse_json_line(raw, keys, path, lineno)
-                    else:
-                        yield [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
-                except BadInput as err:
-                    if on_bad is None:
-                        raise
-                    on_bad(err)
+            with open_binary(path) as f:
+                for lineno, raw in enumerate(read_lines(f, path), 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        if is_jsonl(path):
+                            yield parse_json_line(raw, keys, path, lineno)
+                        else:
+                            yield [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
+                    except BadInput as err:
+                        if on_bad is None:
+                            raise
+                        on_bad(err)
+        except BadInput as err:
+            if on_bad is None or err.fatal:
+                raise
+            on_bad(err)

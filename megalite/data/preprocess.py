@@ -89,7 +89,7 @@ class ShardWorker:
         try:
             for item in read_shard(shard, cfg.json_keys, cfg.text_mode):
                 if isinstance(item, BadInput):
-                    self._bad(result, (item.path, item.first_line_offset, item.line, item.reason))
+                    self._bad(result, (item.path, item.first_line_offset, item.line, item.reason), item.fatal)
                 else:
                     texts, nbytes, where = item
                     batch.append((texts, where))
@@ -112,19 +112,20 @@ class ShardWorker:
             raise
         return result
 
-    def _bad(self, result: ShardResult, where: tuple) -> None:
+    def _bad(self, result: ShardResult, where: tuple, fatal: bool = False) -> None:
         """Record a bad document: the shard's error, or one more skipped line."""
-        if not self.config.skip_bad_lines:
+        if fatal or not self.config.skip_bad_lines:
             result.error = where
             return
         result.bad_count += 1
         if len(result.bad) < 5:
             result.bad.append(where)
 
-    def _encode(self, batch, result) -> list[list[bytes]] | None:
+    def _encode(self, batch, result) -> list[list[bytes | None]] | None:
         """Token bytes per key per document. If the tokenizer refuses the batch (the
         NullTokenizer does, on a non-integer), documents go one at a time so that the bad
-        one is reported by file and line; skipped ones encode as empty."""
+        one is reported by file and line; skipped ones are None (counted as bad lines, not
+        as empty documents)."""
         keys = range(len(self.config.json_keys))
         try:
             return [self.tokenizer.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
@@ -138,7 +139,7 @@ class ShardWorker:
                 self._bad(result, (path, first_line_offset, line, f"tokenizer refused the text: {e}"))
                 if result.error is not None:
                     return None
-                per_doc.append([b"" for _ in keys])
+                per_doc.append([None for _ in keys])
         return [list(column) for column in zip(*per_doc)]
 
     def _flush(self, batch, nbytes, writers, result):
@@ -150,7 +151,7 @@ class ShardWorker:
             return
         for k, (writer, encoded) in enumerate(zip(writers, encoded_keys)):
             kept = [b for b in encoded if b]
-            result.empty += len(encoded) - len(kept)
+            result.empty += encoded.count(b"")
             if k == 0:
                 result.docs += len(kept)
             if not kept:

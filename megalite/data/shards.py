@@ -8,7 +8,8 @@ text. A byte range owns the lines that start inside it, so ranges need no alignm
 import os
 from dataclasses import dataclass
 
-from megalite.data.corpus import BadInput, decode_utf8, is_gzip, is_jsonl, open_binary, parse_json_line
+from megalite.data.corpus import (BadInput, decode_utf8, is_gzip, is_jsonl, open_binary, parse_json_line,
+                                  read_document_file, read_lines)
 
 MIN_SHARD_BYTES = 1 << 20
 
@@ -54,48 +55,47 @@ def plan_shards(paths, text_mode: str, workers: int, partitions: int, max_shard_
 def read_shard(shard: Shard, keys: list[str], text_mode: str):
     """Yield (texts, nbytes, where) per document (texts: one string per key; blank lines give
     empty strings; where: (path, first_line_offset, line)) or a BadInput, carrying
-    .first_line_offset, for a bad line."""
+    .first_line_offset, for a bad line. A damaged gzip file gives a fatal BadInput and ends
+    the shard."""
     for path, start, end in shard.pieces:
-        if text_mode == "file" and not is_jsonl(path):
-            yield from _read_whole_file(path, len(keys))
-            continue
-        jsonl = is_jsonl(path)
-        with open_binary(path) as f:
-            offset = 0
-            if start:
-                f.seek(start - 1)
-                f.readline()  # the rest of the line that started before this range
-                offset = f.tell()
-            first_line_offset, pos = offset, offset
-            for lineno, raw in enumerate(f, 1):
-                if end is not None and pos >= end:
-                    break
-                pos += len(raw)
-                try:
-                    if not raw.strip():
-                        texts = [""] * len(keys)
-                    elif jsonl:
-                        texts = parse_json_line(raw, keys, path, lineno)
-                    else:
-                        texts = [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
-                except BadInput as err:
-                    err.first_line_offset = first_line_offset
-                    yield err
-                    continue
-                yield texts, len(raw), (path, first_line_offset, lineno)
+        try:
+            if text_mode == "file" and not is_jsonl(path):
+                text, nbytes = read_document_file(path)
+                yield [text if text.strip() else ""] * len(keys), nbytes, (path, 0, 1)
+                continue
+            yield from _read_lines(path, start, end, keys)
+        except BadInput as err:
+            err.first_line_offset = getattr(err, "first_line_offset", 0)
+            yield err
+            if err.fatal:
+                return
 
 
-def _read_whole_file(path: str, num_keys: int):
+def _read_lines(path: str, start: int, end: int | None, keys: list[str]):
+    jsonl = is_jsonl(path)
     with open_binary(path) as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        err = BadInput(path, raw.count(b"\n", 0, e.start) + 1, f"invalid UTF-8 ({e.reason})")
-        err.first_line_offset = 0
-        yield err
-        return
-    yield [text if text.strip() else ""] * num_keys, len(raw), (path, 0, 1)
+        offset = 0
+        if start:
+            f.seek(start - 1)
+            f.readline()  # the rest of the line that started before this range
+            offset = f.tell()
+        first_line_offset, pos = offset, offset
+        for lineno, raw in enumerate(read_lines(f, path), 1):
+            if end is not None and pos >= end:
+                break
+            pos += len(raw)
+            try:
+                if not raw.strip():
+                    texts = [""] * len(keys)
+                elif jsonl:
+                    texts = parse_json_line(raw, keys, path, lineno)
+                else:
+                    texts = [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
+            except BadInput as err:
+                err.first_line_offset = first_line_offset
+                yield err
+                continue
+            yield texts, len(raw), (path, first_line_offset, lineno)
 
 
 def absolute_line(path: str, first_line_offset: int, line: int) -> int:

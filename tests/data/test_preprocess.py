@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -105,34 +106,85 @@ def test_null_tokenizer_and_empty_documents_are_skipped_and_counted(tool, capsys
     assert any("2 documents" in line and "3 empty documents skipped" in line for line in err), err
 
 
+def _truncated_gzip() -> tuple[bytes, int]:
+    """A gzip'd JSONL cut short, and the first line it cannot deliver (found by zlib)."""
+    content = "".join(json.dumps({"text": " ".join(str(i % 9 + 1) for i in range(n % 50))}) + "\n"
+                      for n in range(4000)).encode()
+    packed = gzip.compress(content, mtime=0)
+    truncated = packed[:len(packed) * 3 // 5]
+    complete = zlib.decompressobj(wbits=31).decompress(truncated).count(b"\n")
+    assert 0 < complete < 4000
+    return truncated, complete + 1
+
+
+TRUNCATED_GZIP, TRUNCATED_GZIP_LINE = _truncated_gzip()
+
 BAD_INPUTS = {
-    # name: (file name, content, line, reason fragment)
-    "malformed json": ("in.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', 3, "malformed JSON"),
-    "missing key": ("in.jsonl", b'{"text": "a"}\n{"body": "b"}\n', 2, "missing key 'text'"),
-    "not a string": ("in.jsonl", b'{"text": "a"}\n{"text": 5}\n', 2, "holds int, expected a string"),
-    "not an object": ("in.jsonl", b'["text"]\n', 1, "expected a JSON object"),
-    "lone surrogate": ("in.jsonl", b'{"text": "a"}\n{"text": "\xc3\xa9 \\ud800"}\n', 2, "lone surrogate \\ud800"),
-    "invalid utf-8 jsonl": ("in.jsonl", b'{"text": "a"}\n{"text": "b\xff"}\n', 2, "invalid UTF-8"),
-    "invalid utf-8 text": ("in.txt", b"fine\nalso fine\nbad \xc3\x28 byte\n", 3, "invalid UTF-8"),
-    "invalid utf-8 gzip": ("in.jsonl.gz", b'{"text": "a"}\n\n{"text": "\xfe"}\n', 3, "invalid UTF-8"),
-    "invalid utf-8 document per file": ("in.txt", b"line one\nline two \xe2\x82\n", 2, "invalid UTF-8"),
-    "tokenizer refuses": ("in.txt", b"1 2\n3 4\n5 x6\n7\n", 3, "tokenizer refused the text: NullTokenizer: 'x6'"),
+    # name: (file name, file bytes, line, exact reason or fragment, documents kept by --skip-bad-lines,
+    #        or None where the damage is fatal even then)
+    "malformed json": ("in.jsonl", b'{"text": "1"}\n{"text": "2"}\n{"text": "3" "x"}\n', 3,
+                       "malformed JSON: Expecting ',' delimiter at column 14", [[1], [2]]),
+    "json line ends early": ("in.jsonl", b'{"text": "1"}\n{"text": "3"\n', 2,
+                             "malformed JSON: Expecting ',' delimiter at column 13 (end of line)", [[1]]),
+    "missing key": ("in.jsonl", b'{"text": "1"}\n{"body": "2"}\n{"text": "3"}\n', 2, "missing key 'text'",
+                    [[1], [3]]),
+    "not a string": ("in.jsonl", b'{"text": "1"}\n{"text": 5}\n', 2, "holds int, expected a string", [[1]]),
+    "not an object": ("in.jsonl", b'["text"]\n{"text": "4"}\n', 1, "expected a JSON object", [[4]]),
+    "lone surrogate": ("in.jsonl", b'{"text": "1"}\n{"text": "\xc3\xa9 \\ud800"}\n', 2, "lone surrogate \\ud800",
+                       [[1]]),
+    "invalid utf-8 jsonl": ("in.jsonl", b'{"text": "1"}\n{"text": "b\xff"}\n', 2, "invalid UTF-8", [[1]]),
+    "invalid utf-8 text": ("in.txt", b"1\n2 3\nbad \xc3\x28 byte\n", 3, "invalid UTF-8", [[1], [2, 3]]),
+    "invalid utf-8 gzip": ("in.jsonl.gz", gzip.compress(b'{"text": "1"}\n\n{"text": "\xfe"}\n', mtime=0), 3,
+                           "invalid UTF-8", [[1]]),
+    "invalid utf-8 document per file": ("in.txt", b"line one\nline two \xe2\x82\n", 2, "invalid UTF-8", []),
+    "tokenizer refuses": ("in.txt", b"1 2\n3 4\n5 x6\n7\n", 3, "tokenizer refused the text: NullTokenizer: 'x6'",
+                          [[1, 2], [3, 4], [7]]),
+    "truncated gzip": ("in.jsonl.gz", TRUNCATED_GZIP, TRUNCATED_GZIP_LINE,
+                       "gzip file is truncated (it ends before the end-of-stream marker)", None),
+    "truncated gzip document per file": ("in.txt.gz", TRUNCATED_GZIP[:len(TRUNCATED_GZIP) // 2], 1,
+                                         "gzip file is truncated", None),
+    "not gzip": ("in.jsonl.gz", b'{"text": "1"}\n', 1, "not a gzip file (Not a gzipped file (b'{\"'))", None),
 }
+BLANK_LINES = {"invalid utf-8 gzip": 1}
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_stops_with_file_line_and_reason_and_leaves_no_output(tool, capsys, tmp_path, case):
-    name, content, line, reason = BAD_INPUTS[case]
+def run_bad_input(tool, capsys, tmp_path, case, *flags):
+    """Write the case's file and preprocess it; return (file, output dir, exit code, stderr lines)."""
+    name, content, *_ = BAD_INPUTS[case]
     path = tmp_path / name
-    path.write_bytes(gzip.compress(content) if name.endswith(".gz") else content)
+    path.write_bytes(content)
     out = tmp_path / "out"
     out.mkdir()
     mode = ["--text-mode", "file"] if case.endswith("per file") else []
     code, err = run(tool, capsys, "--input", path, "--output-prefix", out / "ds",
-                    "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, *mode)
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", 10, *mode, *flags)
+    return path, out, code, err
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_stops_with_file_line_and_reason_and_leaves_no_output(tool, capsys, tmp_path, case):
+    _, _, line, reason, _ = BAD_INPUTS[case]
+    path, out, code, err = run_bad_input(tool, capsys, tmp_path, case)
     assert code == 1
     assert len(err) == 1 and err[0].startswith(f"error: {path}:{line}: ") and reason in err[0], err
     assert os.listdir(out) == []  # no final names, no temporary files
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_skip_bad_lines_skips_and_counts_each_bad_line_once(tool, capsys, tmp_path, case):
+    _, _, line, reason, kept = BAD_INPUTS[case]
+    path, out, code, err = run_bad_input(tool, capsys, tmp_path, case, "--skip-bad-lines")
+    if kept is None:  # a damaged file is not a bad line: it stops the run all the same
+        assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {path}:{line}: ") and reason in err[0]
+        assert os.listdir(out) == []
+        return
+    assert code == 0, err
+    assert read_documents(out / "ds_text_document") == kept
+    empty = BLANK_LINES.get(case, 0)
+    assert f"{len(kept)} documents, {sum(map(len, kept))} tokens from 1 files; {empty} empty documents skipped" \
+        in err, err
+    assert f"skipped 1 bad lines, first: {path}:{line}: " in err[-2] and reason in err[-2], err
+    assert sorted(os.listdir(out)) == ["ds_text_document.bin", "ds_text_document.idx"]
 
 
 def test_line_numbers_are_exact_in_later_shards_and_skip_bad_lines_counts(tool, capsys, tmp_path):
