@@ -51,7 +51,16 @@ def integer_weights(weights) -> np.ndarray:
 
 
 def blend_indices(weights, size: int, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index int16 [size], dataset_sample_index int64 [size]) of the blend."""
+    """(dataset_index int16 [size], dataset_sample_index int64 [size]) of the blend.
+
+    The rule: after n samples in which dataset j has contributed k_j, sample n + 1 comes
+    from the dataset furthest behind relative to its share, the one with the smallest
+    (k_j + 1/2) / w_j (ties: the lower index). Megatron's greedy loop instead picks the
+    largest absolute shortfall w_j * (n + 1) - k_j. Taking the smallest key of a dataset's
+    next sample at every step is the same as sorting all keys (k + 1/2) / w_j, so sample k of
+    dataset j lands at position k + sum over l != j of #{k' : (k' + 1/2) / w_l < (k + 1/2) / w_j}
+    (<= for l < j), an integer floor division per dataset, computed here in chunks of k.
+    """
     W = integer_weights(weights)
     J = len(W)
     if size >= (1 << 31):

@@ -68,8 +68,8 @@ class GPTDataset:
     are, or an array of ids) of `indexed`.
 
     num_samples None means one epoch. Index arrays are cached in cache_dir (None: built in
-    memory) under a key covering the sequence lengths of these documents, the sample count,
-    seq_length, seed and split name.
+    memory) under a key covering the documents (a range's bounds, or a digest of the ids),
+    their sequence lengths, the sample count, seq_length, seed and split name.
     """
 
     def __init__(self, indexed, documents, num_samples: int | None, seq_length: int, seed: int,
@@ -94,6 +94,8 @@ class GPTDataset:
                               if isinstance(self.documents, range) else sizes[self.documents]),
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
         }
+        if not isinstance(self.documents, range):
+            self.description["document_ids"] = digest(self.documents)
         try:
             arrays, self._paths = cached_arrays(
                 cache_dir, "GPTDataset", self.description, INDEX_NAMES,

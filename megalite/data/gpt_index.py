@@ -112,8 +112,7 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
         # np.take from the most compact copy of the lengths: the gather is random access
         table = sizes.astype(np.uint16) if int(sizes.max(initial=0)) < (1 << 16) else sizes
         ordered_sizes = np.take(table, document_index.astype(np.intp))
-    ends = ordered_sizes.astype(np.int64)
-    np.cumsum(ends, out=ends)
+    ends = np.cumsum(ordered_sizes, dtype=np.int64)
     out = np.empty((num_samples + 1, 2), dtype=dtype)
     chunk = 1 << 22  # bounded temporaries for very long runs
     for lo in range(0, num_samples + 1, chunk):

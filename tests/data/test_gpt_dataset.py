@@ -38,7 +38,7 @@ def write_dataset(prefix, lengths, seed=0, unique=False, dtype=np.int32):
 
 
 def test_index_arrays_equal_megatron_helpers_and_shuffles():
-    helpers = pytest.importorskip("megatron.core.datasets.helpers")
+    from megatron.core.datasets import helpers
     from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
 
     rng = np.random.default_rng(0)
@@ -75,7 +75,7 @@ class _MegatronTokenizer:
 
 
 def test_samples_equal_megatron_core_gpt_dataset(tmp_path):
-    builder_mod = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder_mod
     from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
@@ -174,9 +174,16 @@ def test_cache_key_covers_the_inputs(tmp_path):
     write_dataset(tmp_path / "corpus", np.full(200, 31))  # same prefix, different lengths
     assert build() == 6
 
+    def document_ids(documents):  # documents as an array of ids rather than a range
+        ds = GPTDataset(IndexedDataset(prefix), np.array(documents), None, 16, 1, eod=0, cache_dir=str(cache))
+        return sorted(set(ds.document_index.tolist()))
+
+    assert document_ids([0, 5, 7, 199]) == [0, 5, 7, 199]
+    assert document_ids([0, 6, 8, 199]) == [0, 6, 8, 199]  # same first, last, count and lengths
+
 
 def test_masks_match_megatron():
-    gpt_mod = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets import gpt_dataset as gpt_mod
     rng = np.random.default_rng(4)
     for case in range(30):
         tokens = rng.integers(0, 4, int(rng.integers(1, 40)))  # eod (0) frequent, also first and last
@@ -193,7 +200,7 @@ def test_masks_match_megatron():
 
 
 def test_split_matches_megatron_and_mock_data():
-    cfg = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_config")
+    from megatron.core.datasets import blended_megatron_dataset_config as cfg
     for split in ("969, 30, 1", "949,50,1", "1", "99,1", "0,50,50", "3,3,3"):
         vector = cfg.parse_and_normalize_split(split)
         assert np.allclose(parse_split(split), vector)

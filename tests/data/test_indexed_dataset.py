@@ -7,11 +7,10 @@ import struct
 import numpy as np
 import pytest
 import torch
+from megatron.core.datasets import indexed_dataset as megatron_indexed  # a dev dependency: fail, never skip
 
 from megalite.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, dtype_for_vocab,
                                            merge_datasets)
-
-megatron_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def random_documents(seed, count=200, vocab=60000, max_len=80):

@@ -77,6 +77,20 @@ def test_iterator_yields_dataset_items_and_resumes_exactly(mock_train):
                                pstate=single) is None
 
 
+class CountingDataset:
+    """A dataset that counts the samples read from it in this process."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads = dataset, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.dataset[i]
+
+
 def _distributed_loading(rank, world_size, corpus, cache_dir):
     train, _, _ = build_gpt_datasets(data_path=[corpus], split="1", seq_length=16, seed=3, num_samples=(400, 0, 0),
                                      eod_token=0, vocab_size=1000, reset_attention_mask=True, cache_path=cache_dir)
@@ -84,11 +98,13 @@ def _distributed_loading(rank, world_size, corpus, cache_dir):
     layouts = (("tp2_dp2", ParallelLayout(4, tensor=2)), ("tp2_pp2", ParallelLayout(4, tensor=2, pipeline=2)))
     for name, layout in layouts:
         state = ParallelState.create(layout)
-        it = build_data_iterator(train, consumed_samples=8 if name == "tp2_dp2" else 0, micro_batch_size=2,
+        counted = CountingDataset(train)
+        it = build_data_iterator(counted, consumed_samples=8 if name == "tp2_dp2" else 0, micro_batch_size=2,
                                  global_batch_size=8, pstate=state, num_workers=0)
         batches = [next(it) for _ in range(3)]
         out[name] = {
             "coords": (state.tp_rank, state.dp_rank, state.pp_rank),
+            "reads": counted.reads,
             "tokens": [b["tokens"].tolist() for b in batches],
             "attention_mask": [b["attention_mask"].tolist() for b in batches],
             "expected": [[train[i]["tokens"].tolist() for i in idx]
@@ -108,6 +124,7 @@ def test_tp_rank_zero_reads_and_broadcasts_and_dp_ranks_get_their_slices(corpus)
         per_rank = [r[name] for r in results]
         for r in per_rank:
             assert r["tokens"] == r["expected"]  # each DP rank's own slice, after consumed samples
+            assert r["reads"] == (3 * 2 if r["coords"][0] == 0 else 0), (name, r["coords"], r["reads"])
         for a in per_rank:
             for b in per_rank:
                 if a["coords"][1:] == b["coords"][1:]:  # same TP group: identical tensors

@@ -106,21 +106,23 @@ def build_megatron(prefix, seq_length, num_samples, cache):
 
 def sample_index_step(prefix, seq_length, repeats=3):
     """The sample-index step alone on identical (sizes, document_index) inputs: Megatron-Core's
-    compiled helper against megalite's numpy cumsum + searchsorted."""
+    compiled helper against megalite's numpy cumsum + searchsorted, as build_gpt_indices runs
+    it (with the document lengths in document-index order that the shuffle produced)."""
     from megatron.core.datasets import helpers
 
     from megalite.data.gpt_index import build_document_index, build_sample_index
     from megalite.data.indexed_dataset import IndexedDataset
 
     sizes = np.array(IndexedDataset(prefix).sequence_lengths)
-    document_index = build_document_index(np.arange(len(sizes)), 1, np.random.RandomState(1234), False)
+    document_index, ordered_sizes = build_document_index(range(len(sizes)), 1, np.random.RandomState(1234),
+                                                         False, sizes)
     tokens = int(sizes.sum(dtype=np.int64))
     best = {"megatron_helper": float("inf"), "megalite": float("inf")}
     for _ in range(repeats):
         t0 = time.perf_counter()
         theirs = helpers.build_sample_idx(sizes, document_index, seq_length, 1, tokens, True, True)
         t1 = time.perf_counter()
-        ours = build_sample_index(sizes, document_index, seq_length, 1, tokens)
+        ours = build_sample_index(sizes, document_index, seq_length, 1, tokens, ordered_sizes)
         t2 = time.perf_counter()
         best["megatron_helper"] = min(best["megatron_helper"], t1 - t0)
         best["megalite"] = min(best["megalite"], t2 - t1)
