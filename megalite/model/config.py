@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field, fields, replace
 
+from megalite.parallel.state import ParallelLayout
+
 
 @dataclass
 class GPTConfig:
@@ -72,6 +74,10 @@ class GPTConfig:
     """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
 
     def __post_init__(self):
+        # Shapes no layout can build, refused before the defaults below derive from them;
+        # the checks that depend on the TP and PP sizes run when a GPTModel is built.
+        ParallelLayout(1).check_model(self.num_layers, self.hidden_size, self.num_attention_heads,
+                                      self.num_query_groups, self.kv_channels)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:

@@ -88,6 +88,8 @@ class GPTModel(nn.Module):
                  layer_numbers=None, pre_process=None, post_process=None, init_seed: int = 1234, device=None):
         super().__init__()
         pstate = pstate or ParallelState.single()
+        pstate.layout.check_model(config.num_layers, config.hidden_size, config.num_attention_heads,
+                                  config.num_query_groups, config.kv_channels)
         self.config, self.pstate, self.rng_tracker = config, pstate, rng_tracker
         self.tp_group = pstate.tp_group
         self.pre_process = pstate.is_first_stage if pre_process is None else pre_process

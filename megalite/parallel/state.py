@@ -16,6 +16,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
+def _require_positive(*flags_and_values) -> None:
+    for flag, value in flags_and_values:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes of the parallel dimensions; the data-parallel size is inferred."""
@@ -26,14 +32,12 @@ class ParallelLayout:
     virtual_pipeline: int = 1
 
     def __post_init__(self):
-        for flag, value in (
+        _require_positive(
             ("world size", self.world_size),
             ("--tensor-model-parallel-size", self.tensor),
             ("--pipeline-model-parallel-size", self.pipeline),
             ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        )
         if self.world_size % (self.tensor * self.pipeline):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
@@ -97,7 +101,16 @@ class ParallelLayout:
         num_query_groups: int | None = None,
         kv_channels: int | None = None,
     ) -> None:
-        """Refuse model shapes this layout cannot shard, naming the flags involved."""
+        """Refuse model shapes this layout cannot shard, naming the flags involved.
+        `num_query_groups` None means one group per head (multi-head attention);
+        `kv_channels` None means hidden_size / num_attention_heads."""
+        _require_positive(
+            ("--num-layers", num_layers),
+            ("--hidden-size", hidden_size),
+            ("--num-attention-heads", num_attention_heads),
+            *([("--num-query-groups", num_query_groups)] if num_query_groups is not None else []),
+            *([("--kv-channels", kv_channels)] if kv_channels is not None else []),
+        )
         if kv_channels is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "

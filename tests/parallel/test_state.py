@@ -27,10 +27,19 @@ def test_megatron_rank_order():
     (dict(world_size=4, tensor=0), "--tensor-model-parallel-size must be a positive integer"),
     (dict(world_size=4, virtual_pipeline=2), "--num-virtual-stages-per-pipeline-rank 2 needs"),
 ])
-def test_impossible_layouts_refused_before_any_group(kwargs, message):
+def test_impossible_layouts_refused_before_any_group(kwargs, message, monkeypatch):
+    _forbid_process_groups(monkeypatch)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         ParallelLayout(**kwargs)
-    assert not dist.is_initialized()
+
+
+def _forbid_process_groups(monkeypatch):
+    """Make every way of creating a process group raise, so a refusal that reaches one fails
+    with this message instead of the expected ValueError."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a process group was requested before the layout was validated")
+    for name in ("init_process_group", "new_group", "new_subgroups_by_enumeration", "new_subgroups"):
+        monkeypatch.setattr(dist, name, forbidden)
 
 
 @pytest.mark.parametrize("model, message", [
@@ -40,9 +49,19 @@ def test_impossible_layouts_refused_before_any_group(kwargs, message):
     (dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=3), "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
     (dict(num_layers=1, hidden_size=64, num_attention_heads=8), "--num-layers 1 is fewer than --pipeline-model-parallel-size 2"),
 ])
-def test_model_shape_checks_name_flags(model, message):
+def test_model_shape_checks_name_flags(model, message, monkeypatch):
+    _forbid_process_groups(monkeypatch)
     with pytest.raises(ValueError, match=message):
         ParallelLayout(8, tensor=4, pipeline=2).check_model(**model)
+
+
+def test_validation_would_have_failed_on_a_group_request(monkeypatch):
+    """The guard above is live: creating a state for a multi-process layout asks for groups."""
+    _forbid_process_groups(monkeypatch)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(AssertionError, match="process group was requested"):
+        ParallelState.create(ParallelLayout(2, tensor=2))
 
 
 def _groups_worker(rank, world_size):
