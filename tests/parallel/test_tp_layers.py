@@ -9,13 +9,16 @@ import torch.nn.functional as F
 from megalite.parallel import comm
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megalite.parallel.random import MODEL_PARALLEL_RNG, seed_everything
+from megalite.parallel.random import MODEL_PARALLEL_RNG, RNGTracker, seed_everything
 from megalite.parallel.sharding import all_reduce_sequence_parallel_grads, full_from_shards, shard_of_full
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
 from tests.numerics import rel_error
 
 TOL = 1e-5
+# With logits of 1e4 the log-sum-exp is an fp32 number whose ulp is 2**-10: the softmax
+# exp(z - lse) of a two-way tie (p = 0.5) is then off by up to p * ulp / 2 = 2.4e-4.
+HUGE_LOGIT_GRAD_TOL = 2.5e-4
 S, B, IN, OUT = 8, 2, 12, 16
 
 
@@ -142,6 +145,37 @@ def _cross_entropy_cases(group):
         loss_bf = vocab_parallel_cross_entropy(bf, target, group, vocab_size=vocab, label_smoothing=eps)
         loss_bf.sum().backward()
         errors[f"ce_eps{eps}/bf16_grad_dtype_ok"] = 0.0 if bf.grad.dtype == torch.bfloat16 else 1.0
+    errors.update(_huge_logit_cases(group, vocab, padded))
+    return errors
+
+
+def _huge_logit_cases(group, vocab, padded):
+    """Logits of +-1e4 that live in one rank's shard: the max is found across ranks, nothing
+    overflows, and huge padding columns are still ignored."""
+    rank, tp = comm.group_rank(group), comm.group_size(group)
+    logits = torch.randn(6, padded, generator=_gen(13))
+    logits[0, 3] = 1e4            # first shard's logit dominates, target in the last shard
+    logits[1, 30] = 1e4           # last shard's logit dominates, target in the first shard
+    logits[2, 5] = 1e4            # the dominant logit is the target
+    logits[3, [2, 33]] = 1e4      # a tie between the first and the last shard
+    logits[4, :] = -1e4
+    logits[4, 21] = 0.0           # every logit hugely negative but one
+    logits[5, 3] = 1e4
+    logits[5, vocab:] = 3e4       # padding columns larger still
+    target = torch.tensor([34, 1, 5, 2, 21, 7])
+    errors = {}
+    for eps in (0.0, 0.1):
+        ref_logits = logits[:, :vocab].clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_logits, target, reduction="none", label_smoothing=eps)
+        ref.sum().backward()
+        local = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=vocab, label_smoothing=eps)
+        loss.sum().backward()
+        grad = _gather(local.grad, group, 1)
+        errors[f"ce_huge_eps{eps}/loss"] = rel_error(loss, ref)
+        errors[f"ce_huge_eps{eps}/grad"] = rel_error(grad[:, :vocab], ref_logits.grad)
+        errors[f"ce_huge_eps{eps}/pad_grad_is_zero"] = grad[:, vocab:].abs().max().item()
+        errors[f"ce_huge_eps{eps}/finite"] = 0.0 if torch.isfinite(loss).all() and torch.isfinite(grad).all() else 1.0
     return errors
 
 
@@ -183,7 +217,8 @@ def _worker(rank, world_size):
 
 def _check(errors):
     assert len(errors) > 40
-    bad = {k: v for k, v in errors.items() if v > TOL}
+    bad = {k: v for k, v in errors.items()
+           if v > (HUGE_LOGIT_GRAD_TOL if k.startswith("ce_huge") and k.endswith("/grad") else TOL)}
     assert not bad, f"relative errors above {TOL}: {bad}"
 
 
@@ -207,6 +242,49 @@ def test_layers_and_cross_entropy_tp2_tp4(tp_results):
         group = [r for r in results if r[tp]["tp_rank"] in range(tp)][:tp]
         streams = [r[tp]["rng"]["per_rank"] for r in group]
         assert len({tuple(s.tolist()) for s in streams}) == tp
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_rng_tracker_streams(device):
+    """add, fork and get_states/set_states on the device's default generator; a CUDA tracker
+    leaves the CPU generator alone."""
+    def draws(generator=None):
+        return torch.rand(6, device=device, generator=generator)
+
+    def seeded(seed):
+        return torch.Generator(device).manual_seed(seed)
+
+    torch.manual_seed(5)
+    cpu_state = torch.get_rng_state()
+    default = seeded(5)
+    tracker = RNGTracker(device)
+    assert tracker.device.type == device and (device == "cpu" or tracker.device.index is not None)
+    tracker.add(MODEL_PARALLEL_RNG, 11)
+    tracker.add("other", 12)
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("other", 13)
+    with pytest.raises(KeyError, match="never added"):
+        with tracker.fork("missing"):
+            pass
+    assert torch.equal(draws(), draws(default)), "add() moved the default stream"
+    stream = seeded(11)
+    with tracker.fork():
+        assert torch.equal(draws(), draws(stream))
+    assert torch.equal(draws(), draws(default)), "the default stream did not resume after fork()"
+    snapshot = tracker.get_states()
+    with tracker.fork():
+        first = draws()
+        assert torch.equal(first, draws(stream)), "the forked stream did not continue"
+    assert not torch.equal(snapshot[MODEL_PARALLEL_RNG], tracker.get_states()[MODEL_PARALLEL_RNG])
+    tracker.set_states(snapshot)
+    with tracker.fork():
+        assert torch.equal(draws(), first), "set_states did not rewind the stream"
+    with tracker.fork("other"):
+        assert torch.equal(draws(), draws(seeded(12)))
+    assert torch.equal(draws(), draws(default))
+    if device == "cuda":
+        assert torch.equal(torch.get_rng_state(), cpu_state), "a CUDA tracker moved the CPU generator"
 
 
 def test_cross_entropy_is_stable_for_huge_logits():
