@@ -22,9 +22,17 @@ def group_rank(group) -> int:
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum `x` over the group in place; returns `x`."""
     if group_size(group) > 1:
         dist.all_reduce(x, group=group)
     return x
+
+
+def _summed_copy(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `x` over the group in a new tensor. An autograd function must not change its
+    forward inputs or incoming gradients in place: autograd hands one gradient tensor to every
+    branch that consumed a value (y = f(x) + x), and other ops may have saved the input."""
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
 
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -76,7 +84,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        return _summed_copy(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -84,7 +92,7 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.contiguous(), group)
+        return _summed_copy(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -14,6 +14,7 @@ from megalite.parallel.random import MODEL_PARALLEL_RNG, seed_everything
 from megalite.parallel.sharding import all_reduce_sequence_parallel_grads
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
+from tests.parallel.refusals import value_error_messages
 from tests.numerics import assert_rel_close, rel_error
 
 TOL = 1e-5
@@ -108,15 +109,9 @@ def rng_streams(config, state):
 
 def refused_models(state):
     """The ValueError messages of models this TP layout cannot shard."""
-    messages = []
-    for shape in (dict(hidden_size=48, num_attention_heads=3),
-                  dict(hidden_size=64, num_attention_heads=4, num_query_groups=1)):
-        try:
-            GPTModel(make_config("gpt2", **shape), state)
-            messages.append(None)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
+    return value_error_messages(
+        lambda: GPTModel(make_config("gpt2", hidden_size=48, num_attention_heads=3), state),
+        lambda: GPTModel(make_config("gpt2", num_attention_heads=4, num_query_groups=1), state))
 
 
 def _tp_worker(rank, world_size):

@@ -13,6 +13,7 @@ from megalite.parallel.random import MODEL_PARALLEL_RNG, RNGTracker, seed_everyt
 from megalite.parallel.sharding import all_reduce_sequence_parallel_grads, full_from_shards, shard_of_full
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
+from tests.parallel.refusals import value_error_messages
 from tests.numerics import rel_error
 
 TOL = 1e-5
@@ -193,15 +194,9 @@ def _rng_cases(state):
 
 
 def _refusal_messages(group):
-    messages = []
-    for build in (lambda: ColumnParallelLinear(8, 6, tp_group=group), lambda: RowParallelLinear(6, 8, tp_group=group),
-                  lambda: VocabParallelEmbedding(6, 8, tp_group=group)):
-        try:
-            build()
-            messages.append(None)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
+    return value_error_messages(lambda: ColumnParallelLinear(8, 6, tp_group=group),
+                                lambda: RowParallelLinear(6, 8, tp_group=group),
+                                lambda: VocabParallelEmbedding(6, 8, tp_group=group))
 
 
 def _worker(rank, world_size):
