@@ -13,10 +13,13 @@ fire as in a plain backward). Together B and W do the work of one full backward.
 
 Parameters whose gradient does not come through their module's output are handled too: a
 parameter a module returns (a bias whose addition is deferred, skip_bias_add) gets its
-gradient in B and is accumulated in W by a backward from the parameter itself; a parameter
-passed to a module's forward (an output layer tied to the input embedding) counts as that
-module's. Assumed, and true of megalite's GPT: a parameter is otherwise used only inside the
-forward of the module that owns it, and each module runs once per micro-batch.
+gradient in B and is accumulated in W by a backward from the parameter itself. A parameter
+passed to a module's forward (an output layer tied to the input embedding) reaches that module
+as an alias (a view of it): the parameter is also used upstream, where a backward from this
+module's output would take that share a second time, so W takes the alias's gradient alone and
+hands it to the parameter through the view. Assumed, and true of megalite's GPT: a parameter
+is otherwise used only inside the forward of the module that owns it, and each module runs
+once per micro-batch.
 
 Memory trade-off: between B and W a micro-batch keeps its whole retained autograd graph
 (everything the forward saved, including what only the input gradient needed), plus the
@@ -59,10 +62,25 @@ def _unique(tensors) -> list:
     return out
 
 
+def _alias_parameters(value, aliases: list):
+    """`value` (module inputs) with every parameter that requires a gradient replaced by a view
+    of it; the (alias, parameter) pairs are appended to `aliases`."""
+    if isinstance(value, nn.Parameter) and value.requires_grad:
+        alias = value.view_as(value)
+        aliases.append((alias, value))
+        return alias
+    if type(value) in (tuple, list):
+        return type(value)(_alias_parameters(v, aliases) for v in value)
+    if type(value) is dict:
+        return {k: _alias_parameters(v, aliases) for k, v in value.items()}
+    return value
+
+
 @dataclass
 class _Entry:
     params: list            # parameters whose gradient flows through `outputs`
     outputs: list           # the module's output tensors
+    aliases: list = field(default_factory=list)  # (alias, parameter) of parameters passed in
     grads: list = field(default_factory=list)
 
 
@@ -79,26 +97,35 @@ class SplitBackward:
     """Records module outputs of one model chunk and runs its backward as B then W."""
 
     def __init__(self, model: nn.Module):
-        self.modules = [m for m in model.modules()
-                        if any(p.requires_grad for p in m.parameters(recurse=False))]
+        # Every module: one holding no parameter may be passed one (a tied output layer).
+        self.modules = list(model.modules())
 
     @contextmanager
     def record(self):
         """Run a forward inside this context to get its MicrobatchRecord."""
         record = MicrobatchRecord()
+        passed = {}  # module -> (alias, parameter) pairs of its running call
+
+        def pre_hook(module, args, kwargs):
+            aliases = []
+            args, kwargs = _alias_parameters(args, aliases), _alias_parameters(kwargs, aliases)
+            passed[module] = aliases
+            return (args, kwargs) if aliases else None
 
         def hook(module, args, kwargs, output):
+            aliases = passed.pop(module)
             outputs = _tensors(output)
-            returned = {id(t) for t in outputs if isinstance(t, nn.Parameter)}
-            passed = [t for t in _tensors((args, kwargs)) if isinstance(t, nn.Parameter)]
-            params = [p for p in _unique(list(module.parameters(recurse=False)) + passed)
-                      if p.requires_grad and id(p) not in returned]
-            record.leaves += [t for t in outputs if id(t) in returned and t.requires_grad]
-            outputs = [t for t in outputs if id(t) not in returned and t.requires_grad]
-            if params and outputs:
-                record.entries.append(_Entry(params, outputs))
+            skipped = {id(t) for t in outputs if isinstance(t, nn.Parameter)}  # returned
+            skipped |= {id(p) for _, p in aliases}  # passed in (its own weight, or a tied one)
+            params = [p for p in module.parameters(recurse=False)
+                      if p.requires_grad and id(p) not in skipped]
+            record.leaves += [t for t in outputs if isinstance(t, nn.Parameter) and t.requires_grad]
+            outputs = [t for t in outputs if not isinstance(t, nn.Parameter) and t.requires_grad]
+            if (params or aliases) and outputs:
+                record.entries.append(_Entry(params, outputs, aliases))
 
-        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
+        handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in self.modules]
+        handles += [m.register_forward_hook(hook, with_kwargs=True) for m in self.modules]
         try:
             yield record
         finally:
@@ -129,9 +156,19 @@ class SplitBackward:
         """W: accumulate every parameter's gradient from what B saved, then free the graph."""
         for entry in record.entries:
             pairs = [(t, g) for t, g in zip(entry.outputs, entry.grads) if g is not None]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs],
-                                        inputs=entry.params, retain_graph=True)
+            if not pairs:
+                continue
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+            if entry.params:
+                torch.autograd.backward(outputs, grads, inputs=entry.params, retain_graph=True)
+            if entry.aliases:
+                aliases = [alias for alias, _ in entry.aliases]
+                alias_grads = torch.autograd.grad(outputs, aliases, grads, retain_graph=True,
+                                                  allow_unused=True)
+                used = [(a, g) for a, g in zip(aliases, alias_grads) if g is not None]
+                if used:  # through the view into the parameter's .grad (and its hooks)
+                    torch.autograd.backward([a for a, _ in used], [g for _, g in used],
+                                            retain_graph=True)
         leaves = [(p, g) for p, g in zip(record.leaves, record.leaf_grads) if g is not None]
         if leaves:
             torch.autograd.backward([p for p, _ in leaves], [g for _, g in leaves])
