@@ -8,8 +8,12 @@ One spawn of 4 gloo processes runs every pipelined case: PP=4 cases on the whole
 families in turn), PP=2 cases on two pipelines at once (data-parallel replica 0 runs GPT-2,
 replica 1 Llama; no data-parallel reduction is involved here)."""
 
+from contextlib import contextmanager
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.pipeline_executor import (PipelineExecutor, deallocate_output,
@@ -65,14 +69,19 @@ def _run_case(family, case, state):
         return out
 
     data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
-    loss = run_pipeline_step(chunks, state, schedule, data, num_microbatches=m, seq_length=SEQ,
-                             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
-                             forward_step=forward_step, eager_sends=eager)
+    executor = PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
+                                micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
+                                forward_step=forward_step, eager_sends=eager)
+    with _watching_transfers() as posted:
+        loss = executor.run(data)
+    transfers = {"train": (posted, _transfer_kinds(executor.groups))}
     with torch.no_grad():  # evaluation: forwards only, same micro-batches, same loss
         data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
-        eval_loss = PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
-                                     micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
-                                     eager_sends=eager).run(data, forward_only=True)
+        executor = PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
+                                    micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, eager_sends=eager)
+        with _watching_transfers() as posted:
+            eval_loss = executor.run(data, forward_only=True)
+        transfers["eval"] = (posted, _transfer_kinds(executor.forward_groups))
     all_reduce_shared_embedding_grads(chunks, state)
     grads = {}
     for chunk in chunks:
@@ -81,7 +90,31 @@ def _run_case(family, case, state):
     kept = sum(t.untyped_storage().nbytes() > t.element_size() for t in sent_outputs)
     return {"loss": loss, "eval_loss": eval_loss, "grads": grads, "layers": layers,
             "outputs_kept": kept,
-            "outputs_sent": len(sent_outputs)}
+            "outputs_sent": len(sent_outputs), "transfers": transfers}
+
+
+def _transfer_kinds(groups):
+    """The executor's transfer batches, each as its list of isend/irecv."""
+    return [["isend" if a.is_send else "irecv" for a in group] for group in groups if group[0].is_comm]
+
+
+@contextmanager
+def _watching_transfers():
+    """Record every batch_isend_irecv call (as its list of isend/irecv) and fail on any device
+    synchronise."""
+    posted, batch_isend_irecv = [], dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append([op.op.__name__ for op in ops])
+        return batch_isend_irecv(ops)
+
+    def synchronize(*args, **kwargs):
+        raise AssertionError("the pipeline executor synchronised the device")
+
+    with mock.patch.object(dist, "batch_isend_irecv", recording), \
+            mock.patch.object(torch.cuda, "synchronize", synchronize), \
+            mock.patch.object(torch.cpu, "synchronize", synchronize):
+        yield posted
 
 
 def _pipeline_worker(rank, world_size, cases):
@@ -133,6 +166,11 @@ def test_pipeline_matches_single_device(pipeline_results, references, family, ca
         assert len(layers[0]) == first, what
     if last is not None:
         assert len(layers[-1]) == last, what
+    # One batch_isend_irecv per run of consecutive transfers in the executor's order, holding
+    # exactly that run's sends and receives.
+    for r, result in enumerate(ranks):
+        for mode, (posted, batches) in result["transfers"].items():
+            assert posted and posted == batches, f"{what}: rank {r} {mode} transfers"
     # Every output activation that was sent had its storage freed (Megatron's deallocation).
     assert sum(r["outputs_sent"] for r in ranks) == m * (p * v - 1), what
     assert all(r["outputs_kept"] == 0 for r in ranks), f"{what}: sent activations kept"
@@ -142,12 +180,11 @@ def test_pipeline_matches_single_device(pipeline_results, references, family, ca
 def test_no_pipelining_is_gradient_accumulation(references, family):
     state = ParallelState.single()
     reference = references(family, 3)
-    executor = PipelineExecutor(build_model_chunks(make_config(family), state, init_seed=INIT_SEED),
-                                state, "none", num_microbatches=3, seq_length=SEQ,
-                                micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN)
-    loss = executor.run(microbatches(3))
+    chunks = build_model_chunks(make_config(family), state, init_seed=INIT_SEED)
+    loss = run_pipeline_step(chunks, state, "none", microbatches(3), num_microbatches=3, seq_length=SEQ,
+                             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN)
     assert_rel_close(loss, reference["loss"], TOL, f"{family} p=1 loss")
-    compare_grads([gather_full_weights(executor.chunks[0], grads=True)], reference, f"{family} p=1")
+    compare_grads([gather_full_weights(chunks[0], grads=True)], reference, f"{family} p=1")
 
 
 def test_deallocated_output_still_backpropagates():
