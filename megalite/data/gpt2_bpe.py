@@ -5,10 +5,12 @@ piece's UTF-8 bytes to printable characters, then apply merges by rank until non
 Ids match Megatron's GPT2BPETokenizer and Hugging Face's byte-level BPE for the same files.
 
 `encode_reference` is that algorithm as written (pure Python, one cache of pre-tokens).
-`encode` gives the same ids faster: text goes through a `ChunkCache` (chunks end before a
-whitespace character that follows a non-whitespace one, which the regex never matches
-across); unseen chunks are pre-tokenised together, ASCII ones with an equivalent `re`
-pattern, and unseen pre-tokens are merged by the `tokenizers` library's BPE when installed.
+`encode` gives the same ids faster. ASCII text goes through tiktoken's Rust BPE when
+tiktoken is installed and the merges pass the checks of `_tiktoken_core`. Other text goes
+through a `ChunkCache` (chunks end before a whitespace character that follows a
+non-whitespace one, which the regex never matches across); unseen chunks are
+pre-tokenised together, ASCII ones with an equivalent `re` pattern, and unseen pre-tokens
+are merged by the `tokenizers` library's BPE when installed.
 """
 
 import json
@@ -20,6 +22,7 @@ from itertools import filterfalse
 import numpy as np
 
 from megalite.data.chunk_cache import ChunkCache
+from megalite.data.tiktoken_bpe import TiktokenBPE, encode_split, tiktoken_module
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The same pattern for ASCII text, for the re module (2-3x faster than regex's \p classes):
@@ -27,6 +30,12 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # ASCII \s, and the contractions share their apostrophe (same leftmost-first order).
 GPT2_ASCII_PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
 EOD_TOKEN = "<|endoftext|>"
+# tiktoken runs the pattern without the lookahead \s+(?!\S) twice as fast. On ASCII text
+# the lookahead matters only in a whitespace run of two or more before a non-space, where
+# GPT-2 cuts before the run's last character: a NUL put there (RUN_END) makes the plain
+# pattern cut there too, and since no merge involves the NUL byte its token is dropped.
+GPT2_PLAIN_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"""
+RUN_END = re.compile(r"(?<=\s)(?=\s\S)", re.ASCII)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -100,12 +109,13 @@ class GPT2BPE:
         self._whitespace = frozenset(chr(c) for c in range(0x3001) if space.match(chr(c)))
         self._reference_pieces: dict[str, bytes] = {}  # pre-token -> ids, for encode_reference
         self._fast_pieces: dict[str, bytes] = {}  # the same, for the chunk-cache path
-        self._rust_bpe = _rust_bpe(self.encoder, self.ranks)
+        self._hf_bpe = _hf_bpe(self.encoder, self.ranks)
         # Chunks are cut with the re module (faster than regex here), using regex's \s set.
         ws_class = "".join(re.escape(c) for c in sorted(self._whitespace))
         chunk_pattern = re.compile(f"[{ws_class}]*[^{ws_class}]+|[{ws_class}]+")
         self._chunks = ChunkCache(chunk_pattern.findall, self._encode_chunks)
         self.vocab_file = vocab_file
+        self._tiktoken = self._tiktoken_core()
 
     def bpe(self, word: str) -> list[str]:
         """Merge the symbols of one byte-mapped pre-token by rank until no merge applies."""
@@ -138,9 +148,9 @@ class GPT2BPE:
             raise ValueError(f"--vocab-file {self.vocab_file}: no id for BPE symbol {e.args[0]!r}") from None
 
     def _fast_bpe_ids(self, mapped: str) -> list[int]:
-        if self._rust_bpe is None:
+        if self._hf_bpe is None:
             return self._python_bpe_ids(mapped)
-        return [t.id for t in self._rust_bpe.tokenize(mapped)]
+        return [t.id for t in self._hf_bpe.tokenize(mapped)]
 
     def _piece_bytes(self, pieces, table: dict[str, bytes], bpe_ids) -> dict[str, bytes]:
         """`table` (pre-token -> int32 id bytes) with every piece of `pieces` present."""
@@ -185,21 +195,66 @@ class GPT2BPE:
         stops = byte_ends[last_piece].tolist()
         return {c: joined[a:b] for c, a, b in zip(chunks, [0] + stops[:-1], stops)}
 
+    def _tiktoken_core(self) -> TiktokenBPE | None:
+        """tiktoken over these merges, or None where it would not give GPT-2's ids.
+
+        Checked: every merge joins two symbols that exist before it (single bytes or
+        results of earlier merges), no two merges make the same token, no merge involves
+        the NUL byte, and every merged token encodes to itself. Then no two adjacent
+        symbols ever concatenate to a token other than through their own merge (the
+        shortest such pair would be a state of encoding its own concatenation, which would
+        then not encode to itself), so merging the lowest-ranked concatenation first, as
+        tiktoken does, is GPT-2's merging by rank, and a pre-token that is a token is that
+        token.
+        """
+        if tiktoken_module() is None:
+            return None
+        byte_chars = [self.byte_encoder[b] for b in range(256)]
+        if any(c not in self.encoder for c in byte_chars):
+            return None
+        ranks = {bytes([b]): b for b in range(256)}
+        rank_ids = [self.encoder[c] for c in byte_chars]
+        formed = set(byte_chars)
+        nul = self.byte_encoder[0]
+        merged = []
+        for a, b in sorted(self.ranks, key=self.ranks.get):
+            if a not in formed or b not in formed or a + b in formed or nul in a or nul in b:
+                return None
+            formed.add(a + b)
+            merged.append(a + b)
+            ranks[bytes(self.byte_decoder[c] for c in a + b)] = len(rank_ids)
+            rank_ids.append(self.encoder[a + b])
+        if self._hf_bpe is not None:
+            if any(len(self._hf_bpe.tokenize(t)) != 1 for t in merged):
+                return None
+        elif any(len(self.bpe(t)) != 1 for t in merged):
+            return None
+        return TiktokenBPE("gpt2", ranks, np.array(rank_ids), {"plain": GPT2_PLAIN_PATTERN}, drop_rank=0)
+
+    def _encode_tiktoken(self, texts: list[str]) -> list[bytes]:
+        return self._tiktoken.encode_bytes([RUN_END.sub("\x00", t) for t in texts], "plain")
+
     def encode(self, text: str) -> list[int]:
-        return self._chunks.encode(text)
+        return np.frombuffer(self.encode_batch_bytes([text])[0], np.int32).tolist()
 
     def encode_batch(self, texts: list[str]):
-        return self._chunks.encode_batch(texts)
+        return [np.frombuffer(b, np.int32) for b in self.encode_batch_bytes(texts)]
 
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
-        return self._chunks.encode_batch_bytes(texts)
+        if self._tiktoken is None:
+            return self._chunks.encode_batch_bytes(texts)
+        return encode_split(texts, _ascii_without_nul, self._encode_tiktoken, self._chunks.encode_batch_bytes)
 
     def decode(self, ids) -> str:
         text = "".join(self.decoder[int(i)] for i in ids)
         return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
 
-def _rust_bpe(encoder: dict[str, int], ranks: dict[tuple[str, str], int]):
+def _ascii_without_nul(text: str) -> bool:
+    return text.isascii() and "\x00" not in text
+
+
+def _hf_bpe(encoder: dict[str, int], ranks: dict[tuple[str, str], int]):
     """The same merges run by the `tokenizers` library's BPE model (Rust), when installed;
     tests check it gives the Python algorithm's ids."""
     try:

@@ -10,9 +10,11 @@ once (its proto, see `chunking_for`):
   spaces plus one run of letters, of digits or of other characters.
 - "word": no piece has a space after a non-space. Chunks are leading spaces plus a word.
 - None: every text goes to SentencePiece whole.
-Repeated chunks come from a `ChunkCache`; unseen ones are encoded together, a few KB of
-text per call, with a separator character between two that would otherwise touch unsafely,
-and cut apart again by the length of text each id covers.
+With tiktoken installed, a chunkable model whose pieces pass the checks of
+`_tiktoken_core` is run by tiktoken's Rust BPE (pre-tokens: the chunks). Otherwise repeated
+chunks come from a `ChunkCache`; unseen ones are encoded together, a few KB of text per
+call, with a separator character between two that would otherwise touch unsafely, and cut
+apart again by the length of text each id covers.
 """
 
 import os
@@ -21,14 +23,19 @@ import re
 import numpy as np
 
 from megalite.data.chunk_cache import ChunkCache
+from megalite.data.tiktoken_bpe import TiktokenBPE, encode_split, tiktoken_module
 
 SPACE = "\u2581"  # SentencePiece's visible space
 CHUNK_PATTERNS = {  # applied to " " + text (the space stands for the dummy prefix)
     "word": re.compile(f"[ {SPACE}]+[^ {SPACE}]*"),
     "fine": re.compile(f"[ {SPACE}]*(?:[^\\W\\d_]+|\\d+|(?:[^\\w {SPACE}]|_)+)|[ {SPACE}]+"),
 }
+# The "fine" classes restricted to ASCII (letters, digits, the rest), for ASCII text: faster.
+FINE_ASCII_PATTERN = re.compile(r" *(?:[A-Za-z]+|[0-9]+|[^A-Za-z0-9 ]+)| +")
+# tiktoken's pre-tokens: the same chunks, with the space standing for U+2581 in pieces too.
+TIKTOKEN_PATTERNS = {"fine": r" *(?:[A-Za-z]+|[0-9]+|[^A-Za-z0-9 ]+)| +", "word": r" *[^ ]+| +"}
 SEPARATORS = {"L": "a", "D": "0", "O": "."}  # one character of each kind
-PIECE_NORMAL, PIECE_USER_DEFINED = 1, 4
+PIECE_NORMAL, PIECE_USER_DEFINED, PIECE_UNUSED, PIECE_BYTE = 1, 4, 5, 6
 JOIN_CHARS = 4096  # unseen chunks are encoded in texts of about this size (SentencePiece
 # slows down on long inputs)
 MODEL_BPE = 2
@@ -45,14 +52,21 @@ def char_kind(c: str) -> str:
     return "O"
 
 
-def chunking_for(model_bytes: bytes) -> str | None:
-    """'fine', 'word' or None: the finest chunking that is exact for this model."""
+def parse_model(model_bytes: bytes):
+    """The model's ModelProto, or None without protobuf (then no fast path can be checked)."""
     try:
         from sentencepiece import sentencepiece_model_pb2
-    except ImportError:  # protobuf missing: no way to check, so no fast path
+    except ImportError:
         return None
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_bytes)
+    return proto
+
+
+def chunking_for(proto) -> str | None:
+    """'fine', 'word' or None: the finest chunking that is exact for this model."""
+    if proto is None:
+        return None
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     if not (trainer.model_type == MODEL_BPE and trainer.byte_fallback
             and not trainer.treat_whitespace_as_suffix
@@ -96,12 +110,19 @@ class SentencePieceTokenizer:
         self.eod = self.sp.eos_id()
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eod
         self.bos = self.sp.bos_id()
-        self.chunking = chunking_for(model_bytes) if use_chunk_cache else None
-        self._cache = None
+        proto = parse_model(model_bytes) if use_chunk_cache else None
+        self.chunking = chunking_for(proto)
+        self._cache = self._tiktoken = None
         if self.chunking:
             self._surface, self._surface_chars = self._surface_lengths()
             split = CHUNK_PATTERNS[self.chunking].findall
-            self._cache = ChunkCache(lambda text: split(" " + text) if text else [], self._encode_chunks)
+            if self.chunking == "fine":
+                split_ascii = FINE_ASCII_PATTERN.findall
+                self._cache = ChunkCache(lambda text: (split_ascii(" " + text) if text.isascii() else
+                                                       split(" " + text)) if text else [], self._encode_chunks)
+            else:
+                self._cache = ChunkCache(lambda text: split(" " + text) if text else [], self._encode_chunks)
+            self._tiktoken = self._tiktoken_core(proto)
 
     def _surface_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """(UTF-8 bytes, characters) of normalised text that each id covers; a byte piece
@@ -164,22 +185,84 @@ class SentencePieceTokenizer:
         out = {c: raw[4 * a:4 * b] for (c, _), a, b in zip(segments, [0] + cuts[:-1], cuts) if c is not None}
         return [out[c] for c in chunks]
 
+    def _tiktoken_core(self, proto) -> TiktokenBPE | None:
+        """tiktoken over this model's pieces, or None where it would not give its ids.
+
+        SentencePiece's BPE merges the adjacent pair whose concatenation is the
+        best-scoring piece; tiktoken merges the lowest-ranked concatenation: pieces ranked
+        by score give the same merges once every character is one symbol, so characters of
+        several UTF-8 bytes are assembled first (their byte prefixes rank below every
+        piece). Checked: no unused pieces, distinct scores, every character of a piece is a
+        piece itself, and every piece encodes to itself (tiktoken returns a pre-token that
+        is a piece as is). Pieces are keyed with a space for U+2581, as texts are given.
+        """
+        if tiktoken_module() is None or any(p.type == PIECE_UNUSED for p in proto.pieces):
+            return None
+        chars, merged, byte_ids = {}, [], {}
+        for i, p in enumerate(proto.pieces):
+            if p.type == PIECE_BYTE:
+                byte_ids[int(p.piece[3:5], 16)] = i
+            elif p.type == PIECE_NORMAL:
+                piece = p.piece.replace(SPACE, " ")
+                if len(piece) == 1:
+                    chars[piece] = i
+                else:
+                    merged.append((-p.score, i, piece))
+        if len(byte_ids) != 256 or " " not in chars or len({s for s, _, _ in merged}) != len(merged):
+            return None
+        if any(c not in chars for _, _, piece in merged for c in piece):
+            return None
+        ranks = {bytes([b]): b for b in range(256)}
+        rank_ids = [chars.get(chr(b), byte_ids[b]) if b < 128 else byte_ids[b] for b in range(256)]
+        for c, i in chars.items():
+            encoded = c.encode("utf-8")
+            for k in range(2, len(encoded) + 1):
+                if encoded[:k] not in ranks:
+                    ranks[encoded[:k]] = len(rank_ids)
+                    rank_ids.append(i if k == len(encoded) else -1)  # a byte prefix: not a piece
+        merged.sort()
+        for _, i, piece in merged:
+            ranks[piece.encode("utf-8")] = len(rank_ids)
+            rank_ids.append(i)
+        plain = parse_model(proto.SerializeToString())
+        plain.normalizer_spec.add_dummy_prefix = False
+        plain_sp = type(self.sp)(model_proto=plain.SerializeToString())
+        texts = [p.replace(" ", SPACE) for _, _, p in merged]
+        if plain_sp.encode(texts) != [[i] for _, i, _ in merged]:
+            return None
+        return TiktokenBPE("sentencepiece", ranks, np.array(rank_ids), TIKTOKEN_PATTERNS)
+
+    def _encode_tiktoken(self, texts: list[str], pattern: str) -> list[bytes | None]:
+        """SentencePiece's normalisation here: the dummy-prefix space, U+2581 as a space."""
+        if pattern == "fine":  # ASCII texts
+            return self._tiktoken.encode_bytes([" " + t if t else "" for t in texts], pattern)
+        return self._tiktoken.encode_bytes([" " + t.replace(SPACE, " ") if t else "" for t in texts], pattern)
+
+    def _encode_words(self, texts: list[str]) -> list[bytes]:
+        return encode_split(texts, bool, lambda ts: self._encode_tiktoken(ts, "word"), self._encode_plain)
+
+    def _encode_plain(self, texts: list[str]) -> list[bytes]:
+        return [x.astype(np.int32).tobytes() for x in self.sp.encode(texts, out_type="numpy", num_threads=1)]
+
     def encode_reference(self, text: str) -> list[int]:
         """SentencePiece's own encoding of the whole text."""
         return self.sp.encode(text)
 
     def encode(self, text: str) -> list[int]:
-        return self._cache.encode(text) if self._cache else self.sp.encode(text)
+        return np.frombuffer(self.encode_batch_bytes([text])[0], np.int32).tolist()
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        if self._cache:
-            return self._cache.encode_batch(texts)
-        return [np.asarray(x, np.int32) for x in self.sp.encode(texts, out_type="numpy", num_threads=1)]
+        return [np.frombuffer(b, np.int32) for b in self.encode_batch_bytes(texts)]
 
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
+        if self._tiktoken is not None:
+            if self.chunking == "fine":
+                return encode_split(texts, str.isascii, lambda ts: self._encode_tiktoken(ts, "fine"),
+                                    self._encode_words)
+            return self._encode_words(texts)
         if self._cache:
             return self._cache.encode_batch_bytes(texts)
-        return [x.astype(np.int32).tobytes() for x in self.sp.encode(texts, out_type="numpy", num_threads=1)]
+        return self._encode_plain(texts)
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -81,20 +81,6 @@ def random_texts(seed, count=300):
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(count)]
 
 
-def test_chunk_cache_fast_paths_equal_plain_encoding(sp_model, gpt2_files, demo_texts):
-    vocab, merges, _ = gpt2_files
-    sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
-    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    assert sp.chunking == "fine"  # train_tokenizer.py models qualify for the finest chunk cache
-    texts = demo_texts + EDGE_TEXTS + random_texts(0)
-    for tok in (sp, gpt2):
-        fast = []
-        for i in range(0, len(texts), 37):  # batches share the cache, as in preprocessing
-            fast += [np.frombuffer(b, np.int32).tolist() for b in tok.encode_batch_bytes(texts[i:i + 37])]
-        assert fast == [tok.encode_reference(t) for t in texts]
-        assert [tok.encode(t) for t in EDGE_TEXTS] == [tok.encode_reference(t) for t in EDGE_TEXTS]
-
-
 def test_sentencepiece_chunking_follows_the_model(data_dir, demo_texts):
     import sentencepiece as spm
 
