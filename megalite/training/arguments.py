@@ -76,8 +76,28 @@ def _kind(name: str) -> tuple[str, type | None]:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.given_flags = {}  # dest -> the option string that set it
+
     def error(self, message):
         raise ValueError(message)
+
+
+class _Once(argparse.Action):
+    """Stores an option's value, refusing a second occurrence: argparse would silently keep
+    the last (`--data-path a --data-path b` gives ['b']; Megatron's list flags take every
+    value after one flag). A switch and its negative form given together contradict."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = parser.given_flags.get(self.dest)
+        if earlier == option_string:
+            several = " (it takes several values after one flag)" if self.nargs == "+" else ""
+            raise ValueError(f"{option_string} is given more than once; give it once{several}")
+        if earlier is not None:
+            raise ValueError(f"{earlier} and {option_string} contradict each other (give one)")
+        parser.given_flags[self.dest] = option_string
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def _help(f) -> str:
@@ -100,17 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         for f in fields(cls) if cls else [config_field]:
             kind, base = _kind(f.name)
             options = {"dest": f.name, "help": _help(f)}
-            if kind == "bool":
-                group.add_argument(flag_of(f), action="store_true", **options)
-            elif kind == "tristate":
-                group.add_argument(flag_of(f), action="store_const", const=True, **options)
-                group.add_argument(f.metadata["negative_flag"], action="store_const", const=False,
+            if kind in ("bool", "tristate"):
+                group.add_argument(flag_of(f), action=_Once, nargs=0, const=True, **options)
+            if kind == "tristate":
+                group.add_argument(f.metadata["negative_flag"], action=_Once, nargs=0, const=False,
                                    dest=f.name, help=f"Turn {flag_of(f)} off.")
             elif kind == "list":
-                group.add_argument(flag_of(f), nargs="+", metavar="VALUE", **options)
-            else:
+                group.add_argument(flag_of(f), action=_Once, nargs="+", metavar="VALUE", **options)
+            elif kind == "scalar":
                 metavar = None if f.metadata["choices"] else _METAVARS[base]
-                group.add_argument(flag_of(f), type=base, choices=f.metadata["choices"],
+                group.add_argument(flag_of(f), action=_Once, type=base, choices=f.metadata["choices"],
                                    metavar=metavar, **options)
     return parser
 
@@ -195,7 +214,7 @@ def load_config_file(path: str) -> dict:
 def parse_args(argv: list[str] | None = None) -> Arguments:
     """Options from `argv` (default sys.argv[1:]) over --config's YAML over Megatron's defaults.
 
-    Raises ValueError naming an unknown flag, a bad value or an unknown YAML key."""
+    Raises ValueError naming an unknown or repeated flag, a bad value or an unknown YAML key."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
@@ -205,10 +224,6 @@ def parse_args(argv: list[str] | None = None) -> Arguments:
         hint = _suggest(flags[0].split("=")[0], options)
         raise ValueError(f"unknown argument{'s' if len(flags) > 1 else ''}: {' '.join(flags)}{hint}")
     given = vars(namespace)
-    for f in _cli_fields().values():
-        negative = f.metadata["negative_flag"]
-        if negative and negative in argv and flag_of(f) in argv:
-            raise ValueError(f"{flag_of(f)} and {negative} contradict each other (give one)")
     values = load_config_file(given["config"]) if given.get("config") else {}
     values.update(given)
     return Arguments(**values)

@@ -49,7 +49,15 @@ class TrainingArgs:
     seed: int = arg(1234, "Random seed.")
     skip_train: bool = arg(False, "Only evaluate (validation and test) and exit.")
     exit_interval: int | None = arg(None, "Save and exit when the iteration is a multiple of this.")
-    exit_duration_in_mins: float | None = arg(None, "Save and exit after this many minutes.")
+    exit_duration_in_mins: float | None = arg(
+        None, "Save and exit after this many minutes, counted as Megatron counts them: from the "
+        "start of the earliest rank's process (start-up and checkpoint loading included), checked "
+        "after each iteration.")
+    exit_reason_file: str | None = arg(
+        None, "On a clean exit (status 0) rank 0 writes why the run stopped to this file: done, "
+        "skip-train, exit-interval, exit-duration-in-mins, or 'signal SIGUSR1' / 'signal SIGTERM'. "
+        "scripts/slurm/pretrain_gpt.sbatch requeues the job when it reads a SIGUSR1 stop.",
+        origin=MEGALITE)
     exit_signal_handler: bool = arg(
         False, "Megatron's switch for saving and exiting on SIGTERM. megalite always does so, on "
         "SIGTERM and on SIGUSR1 (Slurm's warning before a time limit); the flag is accepted.")
@@ -89,8 +97,14 @@ class LoggingArgs:
     log_interval: int = arg(100, "Print the training line every this many iterations.")
     log_throughput: bool = arg(
         False, "Accepted for Megatron scripts; megalite always logs throughput and MFU.")
-    timing_log_level: int = arg(0, "Detail of the timers printed (0, 1 or 2).", choices=(0, 1, 2))
-    log_params_norm: bool = arg(False, "Log the norm of the parameters.")
+    timing_log_level: int = arg(
+        0, "Timers printed every --log-interval as (min, max) over ranks in ms per iteration: "
+        "0 none beyond the iteration time; 1 forward-backward, gradient sync, optimizer, "
+        "evaluation and checkpoint saves. Megatron's 2 (per-message pipeline timers) is not "
+        "implemented.", choices=(0, 1, 2), unsupported=(2,))
+    log_params_norm: bool = arg(
+        False, "Log the L2 norm of the fp32 main parameters of the whole model (each parameter "
+        "counted once over TP, PP and DP) as 'params norm'.")
     tensorboard_dir: str | None = arg(None, "Write TensorBoard scalars here.")
     wandb_project: str | None = arg(None, "Weights & Biases project (enables wandb).")
     wandb_exp_name: str | None = arg(None, "Weights & Biases run name.")

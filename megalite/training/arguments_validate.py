@@ -5,7 +5,12 @@ unset values are filled (documented on each field) and derived values are added.
 
 from dataclasses import fields
 
+import importlib.util
+
+import torch
+
 from megalite.parallel.schedules import default_schedule, validate_schedule
+from megalite.parallel.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_field import flag_of
 from megalite.training.lr_schedule import schedule_lengths_from_args
@@ -59,18 +64,13 @@ def default_ffn_hidden_size(args) -> int:
 
 def virtual_stages(args) -> int:
     """Model chunks per pipeline rank, from either of Megatron's two virtual-pipeline flags."""
-    pp = args.pipeline_model_parallel_size
-    if args.num_virtual_stages_per_pipeline_rank is not None:
-        return args.num_virtual_stages_per_pipeline_rank
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    if per_stage is None:
-        return 1
-    if pp == 1:
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    if args.num_layers % (pp * per_stage):
-        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-              f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage}")
-    return args.num_layers // (pp * per_stage)
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    return virtual_stages_per_rank(args.num_layers, args.pipeline_model_parallel_size,
+                                   args.num_layers_per_virtual_pipeline_stage,
+                                   args.num_virtual_stages_per_pipeline_rank, uneven=uneven)
 
 
 def layout_from_args(args, world_size: int) -> ParallelLayout:
@@ -142,6 +142,24 @@ def _check_model(args):
         _fail("--bf16 and --fp16 contradict each other (give one)")
     if args.loss_scale is not None and not args.fp16:
         _fail(f"--loss-scale {args.loss_scale} applies only to --fp16")
+    if args.use_flash_attn:
+        _check_flash_attn(args)
+
+
+def _check_flash_attn(args):
+    """flash_attn computes only in 16 bits on CUDA and takes no attention mask; without these
+    checks the model would fail at its first forward pass or quietly use SDPA instead."""
+    if importlib.util.find_spec("flash_attn") is None:
+        _fail("--use-flash-attn needs the flash_attn package, which is not installed "
+              "(pip install flash-attn)")
+    if not (args.bf16 or args.fp16):
+        _fail("--use-flash-attn needs --bf16 or --fp16 (flash_attn has no fp32 kernels)")
+    if args.distributed_backend == "gloo" or not torch.cuda.is_available():
+        where = "--distributed-backend gloo" if args.distributed_backend == "gloo" else "no CUDA device"
+        _fail(f"--use-flash-attn runs only on CUDA GPUs (this run is on CPU: {where})")
+    if args.reset_attention_mask:
+        _fail("--use-flash-attn and --reset-attention-mask contradict each other (flash_attn takes "
+              "no attention mask)")
 
 
 def _check_recompute(args, layers_per_chunk: int):
@@ -159,29 +177,14 @@ def _check_recompute(args, layers_per_chunk: int):
 
 
 def _check_pipeline(args, layout: ParallelLayout) -> int:
-    """Checks the layer split over stages; returns the most layers one model chunk holds."""
-    pp, vp, layers = layout.pipeline, layout.virtual_pipeline, args.num_layers
+    """Checks the layer split over (virtual) stages, the one the model is built with; returns
+    the most layers one model chunk holds."""
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
-        which = "--decoder-first-pipeline-num-layers" if first is not None else \
-            "--decoder-last-pipeline-num-layers"
-        if pp == 1:
-            _fail(f"{which} needs --pipeline-model-parallel-size > 1")
-        if vp > 1:
-            _fail(f"{which} with virtual pipeline stages is not implemented in megalite")
-        given = [n for n in (first, last) if n is not None]
-        middle = pp - len(given)
-        rest = layers - sum(given)
-        if rest < 0 or (middle == 0 and rest != 0) or (middle and (rest < middle or rest % middle)):
-            _fail(f"--num-layers {layers} cannot be split over {pp} pipeline stages with "
-                  f"--decoder-first-pipeline-num-layers {first} and "
-                  f"--decoder-last-pipeline-num-layers {last} (the other stages need an equal, "
-                  "positive share)")
-        return max(given + ([rest // middle] if middle else []))
-    if layers % (pp * vp):
-        _fail(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-              f"virtual stages {vp}")
-    return layers // (pp * vp)
+    given = [_flag(name) for name, value in (("decoder_first_pipeline_num_layers", first),
+                                             ("decoder_last_pipeline_num_layers", last)) if value is not None]
+    if given and layout.pipeline == 1:
+        _fail(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --pipeline-model-parallel-size > 1")
+    return max(layers_per_virtual_stage(args.num_layers, layout.pipeline, layout.virtual_pipeline, first, last))
 
 
 def _check_parallel(args, layout: ParallelLayout):

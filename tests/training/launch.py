@@ -95,3 +95,26 @@ def wait_for(condition, timeout=240, what="condition", ranks: Ranks | None = Non
             raise AssertionError(f"a rank exited while waiting for {what}:\n{ranks.output()}")
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def drop_flags(argv: list[str], *flags: str) -> list[str]:
+    """`argv` without the given flags and their values (a flag may be given only once, so a
+    test replacing a value drops it first)."""
+    kept, i = [], 0
+    while i < len(argv):
+        width = 2 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
+        if argv[i] not in flags:
+            kept += argv[i:i + width]
+        i += width
+    return kept
+
+
+LAUNCH_VARIABLES = ("LAUNCHER", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "RANK",
+                    "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def script_env(**extra) -> dict:
+    """The environment for scripts/pretrain_gpt.sh: this interpreter, one thread per rank, no
+    launch or Slurm variables inherited from the test's own environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARIABLES}
+    return {**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}

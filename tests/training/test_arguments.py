@@ -10,6 +10,7 @@ from megalite.model.config import GPTConfig
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments import (Arguments, build_parser, layout_from_args,
                                          model_config_from_args, parse_args, validate_args)
+from tests.training.launch import drop_flags
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data "
@@ -17,7 +18,7 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 def parsed(extra="", world_size=None):
-    args = parse_args(BASE + extra.split())
+    args = parse_args(drop_flags(BASE, *extra.split()) + extra.split())  # extra's values win
     if world_size is not None:
         validate_args(args, world_size)
     return args
@@ -305,3 +306,71 @@ def test_help_lists_groups_defaults_and_megalite_additions():
     for words in ("parallelism:", "checkpoints:", "--initial-loss-scale X", "(default: 4294967296.0)",
                   "--metrics-file STR", "[megalite]", "--no-fused-kernels"):
         assert words in text, words
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("--data-path a --data-path b", "--data-path is given more than once; give it once (it takes several "
+                                    "values after one flag)"),
+    ("--lr 1e-3 --lr=2e-3", "--lr is given more than once; give it once"),
+    ("--bf16 --bf16", "--bf16 is given more than once; give it once"),
+    ("--no-fused-kernels --fused-kernels", "--no-fused-kernels and --fused-kernels contradict each other (give one)"),
+])
+def test_repeated_flags_are_refused(argv, message):
+    """argparse would keep the last value silently; Megatron's list flags take several values
+    after one flag. The config file may still set what the command line overrides."""
+    with pytest.raises(ValueError) as info:
+        parse_args("--num-layers 2".split() + argv.split())
+    assert str(info.value) == message
+
+
+def test_uneven_pipeline_stages_with_virtual_stages():
+    """The validator splits layers as the model is built (stage_layout): rank 0 holds 4 layers
+    in two chunks of 2, rank 1 two chunks of 1, so one chunk holds at most 2 layers."""
+    uneven = "--num-layers 6 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 " \
+             "--decoder-first-pipeline-num-layers 4 --global-batch-size 4 --recompute-granularity full"
+    args = parsed(uneven + " --recompute-num-layers 2", world_size=2)
+    assert (args.virtual_pipeline_model_parallel_size, args.pipeline_schedule) == (2, "interleaved_1f1b")
+    assert refused(uneven + " --recompute-num-layers 3", 2) == (
+        "--recompute-num-layers 3 exceeds the 2 layers of one pipeline stage (model chunk)")
+    parsed("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+           "--decoder-last-pipeline-num-layers 2 --global-batch-size 4", world_size=2)
+    odd = refused("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                  "--decoder-first-pipeline-num-layers 1 --global-batch-size 4", 2)
+    assert "--decoder-first-pipeline-num-layers 1 is not divisible by --num-virtual-stages-per-pipeline-rank 2" \
+        in odd
+    only_last = refused("--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 4", 2)
+    assert "--decoder-last-pipeline-num-layers 4" in only_last and "None" not in only_last
+    assert "first" not in only_last, only_last
+    assert "--num-virtual-stages-per-pipeline-rank" in refused(
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--decoder-first-pipeline-num-layers 2 --global-batch-size 4", 2)
+
+
+def test_use_flash_attn_is_checked_before_the_first_forward(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    assert importlib.util.find_spec("flash_attn") is None, "this test expects flash_attn to be absent here"
+    assert refused("--use-flash-attn --bf16") == (
+        "--use-flash-attn needs the flash_attn package, which is not installed (pip install flash-attn)")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert refused("--use-flash-attn") == "--use-flash-attn needs --bf16 or --fp16 (flash_attn has no fp32 kernels)"
+    assert refused("--use-flash-attn --bf16") == \
+        "--use-flash-attn runs only on CUDA GPUs (this run is on CPU: no CUDA device)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "--distributed-backend gloo" in refused("--use-flash-attn --fp16 --distributed-backend gloo")
+    assert "--reset-attention-mask" in refused("--use-flash-attn --bf16 --reset-attention-mask")
+    assert parsed("--use-flash-attn --bf16", world_size=1).use_flash_attn
+
+
+def test_flags_megalite_refuses_or_needs_less_for():
+    assert refused("--timing-log-level 2") == ("--timing-log-level 2 is not implemented in megalite "
+                                               "(supported: 0, 1)")
+    evaluate_only = parse_args([t for t in BASE if t not in ("--train-iters", "10", "--lr", "1e-3")] + ["--skip-train"])
+    validate_args(evaluate_only, 1)
+    assert evaluate_only.total_train_iters == 0 and evaluate_only.lr is None
+    assert parsed("--exit-reason-file r.txt --timing-log-level 1").exit_reason_file == "r.txt"
