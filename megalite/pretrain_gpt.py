@@ -1,20 +1,26 @@
 """Pretrain a GPT: `python -m megalite.pretrain_gpt [Megatron flags]`, under torchrun or srun.
 
 Exit status: 0 when training finished or stopped on purpose (a signal, --exit-interval,
---exit-duration-in-mins) after saving; 2 for bad options or an unusable checkpoint (one line
-naming the flag, file or tensor); 1 for any other failure, including a peer rank that died
-(collectives time out after --distributed-timeout-minutes instead of hanging).
+--exit-duration-in-mins) after saving, or --skip-train evaluated; then --exit-reason-file
+says which. 2 for bad options or an unusable checkpoint (one line naming the flag, file or
+tensor); 1 for any other failure, including a peer rank that died (collectives time out after
+--distributed-timeout-minutes instead of hanging).
 """
 
-import logging
-import os
-import sys
-import traceback
+import time
 
-import torch.distributed as dist
+PROCESS_START = time.time()  # the origin of --exit-duration-in-mins, before any slow import
 
-from megalite.training.arguments import parse_args
-from megalite.training.checkpoint_format import CheckpointError
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from megalite.training.arguments import parse_args  # noqa: E402
+from megalite.training.checkpoint_format import CheckpointError  # noqa: E402
 
 
 def _die(status: int, message: str | None = None):
@@ -33,6 +39,8 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
+    if args.exit_reason_file and os.environ.get("RANK", "0") == "0":
+        Path(args.exit_reason_file).unlink(missing_ok=True)  # a stale reason must not outlive a crash
     from megalite.training.loop import StopSignals, Trainer
     from megalite.training.setup_run import build_run
 
@@ -43,7 +51,7 @@ def main(argv=None) -> int:
         except (ValueError, CheckpointError, FileNotFoundError) as error:
             _die(2, f"pretrain_gpt: error: {error}")
         try:
-            reason = "skip-train" if args.skip_train else trainer.train(signals)
+            reason = "skip-train" if args.skip_train else trainer.train(signals, PROCESS_START)
             if reason in ("done", "skip-train"):
                 if reason == "done" and not (args.save_interval and run.iteration % args.save_interval == 0):
                     trainer.save()
@@ -63,6 +71,11 @@ def main(argv=None) -> int:
             _die(1, f"pretrain_gpt: rank {dist.get_rank() if dist.is_initialized() else 0} failed:\n"
                     + traceback.format_exc())
     dist.barrier()
+    if args.exit_reason_file and dist.get_rank() == 0:
+        from megalite.training.checkpointing import write_text_atomic
+
+        Path(args.exit_reason_file).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(args.exit_reason_file), reason + "\n")
     dist.destroy_process_group()
     return 0
 

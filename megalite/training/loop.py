@@ -1,9 +1,10 @@
 """The training loop: steps, logging, evaluation, checkpoints and every way a run stops.
 
 A run stops, saving a checkpoint first when --save is given, at the end of training, at
---exit-interval, after --exit-duration-in-mins, or on SIGTERM / SIGUSR1 (Slurm's warning before
-a time limit). Ranks agree on stopping through one small all-reduce per iteration, so they
-always stop at the same iteration.
+--exit-interval, after --exit-duration-in-mins (counted from the earliest rank's process
+start, as Megatron counts it), or on SIGTERM / SIGUSR1 (Slurm's warning before a time limit).
+Ranks agree on stopping through one small all-reduce per iteration, so they always stop at the
+same iteration.
 """
 
 import math
@@ -13,19 +14,21 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import comm
 from megalite.parallel.data_parallel import finalize_model_grads
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.setup_run import Run, build_data, data_iterator
+from megalite.training.timers import Timers
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopSignals:
-    """Remembers a SIGTERM / SIGUSR1 until the loop reaches an iteration boundary."""
+    """Remembers a SIGTERM / SIGUSR1 (its number) until the loop reaches an iteration boundary."""
 
     def __init__(self):
-        self.received = None
+        self.received = 0
         self._previous = {}
 
     def __enter__(self):
@@ -34,7 +37,7 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        self.received = max(self.received, signum)  # SIGTERM (15) outranks SIGUSR1 (10)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -60,6 +63,21 @@ def _dp_mean(run: Run, loss: torch.Tensor | None) -> float | None:
     return loss.item()
 
 
+@torch.no_grad()
+def params_norm(optimizer, pstate) -> float:
+    """Megatron's "params norm": the L2 norm of the model's fp32 main parameters, each element
+    counted once: replicated-over-TP parameters on TP rank 0 and a tied embedding on the stage
+    holding it (MainParam.counted, see distributed_optimizer.counts_in_norm); under the
+    distributed optimizer or FSDP2 each DP rank adds its own shard. A collective."""
+    total = torch.zeros((), dtype=torch.float64, device=optimizer.comm_device)
+    for m in optimizer.mains:
+        if m.counted:
+            main = m.main.to_local() if hasattr(m.main, "to_local") else m.main
+            total += main.detach().double().square().sum().to(optimizer.comm_device)
+    comm.all_reduce(total, pstate.world_group if optimizer.sharded_over_dp else pstate.mp_group)
+    return total.sqrt().item()
+
+
 def common_state(run: Run) -> dict:
     return {"consumed_train_samples": run.consumed_train_samples, "consumed_valid_samples": run.consumed_valid_samples,
             "lr_scheduler": run.scheduler.state_dict(), "args": run.args.to_dict(), "model_config": run.config.to_dict(),
@@ -71,6 +89,7 @@ class Trainer:
     def __init__(self, run: Run):
         self.run, self.args = run, run.args
         self.pending_save = None
+        self.timers = Timers(self.args.timing_log_level, run.device)
         self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
                                               resume_iteration=run.iteration if run.loaded_from else None)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
@@ -93,10 +112,11 @@ class Trainer:
             return
         self.finish_pending_save()
         run.optimizer.finish_param_sync()
-        self.pending_save = save_checkpoint(
-            args.save, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
-            pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker, common=common_state(run),
-            async_save=args.async_save, group=self.save_group)
+        with self.timers("save-checkpoint"):
+            self.pending_save = save_checkpoint(
+                args.save, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
+                pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker,
+                common=common_state(run), async_save=args.async_save, group=self.save_group)
         if not args.async_save:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {args.save}")
@@ -123,9 +143,10 @@ class Trainer:
         for chunk in run.models:
             chunk.eval()
         losses = []
-        for _ in range(self.args.eval_iters):
-            loss = run.executor.run(iterator, forward_only=True)
-            losses.append(_dp_mean(run, loss))
+        with self.timers("evaluation"):
+            for _ in range(self.args.eval_iters):
+                loss = run.executor.run(iterator, forward_only=True)
+                losses.append(_dp_mean(run, loss))
         for chunk in run.models:
             chunk.train()
         if split == "valid":
@@ -140,16 +161,19 @@ class Trainer:
         run = self.run
         run.optimizer.zero_grad()
         run.executor.loss_scale = run.optimizer.loss_scale
-        loss = run.executor.run(iterator)
-        finalize_model_grads(run.chunks, run.pstate)
-        ok, grad_norm, _ = run.optimizer.step(iteration=run.iteration + 1)
+        with self.timers("forward-backward"):
+            loss = run.executor.run(iterator)
+        with self.timers("grads-sync"):
+            finalize_model_grads(run.chunks, run.pstate)
+        with self.timers("optimizer"):
+            ok, grad_norm, _ = run.optimizer.step(iteration=run.iteration + 1)
         if ok:
             run.scheduler.step(self.args.global_batch_size)
         run.iteration += 1
         run.consumed_train_samples += self.args.global_batch_size
         return _dp_mean(run, loss), ok, grad_norm
 
-    def _log(self, losses, skipped, nans, grad_norm, elapsed, iters):
+    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters):
         run, args = self.run, self.args
         seconds = elapsed / max(iters, 1)
         rates = throughput(run.flops_per_token, args.global_batch_size * args.seq_length, seconds,
@@ -160,14 +184,25 @@ class Trainer:
             elapsed_ms_per_iteration=seconds * 1000, learning_rate=run.optimizer.param_groups[0]["lr"],
             global_batch_size=args.global_batch_size, lm_loss=sum(losses) / len(losses) if losses else math.nan,
             loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
-            nan_iterations=nans, memory_mb=memory, memory_kind=kind, **rates)
+            nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params, **rates)
         self.logger.log_training(record)
 
-    def train(self, signals: StopSignals) -> str:
-        """Train until a stop condition; returns why it stopped."""
+    def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters):
+        """The end of a --log-interval window; collectives (norm, timers) on every rank."""
+        run = self.run
+        norm_of_params = params_norm(run.optimizer, run.pstate) if self.args.log_params_norm else None
+        if run.writes_logs:
+            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters)
+        timing = self.timers.report(run.pstate.world_group, iters)
+        if timing and run.writes_logs:
+            self.logger.print_fn(timing)
+
+    def train(self, signals: StopSignals, start_time: float) -> str:
+        """Train until a stop condition; returns why it stopped. `start_time`: when this
+        process started (time.time()), the origin of --exit-duration-in-mins."""
         run, args = self.run, self.args
         iterator = data_iterator(run, self.train_ds, run.consumed_train_samples)
-        start, window_start = time.time(), time.time()
+        window_start = time.time()
         losses, skipped, nans, window_iters, grad_norm = [], 0, 0, 0, None
         while run.iteration < args.total_train_iters:
             loss, ok, norm = self.train_step(iterator)
@@ -177,14 +212,14 @@ class Trainer:
             if loss is not None:
                 nans += 0 if math.isfinite(loss) else 1
                 losses.append(loss)
-            if run.iteration % args.log_interval == 0 and run.writes_logs:
-                self._log(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters)
             if run.iteration % args.log_interval == 0:
+                self._log_window(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters)
                 losses, skipped, nans, window_iters, window_start = [], 0, 0, 0, time.time()
             if args.eval_interval and run.iteration % args.eval_interval == 0:
                 self.evaluate("valid", self.valid_iter)
             self.finish_pending_save(only_if_done=True)
-            got_signal, minutes = _agree(run, [1.0 if signals.received else 0.0, (time.time() - start) / 60])
+            # the largest elapsed time is the earliest process start's, as Megatron counts it
+            got_signal, minutes = _agree(run, [float(signals.received), (time.time() - start_time) / 60])
             if args.save_interval and run.iteration % args.save_interval == 0:
                 self.save()
                 saved = True
@@ -192,7 +227,7 @@ class Trainer:
                 saved = False
             reason = None
             if got_signal:
-                reason = "signal"
+                reason = f"signal {signal.Signals(int(got_signal)).name}"
             elif args.exit_duration_in_mins and minutes >= args.exit_duration_in_mins:
                 reason = "exit-duration-in-mins"
             elif args.exit_interval and run.iteration % args.exit_interval == 0:

@@ -38,8 +38,8 @@ class Run:
     tokenizer: object
     config: object
     chunks: list  # DistributedDataParallel / FSDPChunk wrappers, one per model chunk
-    optimizer: object
-    scheduler: object
+    optimizer: object  # None with --skip-train (only evaluation)
+    scheduler: object  # None with --skip-train
     executor: PipelineExecutor
     flops_per_token: float
     peak_flops: float | None
@@ -125,16 +125,9 @@ def build_run(args) -> Run:
         if common is None and pstate.rank == 0:
             log.warning("no checkpoint under --load %s: starting from scratch", args.load)
     chunks = _wrap(models, args, pstate)
-    optimizer = build_optimizer(
-        chunks, pstate, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, fp16=args.fp16,
-        bf16=args.bf16 and not args.use_torch_fsdp2, loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
-        cpu_offload=args.optimizer_cpu_offload)
-    scheduler = lr_scheduler_from_args(args, optimizer)
+    optimizer = scheduler = None
+    if not args.skip_train:
+        optimizer, scheduler = _build_optimizer(chunks, args, pstate)
     executor = PipelineExecutor(
         chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
@@ -149,13 +142,28 @@ def build_run(args) -> Run:
             run.iteration = common["iteration"]
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
-            if not args.no_load_optim:
+            if not args.no_load_optim and optimizer is not None:
                 load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
                 scheduler.load_state_dict(common["lr_scheduler"])
-    info, line = memory_report(chunks, optimizer, pstate)
+    info, line = memory_report(chunks, optimizer, pstate, cpu_offload=args.optimizer_cpu_offload)
     if pstate.dp_rank == 0:
         print(line, flush=True)
     return run
+
+
+def _build_optimizer(chunks, args, pstate):
+    """The optimizer and its learning-rate scheduler (not built with --skip-train, which
+    needs neither --lr nor --train-iters)."""
+    optimizer = build_optimizer(
+        chunks, pstate, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, fp16=args.fp16,
+        bf16=args.bf16 and not args.use_torch_fsdp2, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+        cpu_offload=args.optimizer_cpu_offload)
+    return optimizer, lr_scheduler_from_args(args, optimizer)
 
 
 def build_data(run: Run):
