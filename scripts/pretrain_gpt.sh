@@ -5,21 +5,21 @@
 #   bash scripts/pretrain_gpt.sh --config examples/gpt2_124m.yaml --data-path ...   # your run
 #
 # Locally the run goes through torchrun on every GPU of this machine, or on CPU processes
-# joined by gloo when there is none. Inside a Slurm step (srun) each task is one rank, with
-# ranks, node list and master address taken from the SLURM_* variables.
+# joined by gloo when there is none; on one node torchrun picks a free port itself
+# (--standalone) unless MASTER_PORT is set. Inside a Slurm step (srun, detected from
+# SLURM_STEP_ID and SLURM_PROCID) each task is one rank: RANK = SLURM_PROCID, WORLD_SIZE =
+# SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID, MASTER_ADDR = the first host of SLURM_JOB_NODELIST
+# (through `scontrol show hostnames`), MASTER_PORT = 10000 + SLURM_JOB_ID % 50000 (one port per
+# job, so jobs sharing a node do not collide).
 #
 # Environment: NPROC_PER_NODE (processes on this node; default: GPU count, or TP x PP on CPU),
-# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun), LAUNCHER (torchrun|srun,
-# to override detection), PYTHON (interpreter), RUN_DIR (the embedded default's output folder).
-# Every argument is passed to `python -m megalite.pretrain_gpt`.
+# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun; override srun's too),
+# LAUNCHER (torchrun|srun, to override detection), PYTHON (interpreter), RUN_DIR (the embedded
+# default's output folder). Every argument is passed to `python -m megalite.pretrain_gpt`.
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-
-gpu_count() {
-    "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
-}
 
 has_flag() {  # has_flag --name "$@": whether the arguments set --name
     local name=$1; shift
@@ -27,20 +27,26 @@ has_flag() {  # has_flag --name "$@": whether the arguments set --name
     return 1
 }
 
-model_parallel_size() {  # TP x PP of the run, from the command line and any --config file
+run_facts() {  # "<GPU count> <TP x PP>" for these arguments (and any --config file), one Python start
     "$PYTHON" -c 'import sys
+import torch
 from megalite.training.arguments import parse_args
 try:
     a = parse_args(sys.argv[1:])
 except ValueError as e:
-    sys.exit(f"pretrain_gpt: error: {e}")
-print(a.tensor_model_parallel_size * a.pipeline_model_parallel_size)' "$@"
+    print(f"pretrain_gpt: error: {e}", file=sys.stderr)
+    sys.exit(2)
+print(torch.cuda.device_count(), a.tensor_model_parallel_size * a.pipeline_model_parallel_size)' "$@"
 }
 
 launch() {
+    if has_flag --help "$@" || has_flag -h "$@"; then
+        exec "$PYTHON" -m megalite.pretrain_gpt --help
+    fi
     local -a extra=()
-    local gpus
-    gpus=$(gpu_count)
+    local facts gpus model_parallel
+    facts=$(run_facts "$@")
+    gpus=${facts% *} model_parallel=${facts#* }
     if [[ $gpus == 0 ]] && ! has_flag --distributed-backend "$@"; then
         extra+=(--distributed-backend gloo)
     fi
@@ -49,9 +55,16 @@ launch() {
         if [[ -n ${SLURM_STEP_ID:-${SLURM_STEPID:-}} && -n ${SLURM_PROCID:-} ]]; then launcher=srun; else launcher=torchrun; fi
     fi
     if [[ $launcher == srun ]]; then
+        : "${SLURM_PROCID:?srun launch needs SLURM_PROCID (run the script under srun)}"
+        : "${SLURM_NTASKS:?srun launch needs SLURM_NTASKS (run the script under srun)}"
         export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=${SLURM_LOCALID:-0}
-        export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-        export MASTER_PORT=${MASTER_PORT:-6000}
+        if [[ -z ${MASTER_ADDR:-} ]]; then
+            local nodes=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:?srun launch needs SLURM_JOB_NODELIST or MASTER_ADDR}}
+            local hosts  # no `| head -n 1`: under pipefail, scontrol's SIGPIPE would end the script
+            hosts=$(scontrol show hostnames "$nodes")
+            export MASTER_ADDR=${hosts%%$'\n'*}
+        fi
+        export MASTER_PORT=${MASTER_PORT:-$(( 10000 + ${SLURM_JOB_ID:-0} % 50000 ))}
         exec "$PYTHON" -m megalite.pretrain_gpt "$@" "${extra[@]}"
     fi
     local nproc=${NPROC_PER_NODE:-}
@@ -59,17 +72,21 @@ launch() {
         if [[ $gpus != 0 ]]; then
             nproc=$gpus
         else
-            nproc=$(model_parallel_size "$@")
+            nproc=$model_parallel
         fi
     fi
     if [[ $gpus == 0 && -z ${OMP_NUM_THREADS:-} ]]; then
         local cores
-        cores=$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')
+        cores=$(nproc)  # the CPUs this process may use
         export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
     fi
-    exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$nproc" --nnodes "${NNODES:-1}" \
-        --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
-        --master-port "${MASTER_PORT:-29500}" -m megalite.pretrain_gpt "$@" "${extra[@]}"
+    local -a rendezvous=(--standalone)
+    if [[ ${NNODES:-1} != 1 || -n ${MASTER_PORT:-} ]]; then
+        rendezvous=(--nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}"
+                    --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}")
+    fi
+    exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$nproc" "${rendezvous[@]}" \
+        -m megalite.pretrain_gpt "$@" "${extra[@]}"
 }
 
 if [[ $# -gt 0 ]]; then
