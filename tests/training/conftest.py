@@ -1,0 +1,44 @@
+"""One short training run shared by the driver tests (test_launch_script.py,
+test_driver_flags.py): `bash scripts/pretrain_gpt.sh` on its local path (torchrun, two CPU
+processes because TP=2), 6 iterations with dropout, checkpoints at iterations 4 and 6 (with
+optimizer and RNG state), a final validation and test evaluation, --log-params-norm and
+--timing-log-level 1."""
+
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megalite.training.checkpointing import TRACKER, iteration_dir
+from tests.training.launch import BASE, REPO, drop_flags, script_env, train_losses
+
+TRAINED_ITERS = 6
+SCRIPT_BASE = drop_flags(BASE, "--distributed-backend")  # the script picks gloo without a GPU
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    argv = SCRIPT_BASE + [
+        "--tensor-model-parallel-size", "2", "--train-iters", str(TRAINED_ITERS), "--save-interval", "4",
+        "--save", str(root / "ckpt"), "--eval-iters", "1", "--eval-interval", "1000",
+        "--metrics-file", str(root / "metrics.jsonl"), "--exit-reason-file", str(root / "reason.txt"),
+        "--log-params-norm", "--timing-log-level", "1"]
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *argv], cwd=REPO, env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    losses = train_losses(root / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, TRAINED_ITERS + 1)), output[-5000:]
+    return SimpleNamespace(root=root, ckpt=root / "ckpt", metrics=root / "metrics.jsonl", output=output,
+                           reason=root / "reason.txt", argv=argv, losses=losses)
+
+
+def copy_checkpoint(ckpt: Path, iteration: int, target: Path) -> Path:
+    """A --load directory holding only iteration `iteration` of `ckpt`."""
+    target.mkdir(parents=True)
+    shutil.copytree(iteration_dir(ckpt, iteration), iteration_dir(target, iteration))
+    (target / TRACKER).write_text(str(iteration))
+    return target
