@@ -1,12 +1,16 @@
 """Bytes of parameters, gradients and optimizer state on this rank, against formulas.md.
 
-    info, line = memory_report(chunks, optimizer, pstate)
+    info, line = memory_report(chunks, optimizer, pstate, cpu_offload=args.optimizer_cpu_offload)
     print(line)   # at start-up
 
 Ψ is the number of parameters of the model replica on this rank (its TP/PP shard, counted
 whole even when FSDP2 shards it over DP). Buffers are counted as allocated, padding included.
 Adam's moments are allocated by the first step; before it they are counted as they will be
 (two fp32 values per main element; one momentum value for SGD).
+
+Device and host memory are reported apart: with --optimizer-cpu-offload the optimizer's fp32
+main parameters, gradient copies and moments are host memory, the weights and gradient buffers
+device memory, and formulas.md (one device holding everything) does not apply.
 """
 
 import torch
@@ -51,8 +55,15 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
-    """(figures, one printable line) for this rank's chunks and optimizer."""
+def _offloaded(optimizer, device: torch.device) -> bool:
+    """Whether the optimizer keeps its tensors on another device than the model's."""
+    return any(t is not None and t.device != device for shard in optimizer.bucket_shards
+               for t in (shard.main_flat, shard.grad_flat))
+
+
+def memory_report(chunks, optimizer, pstate: ParallelState, *, cpu_offload: bool = False) -> tuple[dict, str]:
+    """(figures, one printable line) for this rank's chunks and optimizer. `cpu_offload`: the
+    optimizer was built with it (also detected when the model is on an accelerator)."""
     num_params = param_bytes = grad_bytes = 0
     precision, fsdp = None, False
     for chunk in chunks:
@@ -74,24 +85,38 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
             raise TypeError(f"memory_report: unsupported chunk {type(chunk).__name__}")
     optimizer_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     total = param_bytes + grad_bytes + optimizer_bytes
+    model_device = next(p for chunk in chunks for p in chunk.module.parameters()).device
+    offload = optimizer is not None and (cpu_offload or _offloaded(optimizer, model_device))
+    host_bytes = optimizer_bytes if offload else 0
     d = pstate.dp_size
     distributed = optimizer is not None and optimizer.sharded_over_dp
-    if fsdp:
+    if offload:
+        formula, described = None, ("n/a under --optimizer-cpu-offload (formulas.md counts one device holding "
+                                    "everything)")
+    elif fsdp:
         formula, described = fsdp_bytes_per_parameter(d), f"FSDP2 (2+2+12)/d, d={d}"
     elif precision is None or optimizer is None or optimizer.kind != "adam":
         formula, described = None, "no formula for this setup (formulas.md assumes Adam)"
     else:
         formula = bytes_per_parameter(precision, distributed, d)
         described = f"{precision}" + (f" + distributed optimizer, d={d}" if distributed else "")
+    per_param = 1 / max(num_params, 1)
     info = {"rank": pstate.rank, "num_params": num_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
-            "optimizer_bytes": optimizer_bytes, "total_bytes": total,
-            "bytes_per_param": total / max(num_params, 1),
-            "optimizer_bytes_per_param": optimizer_bytes / max(num_params, 1),
+            "optimizer_bytes": optimizer_bytes, "total_bytes": total, "cpu_offload": offload,
+            "device_bytes": total - host_bytes, "host_bytes": host_bytes,
+            "bytes_per_param": total * per_param,
+            "device_bytes_per_param": (total - host_bytes) * per_param, "host_bytes_per_param": host_bytes * per_param,
+            "optimizer_bytes_per_param": optimizer_bytes * per_param,
             "formula_bytes_per_param": formula, "formula": described}
-    line = (f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params | weights {_fmt(param_bytes)} + grads "
-            f"{_fmt(grad_bytes)} + optimizer {_fmt(optimizer_bytes)} = {_fmt(total)} = "
-            f"{info['bytes_per_param']:.2f} B/param | formula {described}: "
-            + (f"{formula:.2f} B/param" if formula is not None else "n/a"))
+    head = f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params | "
+    if offload:
+        line = (head + f"device ({model_device.type}): weights {_fmt(param_bytes)} + grads {_fmt(grad_bytes)} = "
+                f"{_fmt(total - host_bytes)} = {info['device_bytes_per_param']:.2f} B/param | host (cpu): optimizer "
+                f"{_fmt(host_bytes)} = {info['host_bytes_per_param']:.2f} B/param | formula {described}")
+    else:
+        line = (head + f"weights {_fmt(param_bytes)} + grads {_fmt(grad_bytes)} + optimizer {_fmt(optimizer_bytes)} "
+                f"= {_fmt(total)} = {info['bytes_per_param']:.2f} B/param | formula {described}: "
+                + (f"{formula:.2f} B/param" if formula is not None else "n/a"))
     return info, line
 
 
