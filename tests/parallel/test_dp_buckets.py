@@ -84,16 +84,21 @@ def test_hooks_accumulate_into_main_grad_and_free_grad():
     assert all(torch.count_nonzero(p.main_grad) == 0 for p in model.parameters())
 
 
-def test_overlap_launches_buckets_in_backward_order_only_outside_no_sync():
+def test_overlap_launches_each_bucket_the_moment_its_last_gradient_is_ready_outside_no_sync():
+    """At the launch of bucket i exactly the gradients of buckets 0..i are ready: the later
+    buckets' parameters (the earlier layers, the embeddings last) still await theirs, so the
+    collective starts during backward, not after it."""
     model = _model()
     ddp = DistributedDataParallel(model, SINGLE, bucket_size=10_000, overlap_grad_reduce=True)
-    launched = []
+    names = {p: n for n, p in model.named_parameters()}
+    launched, ready_at_launch = [], []
     for bucket in ddp.buckets:
         original = bucket.start_grad_sync
 
         def record(async_op, bucket=bucket, original=original):
             if not bucket.grad_started:
                 launched.append(bucket.index)
+                ready_at_launch.append({names[p] for b in ddp.buckets for p in b.ready})
             original(async_op)
         bucket.start_grad_sync = record
     with ddp.no_sync():
@@ -101,6 +106,11 @@ def test_overlap_launches_buckets_in_backward_order_only_outside_no_sync():
     assert launched == []
     _loss(ddp, 1).backward()
     assert len(launched) == len(ddp.buckets) > 2 and launched == sorted(launched)
+    for index, ready in zip(launched, ready_at_launch):
+        expected = {names[p] for b in ddp.buckets[:index + 1] for p in b.params}
+        assert ready == expected, f"bucket {index} launched with {sorted(ready ^ expected)} differing from " \
+                                  "buckets 0..i being exactly the ready ones"
+    assert "embedding.word_embeddings.weight" not in ready_at_launch[-2]
     finalize_model_grads([ddp], SINGLE)
     assert all(not b.grad_started and not b.ready for b in ddp.buckets)
 
