@@ -5,15 +5,22 @@ memory of the distributed optimizer at DP = 1, 2, 4 against formulas.md.
     python tools/benchmarks/bench_data_parallel.py               # prints both tables
     python tools/benchmarks/bench_data_parallel.py --json out.json
 
-Timing: two processes joined by gloo, one thread each. Every runner does a full step (zero
-grads, forward, backward, gradient averaging, clip to norm 1, AdamW) on the same GPT-2 style
-model (fp32) and micro-batch; "no communication" is the same megalite step with DP = 1 on each
-rank at once (the compute floor under the same contention). Every round runs every runner once,
-in turn; the table reports the best (minimum) step time over rounds, the median beside it.
-megalite and torch DDP use the same bucket size.
+Timing: two processes joined by gloo, one thread each (ranks 0 and 1 of the benchmark's one
+spawn of 4; ranks 2 and 3 wait blocked in a barrier meanwhile, using no CPU). Every runner
+does a full step (zero grads, forward, backward, gradient averaging, clip to norm 1, AdamW) on
+the same GPT-2 style model (fp32) and micro-batch; "no communication" is the same megalite step
+with DP = 1 on each rank at once (the compute floor under the same contention). Every round
+runs every runner once, in turn; the table reports the best (minimum) step time over rounds,
+the median beside it. megalite and torch DDP use the same bucket size.
 
 Memory: bf16 parameters, fp32 main gradients, Adam, the distributed optimizer, one step taken;
-the report's bytes per parameter against 6 + 12/d (and the plain optimizer's 18 at d = 2).
+the report's bytes per parameter against 6 + 12/d (and the plain optimizer's 18 at d = 2), and
+with --optimizer-cpu-offload at d = 2 the device and host bytes apart (formulas.md counts one
+device holding everything, so no formula). All memory setups run on the 4 processes after the
+timing (d = 1: each rank alone; d = 2: ranks {0, 1} and {2, 3}); rank 0's figures are reported.
+
+    python tools/benchmarks/bench_data_parallel.py --layers 1 --hidden 64 --vocab 256 --seq 16 --rounds 2
+                                                   # a smoke run of a few seconds (tests use it)
 """
 
 import argparse
@@ -87,11 +94,11 @@ class TorchDDPRunner:
         self.optimizer.step()
 
 
-def _timed(runner) -> float:
-    dist.barrier()
+def _timed(runner, group) -> float:
+    dist.barrier(group=group)
     start = time.perf_counter()
     runner.step()
-    dist.barrier()
+    dist.barrier(group=group)
     return time.perf_counter() - start
 
 
@@ -100,9 +107,7 @@ def _init(nice=0):
         os.nice(nice)  # negative needs root
 
 
-def _timing_worker(rank, world, args):
-    _init(args.nice)
-    pstate = ParallelState.create(ParallelLayout(world))
+def _timing(args, pstate) -> dict:
     runners = {"megalite DDP, overlap off": MegaliteRunner(args, pstate, overlap=False),
                "megalite DDP, overlap on": MegaliteRunner(args, pstate, overlap=True),
                "torch DDP (peer)": TorchDDPRunner(args, pstate),
@@ -112,29 +117,40 @@ def _timing_worker(rank, world, args):
     times = {}
     for _ in range(args.rounds):
         for name, runner in runners.items():
-            times.setdefault(name, []).append(_timed(runner))
+            times.setdefault(name, []).append(_timed(runner, pstate.dp_group))
     num_params = sum(p.numel() for p in runners["torch DDP (peer)"].model.parameters())
     return {"times": times, "num_params": num_params}
 
 
-def _memory_worker(rank, world, args, dist_opt):
-    _init(args.nice)
-    pstate = ParallelState.create(ParallelLayout(world))
+MEMORY_SETUPS = ((1, True, False), (2, True, False), (4, True, False), (2, False, False), (2, True, True))
+"""(d, distributed optimizer, CPU offload) per row of the memory table."""
+
+
+def _memory_of(args, pstate, dist_opt, cpu_offload) -> dict:
     model = GPTModel(model_config(args, "bfloat16"), pstate, init_seed=1)
     chunk = DistributedDataParallel(model, pstate, use_distributed_optimizer=dist_opt)
-    optimizer = build_optimizer([chunk], pstate, lr=1e-4, bf16=True, use_distributed_optimizer=dist_opt)
-    tokens, labels, mask = make_batch(args, rank, micro_batch=1)
+    optimizer = build_optimizer([chunk], pstate, lr=1e-4, bf16=True, use_distributed_optimizer=dist_opt,
+                                cpu_offload=cpu_offload)
+    tokens, labels, mask = make_batch(args, pstate.rank, micro_batch=1)
     optimizer.zero_grad()
     masked_mean_loss(chunk(tokens[:, :32], labels=labels[:, :32]), mask[:, :32]).backward()
     finalize_model_grads([chunk], pstate)
     optimizer.step()
-    info, line = memory_report([chunk], optimizer, pstate)
+    info, line = memory_report([chunk], optimizer, pstate, cpu_offload=cpu_offload)
     return {"info": info, "line": line}
 
 
-def _spawn(target, world, *args):
-    """Rank 0's result of target(rank, world, *args) in `world` gloo processes."""
-    return run_distributed(target, world, *args, timeout=3600)[0]
+def _worker(rank, world, args):
+    """Timing on ranks 0 and 1 (ranks 2 and 3 wait blocked in a barrier, using no CPU), then every
+    row of MEMORY_SETUPS on all 4 ranks (d = 1: each alone; d = 2: pairs {0, 1} and {2, 3})."""
+    _init(args.nice)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = ParallelState(ParallelLayout(DP), rank % DP, {"dp": pairs[rank // 2], "world": pairs[rank // 2]})
+    timing = _timing(args, pair) if rank < DP else None
+    dist.barrier()
+    states = {1: ParallelState.single(), 2: pair, 4: ParallelState.create(ParallelLayout(world))}
+    memory = [_memory_of(args, states[d], dist_opt, cpu_offload) for d, dist_opt, cpu_offload in MEMORY_SETUPS]
+    return {"timing": timing, "memory": memory}
 
 
 def timing_table(args, raw) -> tuple[list[str], dict]:
@@ -148,27 +164,42 @@ def timing_table(args, raw) -> tuple[list[str], dict]:
         lines.append(f"{name:32s} {1000 * t:9.1f} {1000 * statistics.median(times[name]):9.1f} "
                      f"{t / best['torch DDP (peer)']:13.3f} {1000 * (t - floor):11.1f} ms")
     saved = best["megalite DDP, overlap off"] - best["megalite DDP, overlap on"]
-    lines.append(f"overlap_grad_reduce saves {1000 * saved:.1f} ms per step "
-                 f"({saved / max(best['megalite DDP, overlap off'] - floor, 1e-9):.0%} of the communication overhead)")
+    overhead = best["megalite DDP, overlap off"] - floor
+    share = f"{saved / overhead:.0%} of the communication overhead" if overhead > 0 else \
+        "no communication overhead measured without overlap"
+    lines.append(f"overlap_grad_reduce saves {1000 * saved:.1f} ms per step ({share})")
     return lines, {"best_s": best, "median_s": {k: statistics.median(t) for k, t in times.items()}}
+
+
+def expected_optimizer_bytes_per_param(d: int, dist_opt: bool, cpu_offload: bool) -> float:
+    """fp32 main parameter + Adam's two moments (12), sharded over d by the distributed
+    optimizer; CPU offload adds an fp32 copy of the gradient shard (4/d)."""
+    return (16 if cpu_offload else 12) / (d if dist_opt else 1)
 
 
 def memory_table(results) -> tuple[list[str], list]:
     lines = ["\nper-rank memory, bf16 parameters + fp32 main gradients + Adam (after one step)",
-             f"{'setup':28s} {'params':>8s} {'weights MiB':>12s} {'grads MiB':>10s} {'optim MiB':>10s} "
-             f"{'B/param':>8s} {'formula':>8s} {'ratio':>7s} {'optim B/param':>14s} {'12/d':>6s}"]
+             f"{'setup':38s} {'params':>8s} {'weights MiB':>12s} {'grads MiB':>10s} {'optim MiB':>10s} "
+             f"{'device B/param':>15s} {'host B/param':>13s} {'formula':>8s} {'ratio':>7s} {'optim B/param':>14s} "
+             f"{'expected':>9s}"]
     rows = []
-    for (d, dist_opt), out in results:
+    mib = 2**20
+    for (d, dist_opt, cpu_offload), out in results:
         info = out["info"]
-        label = f"d={d} " + ("distributed optimizer" if dist_opt else "plain optimizer")
-        mib = 2**20
-        sharded = 12 / d if dist_opt else 12
-        lines.append(f"{label:28s} {info['num_params'] / 1e6:7.2f}M {info['param_bytes'] / mib:12.2f} "
+        label = f"d={d} " + ("distributed optimizer" if dist_opt else "plain optimizer") + \
+            (" + CPU offload" if cpu_offload else "")
+        formula = info["formula_bytes_per_param"]
+        compared = (f"{formula:8.3f} {info['bytes_per_param'] / formula:7.4f}" if formula is not None
+                    else f"{'n/a':>8s} {'n/a':>7s}")
+        lines.append(f"{label:38s} {info['num_params'] / 1e6:7.2f}M {info['param_bytes'] / mib:12.2f} "
                      f"{info['grad_bytes'] / mib:10.2f} {info['optimizer_bytes'] / mib:10.2f} "
-                     f"{info['bytes_per_param']:8.4f} {info['formula_bytes_per_param']:8.3f} "
-                     f"{info['bytes_per_param'] / info['formula_bytes_per_param']:7.4f} "
-                     f"{info['optimizer_bytes_per_param']:14.4f} {sharded:6.2f}")
+                     f"{info['device_bytes_per_param']:15.4f} {info['host_bytes_per_param']:13.4f} {compared} "
+                     f"{info['optimizer_bytes_per_param']:14.4f} "
+                     f"{expected_optimizer_bytes_per_param(d, dist_opt, cpu_offload):9.2f}")
         rows.append({"dp": d, "distributed_optimizer": dist_opt, **info})
+    lines.append("formula: formulas.md's bytes per parameter for one device holding everything (n/a under CPU "
+                 "offload); ratio: measured B/param / formula; expected: 12/d optimizer bytes (16/d with "
+                 "offload's fp32 gradient copies)")
     return lines, rows
 
 
@@ -188,9 +219,9 @@ def main(argv=None) -> int:
     if args.hidden % 64:
         parser.error(f"--hidden {args.hidden} must be a multiple of 64 (heads of width 64)")
     try:
-        timing = _spawn(_timing_worker, DP, args)
-        memory = [((d, dist_opt), _spawn(_memory_worker, d, args, dist_opt))
-                  for d, dist_opt in ((1, True), (2, True), (4, True), (2, False))]
+        # Rank 0's results: timing at DP = 2, memory of every setup.
+        results = run_distributed(_worker, 4, args, timeout=3600)[0]
+        timing, memory = results["timing"], list(zip(MEMORY_SETUPS, results["memory"]))
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
