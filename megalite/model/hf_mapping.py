@@ -35,10 +35,15 @@ def family_of(config: GPTConfig) -> str:
                     "biases and tied embeddings for GPT-2")
         if config.num_query_groups != config.num_attention_heads:
             _refuse("num_query_groups", config.num_query_groups, "multi-head attention for GPT-2")
+        if config.kv_channels * config.num_attention_heads != config.hidden_size:
+            _refuse("kv_channels", config.kv_channels, "hidden_size / num_attention_heads for GPT-2")
         return "gpt2"
     if config.normalization != "RMSNorm" or config.activation != "swiglu" or config.rotary_percent != 1.0:
         _refuse("normalization/activation/rotary_percent", (config.normalization, config.activation, config.rotary_percent),
                 "RMSNorm + SwiGLU + full rotary for Llama")
+    if config.add_qkv_bias and not config.add_bias_linear:
+        # LlamaConfig's attention_bias puts a bias on o_proj too: q/k/v-only biases have no Llama form.
+        _refuse("add_qkv_bias", True, "QKV biases for Llama only together with add_bias_linear (attention_bias)")
     return "llama"
 
 

@@ -84,17 +84,40 @@ def test_missing_config_field_is_named(capsys, tmp_path, llama_dir):
              expect="config.json: no intermediate_size")
 
 
-def test_megalite_model_without_a_hugging_face_family_is_refused(capsys, tmp_path):
+def _save_megalite(directory: Path, family: str, add_parameter: str | None = None, **config_changes) -> Path:
+    """A megalite checkpoint of a small model; `add_parameter` 'module.path.name' registers one
+    more parameter (a tensor no Hugging Face model has a place for)."""
+    import torch
+
     from megalite.model.gpt import GPTModel
     from megalite.training.checkpointing import save_checkpoint
     from tests.model.test_gpt_tp import make_config
 
-    config = make_config("gpt2", normalization="RMSNorm")
+    config = make_config(family, **config_changes)
     model = GPTModel(config)
-    save_checkpoint(tmp_path / "ml", 3, chunks=[model], optimizer=None, pstate=model.pstate,
+    if add_parameter:
+        owner, _, name = add_parameter.rpartition(".")
+        model.get_submodule(owner).register_parameter(name, torch.nn.Parameter(torch.ones(config.kv_channels)))
+    save_checkpoint(directory, 3, chunks=[model], optimizer=None, pstate=model.pstate,
                     common={"model_config": config.to_dict()})
-    _refused(capsys, tmp_path, "--loader", "megalite", "--saver", "hf", "--load-dir", tmp_path / "ml",
-             expect="normalization/activation=('RMSNorm', 'openai_gelu')")
+    return directory
+
+
+@pytest.mark.parametrize("family, changes, expect", [
+    ("gpt2", {"normalization": "RMSNorm"}, "normalization/activation=('RMSNorm', 'openai_gelu')"),
+    # q/k/v biases without the others: LlamaConfig's attention_bias would add an o_proj bias too.
+    ("llama", {"add_qkv_bias": True}, "add_qkv_bias=True"),
+    ("gpt2", {"kv_channels": 16}, "kv_channels=16"),  # GPT2Config has no head width of its own
+], ids=["gpt2-rmsnorm", "llama-qkv-bias-only", "gpt2-head-width"])
+def test_megalite_model_without_a_hugging_face_family_is_refused(capsys, tmp_path, family, changes, expect):
+    ckpt = _save_megalite(tmp_path / "ml", family, **changes)
+    _refused(capsys, tmp_path, "--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, expect=expect)
+
+
+def test_model_tensor_the_export_leaves_out_is_named(capsys, tmp_path):
+    ckpt = _save_megalite(tmp_path / "ml", "llama", add_parameter="layers.1.self_attention.q_norm_weight")
+    _refused(capsys, tmp_path, "--loader", "megalite", "--saver", "hf", "--load-dir", ckpt,
+             expect="model tensor layers.1.self_attention.q_norm_weight has no place in the Hugging Face llama model")
 
 
 def test_bad_layouts_and_flags(capsys, tmp_path, llama_dir):
