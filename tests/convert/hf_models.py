@@ -58,11 +58,8 @@ def tokens(batch=2, seq=24, seed=3):
     return torch.randint(0, VOCAB, (batch, seq), generator=g)
 
 
-def write_hf_tokenizer(directory) -> None:
-    """A byte-level BPE tokenizer.json of exactly VOCAB tokens (id 0 = <|endoftext|>, the EOS)."""
-    import json
-    from pathlib import Path
-
+def _byte_level_bpe():
+    """A byte-level BPE of exactly VOCAB tokens (id 0 = <|endoftext|>, the EOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = ["the quick brown fox jumps over the lazy dog"] * 20 + ["hello world, hello megalite"] * 20
@@ -73,7 +70,20 @@ def write_hf_tokenizer(directory) -> None:
         vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert tok.get_vocab_size() == VOCAB
+    return tok
+
+
+def write_hf_tokenizer(directory) -> None:
+    """The byte-level BPE as a tokenizer.json (HuggingFaceTokenizer)."""
+    import json
+    from pathlib import Path
+
     directory = Path(directory)
-    tok.save(str(directory / "tokenizer.json"))
+    _byte_level_bpe().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
+
+
+def write_gpt2_bpe_files(directory) -> None:
+    """The byte-level BPE as GPT-2's vocab.json + merges.txt (GPT2BPETokenizer), nothing else."""
+    _byte_level_bpe().model.save(str(directory))

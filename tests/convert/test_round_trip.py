@@ -13,7 +13,8 @@ from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.convert.safetensors_io import read_header
 from megalite.model.gpt import GPTModel
 from megalite.training.checkpointing import iteration_dir, load_checkpoint
-from tests.convert.hf_models import FAMILIES, convert, hf_model, hf_to_megalite, megalite_to_hf, save_hf
+from tests.convert.hf_models import (FAMILIES, convert, hf_model, hf_to_megalite, megalite_to_hf, save_hf,
+                                     write_gpt2_bpe_files)
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,3 +122,30 @@ def test_unused_tensors_are_reported(tmp_path, capsys):
     hf_to_megalite(tmp_path / "hf", tmp_path / "ml")
     expected = "1 tensor(s) of model.safetensors not used, e.g. model.layers.0.self_attn.q_norm.weight"
     assert expected in capsys.readouterr().out
+
+
+def test_gpt2_bpe_tokenizer_files_travel_both_ways(tmp_path, capsys):
+    """vocab.json + merges.txt beside a GPT-2 model become the checkpoint's GPT2BPETokenizer and
+    come back with the export, with a tokenizer_config.json that makes transformers encode as
+    megalite does; config.json names the end-of-document token."""
+    from megalite.data.tokenizers import build_tokenizer
+
+    hf_dir = Path(save_hf(hf_model("gpt2", seed=7), tmp_path / "hf"))
+    write_gpt2_bpe_files(hf_dir)
+    ckpt = Path(hf_to_megalite(hf_dir, tmp_path / "ml", tp=2))
+    entry = MegaliteCheckpoint(ckpt).common["tokenizer"]
+    assert entry == {"type": "GPT2BPETokenizer", "model": None, "vocab_file": str(ckpt / "tokenizer" / "vocab.json"),
+                     "merge_file": str(ckpt / "tokenizer" / "merges.txt")}
+    back = Path(megalite_to_hf(ckpt, tmp_path / "back"))
+    assert "tokenizer files copied: vocab.json, merges.txt, tokenizer_config.json" in capsys.readouterr().out
+    for name in ("vocab.json", "merges.txt"):
+        assert (back / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(back / "vocab.json"), merge_file=str(back / "merges.txt"))
+    theirs = transformers.AutoTokenizer.from_pretrained(back)
+    text = "the quick brown fox, hello megalite!\n  Ünïcode 123 jumps over  the dog "
+    ids = ours.encode(text)
+    assert len(ids) < len(text.encode()), "the merges were not applied"
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ids
+    assert theirs.decode(ids) == ours.decode(ids) == text
+    config = json.loads((back / "config.json").read_text())
+    assert ours.eod == 0 and config["eos_token_id"] == config["bos_token_id"] == ours.eod
