@@ -93,7 +93,7 @@ def hint_text(flags: list[str], layout, vocab_note: str | None = None) -> str:
         i += take
     lines += [f"    {p} \\" for p in pairs]
     lines.append("    --finetune   # or --no-load-optim --no-load-rng; plus your data, batch and lr flags")
-    lines.append("  (--seq-length is a suggestion: any length up to --max-position-embeddings works)")
+    lines.append("  (--seq-length is a suggestion: change it to any length up to --max-position-embeddings)")
     if vocab_note:
         lines.append(f"  note: {vocab_note}")
     return "\n".join(lines)

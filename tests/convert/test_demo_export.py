@@ -55,6 +55,16 @@ def demo_run(tmp_path_factory):
     return root, argv
 
 
+def _with_flags(argv: list[str], values: dict) -> list[str]:
+    """argv with each flag of `values` set to its value: replaced where argv has it (a flag may be
+    given once), appended where it does not."""
+    out, values = list(argv), {flag: str(value) for flag, value in values.items()}
+    for i, arg in enumerate(out[:-1]):
+        if arg in values:
+            out[i + 1] = values.pop(arg)
+    return out + [item for pair in values.items() for item in pair]
+
+
 def _valid_loss_logged(metrics: Path) -> float:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     valid = [r for r in records if r.get("split") == "valid" and r["iteration"] == TRAIN_ITERS]
@@ -128,12 +138,11 @@ def test_relayout_keeps_optimizer_state_and_training_continues(demo_run):
     assert source.keys() == target.keys() and target.iteration == source.iteration == TRAIN_ITERS
     for key in source.keys():
         assert torch.equal(source.get(key), target.get(key)), key
-    continued = [str(root / "continued") if a == str(root / "checkpoints") else a for a in argv]
-    proc = _run("-m", "megalite.pretrain_gpt", *continued, "--load", root / "tp1", "--tensor-model-parallel-size", "1",
-                "--pipeline-model-parallel-size", "1", "--train-iters", str(TRAIN_ITERS + 1),
-                "--lr-decay-iters", str(TRAIN_ITERS),
-                "--eval-iters", "0", "--log-interval", "1",
-                "--metrics-file", str(root / "continued.jsonl"),
+    continued = _with_flags(argv, {"--save": root / "continued", "--load": root / "tp1",
+                                   "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                                   "--train-iters": TRAIN_ITERS + 1, "--lr-decay-iters": TRAIN_ITERS,
+                                   "--eval-iters": 0, "--log-interval": 1, "--metrics-file": root / "continued.jsonl"})
+    proc = _run("-m", "megalite.pretrain_gpt", *continued,
                 env={"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(free_port())})
     records = [json.loads(line) for line in (root / "continued.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "lm_loss" in r and "split" not in r] == [TRAIN_ITERS + 1], proc.stdout

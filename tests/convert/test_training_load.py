@@ -45,8 +45,7 @@ def test_pretrain_gpt_loads_it(tmp_path):
     assert common["args"]["num_layers"] == 4 and common["args"]["tensor_model_parallel_size"] == 2
     flags = training_flags(config, TargetLayout(1, 1, 1), common["tokenizer"], ckpt)
     run = ["--mock-data", "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "2",
-           "--lr", "0.0", "--eval-iters", "0", "--num-workers", "0", "--seq-length", "32",
-           "--distributed-backend", "gloo"]
+           "--lr", "0.0", "--eval-iters", "0", "--num-workers", "0", "--distributed-backend", "gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": str(_port())}
     converted = MegaliteCheckpoint(ckpt)
     for mode in (["--finetune"], ["--no-load-optim", "--no-load-rng"]):
