@@ -22,10 +22,11 @@ from megalite.training.checkpointing import load_checkpoint
 
 
 def inference_config(model_config: dict) -> GPTConfig:
-    """The checkpoint's GPTConfig with everything only training needs switched off."""
+    """The checkpoint's GPTConfig with everything only training needs switched off (attention
+    through SDPA: the KV cache's masked steps need it anyway, and it runs on any device)."""
     return GPTConfig.from_dict(model_config).replace(
         sequence_parallel=False, recompute_granularity=None, attention_dropout=0.0, hidden_dropout=0.0,
-        fused_kernels=None)
+        fused_kernels=None, use_flash_attn=False)
 
 
 def load_model(load_dir, pstate: ParallelState | None = None, *, iteration: int | None = None,

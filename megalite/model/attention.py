@@ -48,15 +48,18 @@ class SelfAttention(nn.Module):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
         s, b = q.shape[:2]
         dropout = self.config.attention_dropout if self.training else 0.0
+        scale = self.head_dim ** -0.5
         with rng_fork_if(self.rng_tracker, dropout > 0):
-            if self.config.use_flash_attn and attention_mask is None and q.is_cuda:
+            if self.config.use_flash_attn and attention_mask is None:
+                # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses
+                # tensors off CUDA itself.
                 out = _flash_attn_func()(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         dropout_p=dropout, causal=True)
+                                         dropout_p=dropout, softmax_scale=scale, causal=True)
                 return out.transpose(0, 1).reshape(s, b, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=attention_mask is None,
+                                                 is_causal=attention_mask is None, scale=scale,
                                                  enable_gqa=self.groups != self.heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
