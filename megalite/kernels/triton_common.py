@@ -9,13 +9,25 @@ which rounds to nearest-even by hand under the interpreter and is a plain ``.to`
 """
 
 import functools
+import os
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+def interpreter_enabled() -> bool:
+    """Whether triton.jit builds interpreted kernels in this process, read as this Triton reads
+    it: through triton.knobs from Triton 3.4 on (TRITON_INTERPRET = 1, true, on or yes); Triton
+    3.2 and 3.3 (those of torch 2.6 and 2.7) have no knobs and take only TRITON_INTERPRET=1."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETED = interpreter_enabled()
 
 if INTERPRETED:
     @triton.jit
@@ -38,8 +50,13 @@ else:
 # tl.sigmoid, tl.zeros and tl.cdiv are @jit functions decorated when triton.language is first
 # imported: if anything in the process (megatron.core, torch._dynamo) imported it before
 # TRITON_INTERPRET=1 was set, they are compiled-mode functions the interpreter cannot call. Ours
-# are decorated lazily with megalite's kernels, so the CPU tests work in a shared process; the
-# compiled code is the same (tl.sum is tl.reduce with an add).
+# are decorated lazily with megalite's kernels, so the CPU tests work in a shared process.
+#
+# The combine functions are tl.sum's and tl.max's own (compiled, tl.reduce with them is exactly
+# tl.sum / tl.max): the interpreter recognises them and reduces with numpy, where any other
+# combine function is applied element by element in Python, hundreds of times slower. The
+# interpreter never runs them as kernels (at most their plain Python body), so it does not
+# matter in which mode triton.language decorated them. Ours stand in if a Triton lacks them.
 @triton.jit
 def _add(a, b):
     return a + b
@@ -50,14 +67,18 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+_SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or _add
+_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or _maximum
+
+
 @triton.jit
 def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, _SUM_COMBINE)
 
 
 @triton.jit
 def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _maximum)
+    return tl.reduce(x, axis, _MAX_COMBINE)
 
 
 @triton.jit

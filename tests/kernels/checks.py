@@ -57,3 +57,16 @@ def grads_fp64(fn, inputs: list[torch.Tensor | None], grad_out: torch.Tensor) ->
     present = [t for t in leaves if t is not None]
     grads = iter(torch.autograd.grad(out, present, grad_out.double()))
     return [None if t is None else next(grads) for t in leaves]
+
+
+def rows_with_several_blocks_per_program(launch) -> int:
+    """A row count (37, 75, 151, ...: odd, so the last row block is partial) at which a backward
+    kernel's programs loop over more than one row block: `launch(n_rows)` returns the launcher's
+    (programs, row blocks). The cap on programs is the device's (a few under the interpreter,
+    a few per SM on a GPU), so the count is found rather than fixed."""
+    rows = 37
+    while True:
+        programs, row_blocks = launch(rows)
+        if row_blocks > programs:
+            return rows
+        rows = 2 * rows + 1

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megalite.kernels import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference
-from tests.kernels.checks import assert_forward_close, assert_grad_close, grads_fp64
+from tests.kernels.checks import (assert_forward_close, assert_grad_close, grads_fp64,
+                                  rows_with_several_blocks_per_program)
 
 # Under the interpreter sigmoid's exp(-x) overflows to inf for very negative x (numpy warns); the
 # result, 1 / (1 + inf) = 0, is the right one.
@@ -51,6 +52,28 @@ def test_bias_gelu(shape, dtype, with_bias, approximate, device):
     expected = grads_fp64(lambda x, b=None: bias_gelu_reference(x, b, approximate), inputs, dy)
     for label, got, want in zip(("dx", "dbias"), grads, expected):
         assert_grad_close(got, want, dtype, f"{name} {label}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("f", [130, 1100], ids=["one_column_block", "two_column_blocks"])
+def test_bias_gelu_backward_programs_loop_over_row_blocks(f, dtype, device):
+    """The backward's programs each take several row blocks, the last one partial: their running
+    dbias sums add up every block (per column block when f spans more than one)."""
+    from megalite.kernels import activations_triton
+
+    rows = rows_with_several_blocks_per_program(
+        lambda n: activations_triton.bias_gelu_backward_launch(torch.device(device), n, f, True)[0:3:2])
+    g = torch.Generator().manual_seed(rows + f)
+    x = _randn((rows, f), dtype, device, g, scale=3.0).requires_grad_()
+    bias = _randn((f,), dtype, device, g).requires_grad_()
+    dy = _randn((rows, f), dtype, device, g)
+    y = bias_gelu(x, bias, "tanh", impl="triton")
+    name = f"bias_gelu {rows}x{f} {dtype}"
+    assert_forward_close(y, bias_gelu_reference(x, bias, "tanh"), f"{name} forward")
+    dx, dbias = torch.autograd.grad(y, [x, bias], dy)
+    want_dx, want_dbias = grads_fp64(lambda x, b: bias_gelu_reference(x, b, "tanh"), [x, bias], dy)
+    assert_grad_close(dx, want_dx, dtype, f"{name} dx")
+    assert_grad_close(dbias, want_dbias, dtype, f"{name} dbias")
 
 
 def test_swiglu_3d_strided(device):

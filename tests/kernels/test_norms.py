@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megalite.kernels import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from tests.kernels.checks import assert_forward_close, assert_grad_close, grads_fp64
+from tests.kernels.checks import (assert_forward_close, assert_grad_close, grads_fp64,
+                                  rows_with_several_blocks_per_program)
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(rows, h) for rows in (1, 3, 17) for h in (1, 7, 33, 130)]
@@ -61,3 +62,20 @@ def test_strided_3d_input_and_fp32_params(op, reference, n_params, device):
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=x.dtype)
     params = [w, b][:n_params] + [1e-5]
     _check(f"{op.__name__} strided", op, reference, x, params, dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h", [33, 130])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_backward_programs_loop_over_row_blocks(op, h, dtype, device):
+    """The backward's programs each take several row blocks, the last one partial: their running
+    dweight/dbias sums add up every block."""
+    from megalite.kernels import norms_triton
+
+    rows = rows_with_several_blocks_per_program(
+        lambda n: norms_triton.backward_launch(torch.device(device), n, h)[:2])
+    x, w, b, dy = _inputs((rows, h), dtype, device, seed=rows + h)
+    if op == "rms_norm":
+        _check(f"rms_norm {rows}x{h} {dtype}", rms_norm, rms_norm_reference, x, [w, 1e-6], dy)
+    else:
+        _check(f"layer_norm {rows}x{h} {dtype}", layer_norm, layer_norm_reference, x, [w, b, 1e-5], dy)
