@@ -86,7 +86,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         global_max = _all_reduce(row_max.clone(), dist.ReduceOp.MAX, group)
         pieces = [sum_exp * torch.exp(row_max - global_max), z_target]
         if need_sum:
-            pieces += [stats[3], torch.tensor([float(valid_vocab)], device=logits.device)]
+            # A fill on the device, not torch.tensor([...], device=...): no host-to-device copy per step.
+            pieces += [stats[3], sum_exp.new_full((1,), float(valid_vocab))]
         reduced = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group)
         n_rows = row_max.shape[0]
         log_sum_exp = torch.log(reduced[:n_rows])
