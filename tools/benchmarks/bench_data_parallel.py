@@ -179,7 +179,7 @@ def expected_optimizer_bytes_per_param(d: int, dist_opt: bool, cpu_offload: bool
 
 def memory_table(results) -> tuple[list[str], list]:
     lines = ["\nper-rank memory, bf16 parameters + fp32 main gradients + Adam (after one step)",
-             f"{'setup':38s} {'params':>8s} {'weights MiB':>12s} {'grads MiB':>10s} {'optim MiB':>10s} "
+             f"{'setup':40s} {'params':>8s} {'weights MiB':>12s} {'grads MiB':>10s} {'optim MiB':>10s} "
              f"{'device B/param':>15s} {'host B/param':>13s} {'formula':>8s} {'ratio':>7s} {'optim B/param':>14s} "
              f"{'expected':>9s}"]
     rows = []
@@ -191,7 +191,7 @@ def memory_table(results) -> tuple[list[str], list]:
         formula = info["formula_bytes_per_param"]
         compared = (f"{formula:8.3f} {info['bytes_per_param'] / formula:7.4f}" if formula is not None
                     else f"{'n/a':>8s} {'n/a':>7s}")
-        lines.append(f"{label:38s} {info['num_params'] / 1e6:7.2f}M {info['param_bytes'] / mib:12.2f} "
+        lines.append(f"{label:40s} {info['num_params'] / 1e6:7.2f}M {info['param_bytes'] / mib:12.2f} "
                      f"{info['grad_bytes'] / mib:10.2f} {info['optimizer_bytes'] / mib:10.2f} "
                      f"{info['device_bytes_per_param']:15.4f} {info['host_bytes_per_param']:13.4f} {compared} "
                      f"{info['optimizer_bytes_per_param']:14.4f} "
