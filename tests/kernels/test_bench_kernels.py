@@ -31,6 +31,26 @@ def test_cpu_smoke_prints_a_table():
     assert not any("triton" == impl for _, _, impl in impls), "CPU smoke run must not time Triton"
 
 
+# The script started the way a fresh GPU machine starts it: from another directory, with megalite
+# neither installed (the editable-install finder is dropped) nor on PYTHONPATH.
+WITHOUT_INSTALL = """
+import importlib.util, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+assert importlib.util.find_spec("megalite") is None, "megalite is still importable"
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_runs_without_pip_install(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_INSTALL, str(SCRIPT), "--cpu-smoke", "--ops", "rms_norm"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| rms_norm | [64, 256] | torch reference |" in proc.stdout
+
+
 def test_without_gpu_says_so_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run the full benchmark")

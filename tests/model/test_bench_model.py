@@ -1,8 +1,9 @@
 """tools/benchmarks/bench_model.py end to end on the CPU: --cpu-smoke runs tiny configs of both
-families through the rows (aot_eager compile) and prints the report; the default run takes the
-rows that need no Triton (kernels off eager and compiled, the compiled transformers peer) and a
-simulated out-of-memory that halves one model's micro-batch; the slow test runs every row, the
-Triton-kernel rows in Triton's interpreter, and --with-kernels."""
+families through the rows (aot_eager compile) and the kernel benchmark's smoke mode, and prints
+one report; the default run takes the rows that need no Triton (kernels off eager and compiled,
+the compiled transformers peer), one kernel-benchmark op and a simulated out-of-memory that
+halves one model's micro-batch; the slow test runs every row, the Triton-kernel rows in
+Triton's interpreter, and every kernel-benchmark op."""
 
 import importlib.util
 import math
@@ -27,8 +28,8 @@ PEERS = {"gpt2-tiny": "transformers GPT2LMHeadModel, sdpa + torch.compile (peer)
 
 def _run(*args, timeout=600):
     # The script sets TRITON_INTERPRET itself for --cpu-smoke; do not hand it the tests' setting.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # It finds the repository itself (and hands it to the kernel benchmark): no PYTHONPATH.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -65,7 +66,7 @@ def test_cpu_smoke_rows_without_triton(tmp_path):
     report = tmp_path / "report.md"
     keys = ["no-kernels", "no-kernels-compile"]
     proc = _run("--cpu-smoke", "--rows", ",".join(keys + ["peer"]), "--micro-batch-size", "gpt2-tiny=4",
-                "--simulate-oom-above", "2", "--output", str(report))
+                "--simulate-oom-above", "2", "--kernel-ops", "rms_norm", "--output", str(report))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "SMOKE RUN on the CPU" in proc.stdout
     assert "- command: `python" in proc.stdout and "--cpu-smoke" in proc.stdout
@@ -74,19 +75,25 @@ def test_cpu_smoke_rows_without_triton(tmp_path):
     for model in PEERS:
         assert f"- {model}: MFU >= " in proc.stdout and ": n/a (no peak FLOP/s for this device)" in proc.stdout
         assert f"- {model}: tokens/s >= 1.2x peer: best megalite row" in proc.stdout
-    assert "tools/benchmarks/bench_kernels.py" in proc.stdout
     assert "[gpt2-tiny] out of memory at micro-batch 4" in proc.stderr
-    _check_rows(_table(proc.stdout), keys, {"gpt2-tiny": 2, "llama-tiny": 2})
+    assert "- gpt2-tiny / peer: out of memory at micro-batch 4; measured at 2" in proc.stdout
+    assert "- llama-tiny wall time per row (build, compile, warm-up, timed steps): peer " in proc.stdout
+    models, kernels = proc.stdout.split("# megalite kernel benchmark")
+    _check_rows(_table(models), keys, {"gpt2-tiny": 2, "llama-tiny": 2})
+    assert "measured copy bandwidth" in kernels and "bench_kernels.py --ops rms_norm --cpu-smoke" in kernels
+    assert [(r["op"], r["shape"], r["impl"]) for r in _table(kernels)] == [
+        ("rms_norm", "[64, 256]", "torch reference"), ("rms_norm", "[64, 256]", "F.rms_norm (bf16)")]
     assert report.read_text().strip() in proc.stdout and "| llama-tiny |" in report.read_text()
 
 
 @pytest.mark.slow
 def test_cpu_smoke_every_row_and_kernel_benchmark():
-    proc = _run("--cpu-smoke", "--with-kernels")
+    proc = _run("--cpu-smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_rows(_table(proc.stdout.split("# megalite kernel benchmark")[0]), list(MEGALITE_ROWS),
-                {"gpt2-tiny": 2, "llama-tiny": 2})
-    assert "# megalite kernel benchmark" in proc.stdout and "measured copy bandwidth" in proc.stdout
+    models, kernels = proc.stdout.split("# megalite kernel benchmark")
+    _check_rows(_table(models), list(MEGALITE_ROWS), {"gpt2-tiny": 2, "llama-tiny": 2})
+    ops = {r["op"] for r in _table(kernels)}
+    assert ops == {"rms_norm", "layer_norm", "swiglu", "bias_gelu (tanh)", "apply_rotary", "cross_entropy"}
 
 
 def test_without_gpu_says_so_and_exits_0():
@@ -110,6 +117,8 @@ def _load_script():
     (["--micro-batch-size", "llama-1.3b=0"], "--micro-batch-size 'llama-1.3b=0': expected MODEL=B"),
     (["--micro-batch-size", "gpt2-tiny=2"], "--micro-batch-size 'gpt2-tiny=2': expected MODEL=B"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--kernel-ops", "rms_norm,flash"], "--kernel-ops: unknown ['flash']"),
+    (["--time-limit", "0"], "--time-limit must be positive, got 0"),
 ])
 def test_bad_flags_are_refused(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -152,3 +161,41 @@ def test_report_pieces_a_gpu_run_would_print():
     args = bench.parse_args(["--cpu-smoke", "--simulate-oom-above", "0", "--micro-batch-size", "gpt2-tiny=4"])
     failed = bench.run_model(args.specs[0], args.row_list, torch.device("cpu"), None, args)
     assert [(r.micro_batch, r.error) for r in failed] == [(1, "out of memory at micro-batch 1")] * len(bench.ROWS)
+
+
+def test_time_limit_skips_rows_that_would_not_fit():
+    """A row starts only if the time so far plus the longest row so far fits under --time-limit;
+    the rows left out are listed as not measured."""
+    bench = _load_script()
+    args = bench.parse_args(["--cpu-smoke", "--rows", "no-kernels,no-kernels-compile", "--time-limit", "300"])
+    spec = args.specs[0]
+    args.clock.longest_row_s = 250.0  # as if a row had taken that long
+    args.clock.start -= 60.0  # and a minute had passed: 60 + 250 > 300
+    results = bench.run_model(spec, args.row_list, torch.device("cpu"), None, args)
+    assert [(r.row.key, r.skipped) for r in results] == [("no-kernels", "--time-limit 300 s reached"),
+                                                        ("no-kernels-compile", "--time-limit 300 s reached")]
+    text = bench.table([spec], {spec.name: results})
+    assert "| gpt2-tiny | megalite, torch reference ops (fused_kernels=False) | 2 x 32 | not measured: --time-limit " \
+           "300 s reached |" in text
+    assert bench.targets([spec], {spec.name: results}) == ["- gpt2-tiny: no megalite row ran: targets not evaluated"]
+    args.clock.start += 60.0  # 0 + 250 <= 300: the row runs
+    (ran,) = bench.run_model(spec, args.row_list[:1], torch.device("cpu"), None, args)
+    assert ran.measured and ran.wall_s > 0 and args.clock.longest_row_s == 250.0
+
+
+def test_kernel_benchmark_process_finds_the_repository(monkeypatch):
+    """bench_kernels.py is started with the repository on PYTHONPATH and the run's options."""
+    bench = _load_script()
+    seen = {}
+
+    def fake_run(argv, **kwargs):
+        seen.update(argv=argv, **kwargs)
+        return subprocess.CompletedProcess(argv, 0, stdout="# megalite kernel benchmark\n")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = bench.parse_args(["--cpu-smoke", "--quick", "--kernel-ops", "rms_norm,swiglu"])
+    assert bench.run_kernel_benchmark(args, 120.0) == ("# megalite kernel benchmark\n", 0)
+    assert seen["argv"][1:] == [str(ROOT / "tools" / "benchmarks" / "bench_kernels.py"), "--ops", "rms_norm,swiglu",
+                                "--cpu-smoke", "--quick"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
+    assert seen["timeout"] == 120.0 and seen["cwd"] == ROOT

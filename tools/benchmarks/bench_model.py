@@ -1,108 +1,79 @@
-"""Training throughput of megalite against Hugging Face transformers on one GPU, in bf16.
+"""Training throughput of megalite against Hugging Face transformers on one GPU, in bf16, and the
+Triton kernels' bandwidth: one command for issue 7's whole table.
 
-    python tools/benchmarks/bench_model.py                       # both models, every row
-    python tools/benchmarks/bench_model.py --models llama-1.3b --micro-batch-size llama-1.3b=4
-    python tools/benchmarks/bench_model.py --with-kernels        # also run bench_kernels.py
-    python tools/benchmarks/bench_model.py --cpu-smoke           # tiny configs on the CPU
+    python tools/benchmarks/bench_model.py --output bench.md           # everything (GPU)
+    python tools/benchmarks/bench_model.py --time-limit 540 --output bench.md   # fits a 10-minute slot
+    python tools/benchmarks/bench_model.py --models llama-1.3b --skip-kernels --micro-batch-size llama-1.3b=4
+    python tools/benchmarks/bench_model.py --cpu-smoke                 # tiny configs on the CPU
+
+First the kernel benchmark (tools/benchmarks/bench_kernels.py in a process of its own: each
+Triton kernel against its torch reference, achieved bandwidth against the measured copy
+bandwidth; --skip-kernels leaves it out, --kernel-ops picks ops), then the models, and one
+markdown report with both at the end (also written to --output after every row).
 
 Models: GPT-2 124M at seq 1024 (12 layers, hidden 768, 12 heads, GeLU-tanh MLP 3072, learned
 positions, tied embeddings, vocab 50257) and a Llama-style 1.3B at seq 2048 (24 layers, hidden
 2048, 16 heads of 128 (MHA), SwiGLU MLP 5632 = 8/3 h rounded up to a multiple of 256, RMSNorm,
 RoPE, untied embeddings, vocab 32000). Dropout off everywhere.
 
-Rows per model: megalite with its Triton kernels (fused_kernels=True) and with the plain-torch
-references (False), each eager and with --torch-compile (each transformer layer compiled, as
-megalite/training/setup_run.py does), and the peer: transformers' GPT2LMHeadModel /
-LlamaForCausalLM built from megalite.model.hf_mapping.hf_config_dict(config) (random weights,
-nothing downloaded), attn_implementation="sdpa", the whole model torch.compile'd.
+Rows per model, in this order: megalite with its Triton kernels (fused_kernels=True) eager and
+with --torch-compile (each transformer layer compiled, as megalite/training/setup_run.py does),
+the peer: transformers' GPT2LMHeadModel / LlamaForCausalLM built from
+megalite.model.hf_mapping.hf_config_dict(config) (random weights, nothing downloaded),
+attn_implementation="sdpa", the whole model torch.compile'd; then megalite with the plain-torch
+reference ops (False), eager and compiled.
 
 Identical work on both sides: bf16 parameters and gradients, one micro-batch per step of
 forward + backward + torch.optim.AdamW(fused=True) on the bf16 parameters + zero_grad, same
 batch and sequence, same tokens. (megalite's training keeps an fp32 master copy in its own
 optimizer; that is left out here so that both sides run the same optimizer.) Each step is timed
 between torch.cuda.synchronize calls; warm-up steps (compilation included) are excluded and the
-median step is reported. On out-of-memory the model's micro-batch is halved and all its rows rerun.
+median step is reported. A row that runs out of memory is rerun at half the micro-batch (the
+report says so); the other rows keep theirs.
 
 FLOPs and MFU follow shared/docs/formulas.md through megalite.training.flops:
 F_token = 6 P_mm + 12 L s h (attention non-causal, no recompute), MFU = F_token * tokens/s / peak
-(989.4 TFLOP/s dense bf16 for H100 SXM and H200; no MFU for a device not in that table). Each
-row counts its own output-layer width: megalite pads the vocabulary to a multiple of 128
-(50257 -> 50304), transformers does not.
+(989.4 TFLOP/s dense bf16 for H100 SXM and H200; no MFU for a device not in that table, such as
+"NVIDIA H100 PCIe" or "NVIDIA H100 NVL"). Each row counts its own output-layer width: megalite
+pads the vocabulary to a multiple of 128 (50257 -> 50304), transformers does not.
+
+Run time on one H100 (an estimate, not yet measured: compilation dominates): the kernel
+benchmark 1-2 min, GPT-2 3-4 min, the 1.3B model 4-6 min, so 8-12 min for everything. Where a
+command may run 10 minutes at most, pass --time-limit (a row starts only if the time so far plus
+the longest row so far fits; rows left out say "not measured") or split the run:
+`--models gpt2-124m` then `--models llama-1.3b --skip-kernels`. --quick takes fewer steps.
 
 --cpu-smoke runs tiny configs of both families through every row on the CPU (Triton kernels in
-Triton's interpreter, --compile-backend aot_eager by default there) to check the harness; its
-numbers mean nothing and it has no MFU. Without --cpu-smoke and without a GPU it says so and
-exits 0.
+Triton's interpreter, --compile-backend aot_eager by default there) and the kernel benchmark's
+CPU smoke mode, to check the harness; its numbers mean nothing and it has no MFU. Without
+--cpu-smoke and without a GPU it says so and exits 0.
 """
 
 import argparse
-import datetime
 import gc
-import importlib.metadata
-import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from bench_kernels import OPS as KERNEL_OPS  # noqa: E402
+from bench_model_report import (  # noqa: E402,F401 - table and targets are part of this script's interface
+    ROWS, ModelSpec, Result, Row, progress_line, report, table, targets,
+)
 
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
-from megalite.model.hf_mapping import family_of, hf_config_dict  # noqa: E402
+from megalite.model.hf_mapping import hf_config_dict  # noqa: E402
 from megalite.training.flops import flops_per_token, model_flops_utilization, peak_flops  # noqa: E402
-
-PEER_SPEEDUP_TARGET = 1.2  # issue 7: >= 1.2x the peer's tokens/s
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    config: GPTConfig
-    seq_length: int
-    micro_batch: int
-    mfu_target: float
-
-
-@dataclass(frozen=True)
-class Row:
-    key: str
-    label: str
-    megalite: bool
-    fused_kernels: bool | None
-    compiled: bool
-
-
-ROWS = (
-    Row("kernels", "megalite, Triton kernels", True, True, False),
-    Row("no-kernels", "megalite, torch reference ops (fused_kernels=False)", True, False, False),
-    Row("kernels-compile", "megalite, Triton kernels + --torch-compile", True, True, True),
-    Row("no-kernels-compile", "megalite, torch reference ops + --torch-compile", True, False, True),
-    Row("peer", "transformers {cls}, sdpa + torch.compile (peer)", False, None, True),
-)
-
-
-@dataclass
-class Result:
-    row: Row
-    micro_batch: int
-    step_s: float = math.nan
-    tokens_per_s: float = math.nan
-    tflops: float = math.nan
-    mfu: float | None = None
-    first_loss: float = math.nan
-    last_loss: float = math.nan
-    peak_gib: float | None = None
-    params: int = 0
-    error: str | None = None
 
 
 def _gpt2(**shape) -> GPTConfig:
@@ -221,126 +192,75 @@ def _is_oom(error: BaseException | None) -> bool:
     return False
 
 
-def run_model(spec: ModelSpec, rows: list[Row], device: torch.device, peak: float | None, args) -> list[Result]:
-    """Every row at one micro-batch size; halved and rerun from the first row on out-of-memory."""
-    micro_batch = args.micro_batch_size.get(spec.name, spec.micro_batch)
-    while True:
-        results, oom = [], None
-        for row in rows:
+class Clock:
+    """Elapsed time of the run against --time-limit."""
+
+    def __init__(self, limit_s: float | None):
+        self.start, self.limit_s, self.longest_row_s = time.monotonic(), limit_s, 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def reason_to_skip(self) -> str | None:
+        if self.limit_s is not None and self.elapsed() + self.longest_row_s > self.limit_s:
+            return f"--time-limit {self.limit_s:.0f} s reached"
+        return None
+
+
+def run_model(spec: ModelSpec, rows: list[Row], device: torch.device, peak: float | None, args,
+              on_result=None) -> list[Result]:
+    """Every row at the model's micro-batch; a row that runs out of memory is rerun at half of it.
+    `on_result(results so far)` is called after each row."""
+    clock = getattr(args, "clock", None) or Clock(None)
+    start_batch = args.micro_batch_size.get(spec.name, spec.micro_batch)
+    results = []
+    for row in rows:
+        micro_batch, oom_at, started = start_batch, None, time.monotonic()
+        skip = clock.reason_to_skip()
+        result = Result(row, micro_batch, skipped=skip) if skip else None
+        while result is None:
             print(f"[{spec.name}] {row.key} (micro-batch {micro_batch}) ...", file=sys.stderr, flush=True)
             try:
-                results.append(run_row(spec, row, micro_batch, device, peak, args))
+                result = run_row(spec, row, micro_batch, device, peak, args)
             except Exception as e:  # noqa: BLE001 - one broken row must not lose the others
                 first_line = (str(e).splitlines() or [""])[0][:200]
-                if _is_oom(e):
-                    oom = f"out of memory at micro-batch {micro_batch} in row {row.key}: {first_line}"
-                else:
+                if not _is_oom(e):
                     traceback.print_exc()
-                    results.append(Result(row, micro_batch, error=f"{type(e).__name__}: {first_line}"))
+                    result = Result(row, micro_batch, error=f"{type(e).__name__}: {first_line}")
+                else:
+                    print(f"[{spec.name}] out of memory at micro-batch {micro_batch} in row {row.key}: {first_line}",
+                          file=sys.stderr, flush=True)
+                    oom_at = oom_at or micro_batch
+                    if micro_batch == 1:
+                        result = Result(row, 1, error="out of memory at micro-batch 1")
+                    micro_batch //= 2
             _release(device)
-            if oom:
-                break
-        if oom is None:
-            return results
-        print(f"[{spec.name}] {oom}", file=sys.stderr, flush=True)
-        if micro_batch == 1:
-            return [Result(row, 1, error="out of memory at micro-batch 1") for row in rows]
-        micro_batch //= 2
+        if not skip:
+            result.oom_at, result.wall_s = oom_at, time.monotonic() - started
+            clock.longest_row_s = max(clock.longest_row_s, result.wall_s)
+        print(progress_line(spec, result), file=sys.stderr, flush=True)
+        results.append(result)
+        if on_result is not None:
+            on_result(results)
+    return results
 
 
-def _label(row: Row, spec: ModelSpec) -> str:
-    return row.label.format(cls="GPT2LMHeadModel" if family_of(spec.config) == "gpt2" else "LlamaForCausalLM")
-
-
-def table(specs: list[ModelSpec], results: dict[str, list[Result]]) -> str:
-    header = ["model", "implementation", "batch x seq", "step ms", "tokens/s", "TFLOP/s", "MFU",
-              "vs peer (tokens/s)", "loss first -> last", "peak GiB"]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
-    for spec in specs:
-        peer = next((r for r in results[spec.name] if not r.row.megalite and r.error is None), None)
-        for r in results[spec.name]:
-            cells = [spec.name, _label(r.row, spec), f"{r.micro_batch} x {spec.seq_length}"]
-            if r.error:
-                cells += [f"failed: {r.error}"] + [""] * (len(header) - 4)
-            else:
-                cells += [f"{1e3 * r.step_s:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.tflops:.2f}",
-                          "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%",
-                          f"{r.tokens_per_s / peer.tokens_per_s:.2f}x" if peer else "n/a",
-                          f"{r.first_loss:.3f} -> {r.last_loss:.3f}",
-                          "n/a" if r.peak_gib is None else f"{r.peak_gib:.1f}"]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def targets(specs: list[ModelSpec], results: dict[str, list[Result]]) -> list[str]:
-    """Pass/miss lines for the issue's targets, judged on the best megalite row."""
-    out = []
-    for spec in specs:
-        ours = [r for r in results[spec.name] if r.row.megalite and r.error is None]
-        peer = next((r for r in results[spec.name] if not r.row.megalite and r.error is None), None)
-        if not ours:
-            out.append(f"- {spec.name}: no megalite row ran: targets not evaluated")
-            continue
-        best = max(ours, key=lambda r: r.tokens_per_s)
-        name = f'best megalite row "{_label(best.row, spec)}"'
-        if best.mfu is None:
-            out.append(f"- {spec.name}: MFU >= {100 * spec.mfu_target:.0f}%: n/a (no peak FLOP/s for this device)")
-        else:
-            verdict = "pass" if best.mfu >= spec.mfu_target else "MISS"
-            out.append(f"- {spec.name}: MFU >= {100 * spec.mfu_target:.0f}%: {name} {100 * best.mfu:.1f}% -> {verdict}")
-        if peer is None:
-            out.append(f"- {spec.name}: tokens/s >= {PEER_SPEEDUP_TARGET}x peer: n/a (the peer row did not run)")
-        else:
-            ratio = best.tokens_per_s / peer.tokens_per_s
-            verdict = "pass" if ratio >= PEER_SPEEDUP_TARGET else "MISS"
-            out.append(f"- {spec.name}: tokens/s >= {PEER_SPEEDUP_TARGET}x peer: {name} {ratio:.2f}x -> {verdict}")
-    return out
-
-
-def _version(package: str) -> str:
+def run_kernel_benchmark(args, timeout_s: float | None) -> tuple[str, int]:
+    """tools/benchmarks/bench_kernels.py in a process of its own (a fault in a kernel cannot take
+    the model rows with it): (its markdown report, exit status). Its progress goes to stderr."""
+    argv = [sys.executable, str(HERE / "bench_kernels.py"), "--ops", args.kernel_ops]
+    argv += ["--cpu-smoke"] if args.cpu_smoke else []
+    argv += ["--quick"] if args.quick else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    print("[kernels] " + " ".join(argv[1:]) + " ...", file=sys.stderr, flush=True)
     try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def report(specs, results, device, peak, args) -> str:
-    smoke = args.cpu_smoke
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    title = ("megalite model benchmark: SMOKE RUN on the CPU (tiny configs; the numbers mean nothing; MFU n/a)"
-             if smoke else f"megalite model benchmark on {device_name}")
-    peak_text = f"{peak[0]} {peak[1] / 1e12:.1f} TFLOP/s dense bf16" if peak else "unknown for this device: no MFU"
-    mode = f", mode {args.compile_mode}" if args.compile_mode else ""
-    lines = [f"# {title}", "",
-             f"- date: {datetime.date.today().isoformat()}; device: {device_name}; torch {torch.__version__} "
-             f"(CUDA {torch.version.cuda or 'n/a'}); triton {_version('triton')}; "
-             f"transformers {_version('transformers')}",
-             f"- command: `{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}`",
-             "- work per step, both sides: bf16 parameters and gradients, forward + backward + "
-             "torch.optim.AdamW(fused=True) on the bf16 parameters (no fp32 master copy) + zero_grad, "
-             "one micro-batch, same tokens, dropout off",
-             f"- timing: {args.warmup} warm-up step(s) (compilation included) excluded, median of "
-             f"{args.steps} step(s), each between torch.cuda.synchronize calls",
-             "- peer: transformers' model built from megalite.model.hf_mapping.hf_config_dict(config) (random "
-             'weights, nothing downloaded), attn_implementation="sdpa"',
-             f"- compile: backend {args.compile_backend}{mode}; megalite --torch-compile compiles each transformer "
-             "layer, the peer is compiled whole",
-             "- FLOPs (shared/docs/formulas.md): F_token = 6 P_mm + 12 L s h, each row with its own output width "
-             f"(megalite pads the vocabulary); MFU = F_token x tokens/s / peak; peak: {peak_text}"]
-    for spec in specs:
-        c = spec.config
-        f_token = flops_per_token(c, spec.seq_length, c.padded_vocab_size(1))
-        params = {("megalite" if r.row.megalite else "transformers"): r.params for r in results[spec.name] if r.params}
-        lines.append(f"- {spec.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads "
-                     f"({c.num_query_groups} kv groups), ffn {c.ffn_hidden_size} ({c.activation}), "
-                     f"vocab {c.vocab_size}, seq {spec.seq_length}; F_token {f_token:.3e}; parameters "
-                     + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in params.items()))
-    lines += ["", table(specs, results), "",
-              "Targets (smoke run: the verdicts mean nothing):" if smoke else "Targets (issue 7, one H100):"]
-    lines += targets(specs, results)
-    lines += ["", "Kernel bandwidth against the measured copy bandwidth: `python tools/benchmarks/bench_kernels.py` "
-              "(or this script with --with-kernels)."]
-    return "\n".join(lines)
+        proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"Kernel benchmark: not measured (stopped after {timeout_s:.0f} s by --time-limit)", 0
+    if proc.returncode != 0:
+        return f"Kernel benchmark: FAILED (exit status {proc.returncode}; its error is above in stderr)\n" \
+               + proc.stdout, proc.returncode
+    return proc.stdout, 0
 
 
 def parse_args(argv):
@@ -356,12 +276,21 @@ def parse_args(argv):
                                                                 "aot_eager with --cpu-smoke)")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode (inductor only), e.g. max-autotune-no-cudagraphs")
-    parser.add_argument("--with-kernels", action="store_true", help="then run tools/benchmarks/bench_kernels.py")
-    parser.add_argument("--output", type=Path, help="also write the markdown report to this file")
+    parser.add_argument("--skip-kernels", action="store_true",
+                        help="leave out the kernel benchmark (tools/benchmarks/bench_kernels.py)")
+    parser.add_argument("--kernel-ops", default=",".join(KERNEL_OPS),
+                        help=f"comma-separated ops of the kernel benchmark (default all: {','.join(KERNEL_OPS)})")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (2 warm-up, 5 timed) and the kernel "
+                                                            "benchmark's --quick")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="start no row that would end after SECONDS (judged by the longest row so far); "
+                             "the kernel benchmark gets at most half")
+    parser.add_argument("--output", type=Path, help="also write the markdown report to this file (after every row)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny configs on the CPU: checks the harness")
     parser.add_argument("--simulate-oom-above", type=int, default=None, metavar="B",
                         help="testing: raise out-of-memory for micro-batches above B (exercises the retry)")
     args = parser.parse_args(argv)
+    args.clock = Clock(args.time_limit)
     specs = {s.name: s for s in model_specs(args.cpu_smoke)}
     names = args.models.split(",") if args.models else list(specs)
     if unknown := [n for n in names if n not in specs]:
@@ -375,14 +304,18 @@ def parse_args(argv):
         if name not in specs or not value.isdigit() or int(value) < 1:
             parser.error(f"--micro-batch-size {item!r}: expected MODEL=B with MODEL in {sorted(specs)} and B >= 1")
         sizes[name] = int(value)
+    if unknown := sorted(set(args.kernel_ops.split(",")) - set(KERNEL_OPS)):
+        parser.error(f"--kernel-ops: unknown {unknown}; choose from {list(KERNEL_OPS)}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit must be positive, got {args.time_limit:g}")
     for flag in ("warmup", "steps"):
         if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag} must be at least {0 if flag == 'warmup' else 1}, got {getattr(args, flag)}")
     args.specs = [specs[n] for n in names]
     args.row_list = [r for r in ROWS if r.key in keys]
     args.micro_batch_size = sizes
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 3)
-    args.steps = args.steps if args.steps is not None else (2 if args.cpu_smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2 if args.quick else 3)
+    args.steps = args.steps if args.steps is not None else (2 if args.cpu_smoke else 5 if args.quick else 10)
     args.compile_backend = args.compile_backend or ("aot_eager" if args.cpu_smoke else "inductor")
     return args
 
@@ -400,20 +333,27 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_model: no CUDA device, nothing to time (--cpu-smoke runs the harness on tiny CPU configs)")
         return 0
     peak = peak_flops() if device.type == "cuda" else None
-    results = {spec.name: run_model(spec, args.row_list, device, peak and peak[1], args) for spec in args.specs}
-    text = report(args.specs, results, device, peak, args)
-    print(text, flush=True)
-    if args.output:
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.output)
-    status = 1 if any(r.error for rs in results.values() for r in rs) else 0
-    if args.with_kernels:
-        print("", flush=True)
-        kernel_args = ["--cpu-smoke"] if args.cpu_smoke else []
-        status |= subprocess.run([sys.executable, str(ROOT / "tools" / "benchmarks" / "bench_kernels.py"),
-                                  *kernel_args], cwd=ROOT).returncode
-    return status
+    kernels_text, status = None, 0
+    if not args.skip_kernels:  # first, before this process holds GPU memory
+        kernels_text, status = run_kernel_benchmark(args, args.time_limit and args.time_limit / 2)
+    results = {}
+
+    def write_report(done: list[Result] | None = None, spec: ModelSpec | None = None) -> str:
+        if spec is not None:
+            results[spec.name] = done
+        specs = [s for s in args.specs if s.name in results]
+        text = report(specs, results, device, peak, args, kernels_text)
+        if args.output:
+            tmp = args.output.with_name(args.output.name + ".tmp")
+            tmp.write_text(text + "\n")
+            tmp.replace(args.output)
+        return text
+
+    for spec in args.specs:
+        run_model(spec, args.row_list, device, peak and peak[1], args,
+                  on_result=lambda done, spec=spec: write_report(done, spec))
+    print(write_report(), flush=True)
+    return 1 if status or any(r.error for rs in results.values() for r in rs) else 0
 
 
 if __name__ == "__main__":
