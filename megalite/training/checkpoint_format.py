@@ -116,30 +116,67 @@ def global_shape_of(local: torch.Tensor, like: torch.Tensor, name: str, tp_size:
 
 # --- safe reading -----------------------------------------------------------------------------
 
-_SAFE_GLOBALS = {
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}
-_SAFE_MODULES = {"torch.distributed.checkpoint.metadata"}
+def _allowed_globals() -> dict:
+    """Every global DCP's `.metadata` may name, by exact (module, name), resolved here once: the
+    unpickler looks names up in this table and never imports or getattrs what a file names.
+
+    What torch 2.13 writes for megalite: DCP's metadata dataclasses, _StorageInfo, torch.Size,
+    dtypes, layouts (through torch.serialization._get_layout, a lookup by name), the
+    memory-format enum and the checkpoint path. BytesStorageMetadata is left out on purpose:
+    megalite saves no pickled objects, and DCP would torch.load such an entry unrestricted."""
+    import collections
+    import pathlib
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    classes = [dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.ChunkStorageMetadata,
+               dcp_metadata.TensorStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.StorageMeta,
+               dcp_metadata._MEM_FORMAT_ENCODING, dcp_filesystem._StorageInfo, collections.OrderedDict,
+               pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed.update({("pathlib", c.__name__): c for c in classes if c.__name__.startswith(("Posix", "Pure", "Windows"))})
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+_ALLOWED_GLOBALS = _allowed_globals()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata classes, torch dtypes and nothing else."""
+    """Unpickles DCP's metadata classes, torch dtypes and nothing else (see _allowed_globals)."""
 
     def find_class(self, module, name):
-        if (module, name) in _SAFE_GLOBALS or module in _SAFE_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        found = _ALLOWED_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        return found
 
 
 def read_metadata_file(path: Path):
+    """DCP's Metadata from `path`, unpickled through the allowlist; anything else, or a global
+    outside the allowlist, is a CheckpointError naming the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        return _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
     except Exception as e:  # noqa: BLE001 - any failure means the file cannot be trusted
         raise CheckpointError(f"{path}: not a valid checkpoint metadata file ({e})") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: not a valid checkpoint metadata file (it holds a {type(metadata).__name__}, "
+                              "not DCP Metadata)")
+    tensor_meta = _ALLOWED_GLOBALS[("torch.distributed.checkpoint.metadata", "TensorStorageMetadata")]
+    storage_info = _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+    for field, kind in (("state_dict_metadata", tensor_meta), ("storage_data", storage_info)):
+        entries = getattr(metadata, field, None)
+        if not isinstance(entries, dict) or not all(isinstance(v, kind) for v in entries.values()):
+            raise CheckpointError(f"{path}: not a valid checkpoint metadata file ({field} is not a table of "
+                                  f"{kind.__name__})")
+    return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -8,8 +8,11 @@ Layout (Megatron's):
 
 A checkpoint is written to iter_XXXXXXX.tmp and renamed when every rank has finished, then
 the tracker file is replaced atomically: a crash at any moment leaves the previous checkpoint
-loadable and the tracker pointing at it. Nothing is unpickled on load but DCP's metadata,
-through an allowlist (see checkpoint_format).
+loadable and the tracker pointing at it. Saving an iteration that already exists first renames
+the old directory to iter_XXXXXXX.old and deletes it only once the new one is published; until
+then a load finds it there. common.json holds the size and CRC32 of every other file (tensor
+data, metadata, RNG states) and a load refuses a file that does not match. Nothing is unpickled
+on load but DCP's metadata, through an allowlist (see checkpoint_format).
 """
 
 import json
@@ -35,6 +38,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def iteration_dir(root, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def _aside_dir(final: Path) -> Path:
+    """Where an overwritten checkpoint waits until its replacement is published."""
+    return final.with_suffix(".old")
 
 
 def _distributed() -> bool:
@@ -96,9 +104,9 @@ class PendingSave:
     Its own collectives run on the default group from the training thread; DCP's background
     writes use the separate group given to save_checkpoint."""
 
-    def __init__(self, root, iteration, tmp, common, future=None):
+    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None):
         self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
-        self.future = future
+        self.rng_file, self.future = rng_file, future
 
     def done(self) -> bool:
         """Whether every rank's write has finished (a collective when distributed)."""
@@ -114,6 +122,7 @@ class PendingSave:
             self.future.result()
         rank = _rank()
         mine = {p.name: file_digest(p) for p in self.tmp.glob(f"__{rank}_*.distcp")}
+        mine[self.rng_file] = file_digest(self.tmp / self.rng_file)
         gathered = [mine]
         if _distributed():
             gathered = [None] * dist.get_world_size()
@@ -124,12 +133,28 @@ class PendingSave:
             files[".metadata"] = file_digest(self.tmp / ".metadata")
             common = {**self.common, "files": files}
             write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
-            if final.exists():
-                shutil.rmtree(final)
+            aside = _aside_dir(final)
+            if final.exists():  # overwrite: keep the old one loadable until the new one is published
+                if aside.exists():
+                    shutil.rmtree(aside)
+                os.replace(final, aside)
             os.replace(self.tmp, final)
             write_text_atomic(self.root / TRACKER, str(self.iteration))
+            if aside.exists():
+                shutil.rmtree(aside)
         _barrier()
         return final
+
+
+def _finish_interrupted_overwrites(root: Path) -> None:
+    """Settle what a crash during an overwrite left: an old directory set aside whose
+    replacement was published is deleted; one whose replacement never appeared is restored."""
+    for aside in root.glob("iter_*.old"):
+        final = aside.with_suffix("")
+        if final.exists():
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, final)
 
 
 def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
@@ -145,6 +170,7 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_overwrites(root)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a crash during an earlier save
         tmp.mkdir()
@@ -152,7 +178,8 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     optimizer_state = optimizer.state_dict() if optimizer is not None else {"params": {}}
     entries, vocab = _tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
     state = _dcp_state_dict(entries, pstate, vocab)
-    save_rng_state(tmp / rng_file_name(pstate), rng_tracker)
+    rng_file = rng_file_name(pstate)
+    save_rng_state(tmp / rng_file, rng_tracker)
     common = {**common, "iteration": iteration, "optimizer": optimizer_state,
               "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}}
     writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
@@ -161,9 +188,9 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
-            return PendingSave(root, iteration, tmp, common, future)
+            return PendingSave(root, iteration, tmp, common, rng_file, future)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-    pending = PendingSave(root, iteration, tmp, common)
+    pending = PendingSave(root, iteration, tmp, common, rng_file)
     pending.finalize()
     return pending
 
@@ -255,6 +282,8 @@ def load_checkpoint(root, *, chunks, pstate, rng_tracker=None, load_rng=True, fa
     error = None
     for it in candidates:
         path = iteration_dir(root, it)
+        if not path.is_dir() and _aside_dir(path).is_dir():
+            path = _aside_dir(path)  # a save overwriting this iteration was interrupted
         try:
             if not path.is_dir():
                 raise CheckpointError(f"{path}: missing (tracker {root / TRACKER} points at iteration {it})")

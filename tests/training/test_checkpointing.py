@@ -4,6 +4,7 @@ mismatched or malicious checkpoints."""
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -124,23 +125,56 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert read_tracker(tmp_path) == 4 and not partial.exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_damaged_checkpoint_refused_naming_file_then_fallback(tmp_path, damage):
+@pytest.mark.parametrize("damage, name", [("truncate", "__0_0.distcp"), ("flip", "__0_0.distcp"),
+                                          ("delete", "__0_0.distcp"), ("flip", "rng_tp0_pp0_dp0.json")])
+def test_damaged_checkpoint_refused_naming_file_then_fallback(tmp_path, damage, name):
     chunks, state = _single(tmp_path)
     save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
     save_checkpoint(tmp_path, 2, chunks=chunks, optimizer=None, pstate=state, common={})
-    target = iteration_dir(tmp_path, 2) / "__0_0.distcp"
+    target = iteration_dir(tmp_path, 2) / name
     data = target.read_bytes()
     if damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
     elif damage == "flip":
-        target.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+        target.write_bytes(data[:100] + bytes([data[100] ^ 0x01]) + data[101:])
     else:
         target.unlink()
     fresh, _ = _single(tmp_path, seed=2)
     with pytest.raises(CheckpointError, match=str(target)):
         load_checkpoint(tmp_path, chunks=fresh, pstate=state)
     assert load_checkpoint(tmp_path, chunks=fresh, pstate=state, fallback=True)["iteration"] == 1
+
+
+def test_interrupted_overwrite_keeps_the_old_checkpoint_loadable(tmp_path, monkeypatch):
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})
+    first = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(1.0)
+    real_replace = os.replace
+
+    def killed_before_publishing(src, dst):
+        if Path(src).name == "iter_0000003.tmp":
+            raise KeyboardInterrupt("killed")  # the old directory is already set aside
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_publishing)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})
+    monkeypatch.undo()
+    assert read_tracker(tmp_path) == 3 and not iteration_dir(tmp_path, 3).exists()
+    fresh, _ = _single(tmp_path, seed=2)
+    assert load_checkpoint(tmp_path, chunks=fresh, pstate=state)["iteration"] == 3
+    vocab = fresh[0].config.vocab_size  # padding rows are not saved
+    assert all(torch.equal(_vocab_rows(n, p, vocab), _vocab_rows(n, first[n], vocab))
+               for n, p in fresh[0].named_parameters())
+    save_checkpoint(tmp_path, 4, chunks=chunks, optimizer=None, pstate=state, common={})  # restores it
+    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})  # overwrites it
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([TRACKER, "iter_0000003", "iter_0000004"])
+    load_checkpoint(tmp_path, chunks=fresh, pstate=state)
+    assert all(torch.equal(_vocab_rows(n, p, vocab), _vocab_rows(n, q, vocab))
+               for (n, p), q in zip(fresh[0].named_parameters(), chunks[0].parameters()))
 
 
 def test_different_model_shape_refused_naming_tensor_and_shapes(tmp_path):
@@ -160,20 +194,64 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_crafted_checkpoint_does_not_run_code(tmp_path):
-    chunks, state = _single(tmp_path)
-    save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
-    marker = tmp_path / "pwned"
-    directory = iteration_dir(tmp_path, 1)
-    payload = pickle.dumps(_Exploit(marker))
+def _call_global(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle calling global `module`.`name` (a dotted name is looked up attribute
+    by attribute) on `arg`."""
+    def text(s):
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."
+
+
+def _payloads(tmp_path) -> dict:
+    marker, victim = tmp_path / "pwned", tmp_path / "victim"
+    return {
+        "os.system via DCP's metadata module": _call_global(
+            "torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"),
+        "builtins.eval via torch": _call_global(
+            "torch", "builtins.eval", f"__import__('os').system('touch {marker}')"),
+        "__reduce__ to os.system": pickle.dumps(_Exploit(marker)),
+        "module-level function": _call_global("shutil", "rmtree", str(victim)),
+        "not metadata": pickle.dumps({"state_dict_metadata": {}}),
+    }
+
+
+def _plant(directory: Path, payload: bytes) -> None:
+    """Replace the checkpoint's metadata, digests updated: only the unpickler stands guard."""
     (directory / ".metadata").write_bytes(payload)
     common = json.loads((directory / "common.json").read_text())
     common["files"][".metadata"] = {"size": len(payload), "crc32": __import__("zlib").crc32(payload)}
-    (directory / "common.json").write_text(json.dumps(common))  # digests updated: only the unpickler stands guard
+    (directory / "common.json").write_text(json.dumps(common))
+
+
+def test_crafted_payloads_are_live(tmp_path):
+    """The payloads of the next test do run code when unpickled without the allowlist."""
+    payloads = _payloads(tmp_path)
+    (tmp_path / "victim").mkdir()
+    pickle.loads(payloads["os.system via DCP's metadata module"])
+    pickle.loads(payloads["module-level function"])
+    assert (tmp_path / "pwned").exists() and not (tmp_path / "victim").exists()
+
+
+@pytest.mark.parametrize("payload", ["os.system via DCP's metadata module", "builtins.eval via torch",
+                                     "__reduce__ to os.system", "module-level function", "not metadata"])
+def test_crafted_checkpoint_does_not_run_code(tmp_path, payload):
+    from megalite.convert.megalite_reader import MegaliteCheckpoint
+    from megalite.convert.publish import ConversionError
+
+    chunks, state = _single(tmp_path)
+    save_checkpoint(tmp_path / "ckpt", 1, chunks=chunks, optimizer=None, pstate=state, common={"model_config": {}})
+    (tmp_path / "victim").mkdir()
+    directory = iteration_dir(tmp_path / "ckpt", 1)
+    _plant(directory, _payloads(tmp_path)[payload])
+    expected = re.escape(f"{directory / '.metadata'}: not a valid checkpoint metadata file (") + (
+        "it holds a dict, not DCP Metadata" if payload == "not metadata" else "refusing to load global")
     fresh, _ = _single(tmp_path, seed=2)
-    with pytest.raises(CheckpointError, match=r"\.metadata: not a valid checkpoint metadata file .*refusing to load global"):
-        load_checkpoint(tmp_path, chunks=fresh, pstate=state)
-    assert not marker.exists()
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(tmp_path / "ckpt", chunks=fresh, pstate=state)
+    with pytest.raises(ConversionError, match=expected):
+        MegaliteCheckpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "pwned").exists() and (tmp_path / "victim").is_dir()
 
 
 def test_async_save_captures_values_at_save_time(tmp_path):
