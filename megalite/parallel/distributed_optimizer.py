@@ -11,7 +11,9 @@ parameter, and an fp32 main gradient IS (a view of) the DDP buffer. Copies exist
 parameters or gradients and for --optimizer-cpu-offload (where they live on the CPU).
 
 The layout-independent state dict gathers each parameter's shards over the DP group one
-parameter at a time, so it is the same with the distributed optimizer on or off.
+parameter at a time, so it is the same with the distributed optimizer on or off. Checkpoints
+do not gather: each rank hands over its own elements as a `FlatShard`, which says where every
+DP rank's elements lie (`bucket_dp_ranges`, `dtensor_dp_ranges`), and DCP writes the shards.
 """
 
 from dataclasses import dataclass
@@ -42,6 +44,20 @@ class MainParam:
     def grad(self) -> torch.Tensor | None:
         grad = self.main.grad
         return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
+
+
+@dataclass
+class FlatShard:
+    """Elements [lo, hi) of a flattened tensor of shape `shape` (a TP-local parameter, or an
+    optimizer state of it) that this rank holds, as a 1-D tensor `values`."""
+
+    values: torch.Tensor
+    lo: int
+    hi: int
+    shape: torch.Size
+    dp_ranges: list | None = None
+    """Every DP rank's (lo, hi), in DP-rank order, when the tensor is sharded over the DP group
+    (the ranges partition [0, numel)); None when every DP rank holds all of it."""
 
 
 @dataclass
@@ -129,3 +145,40 @@ def sharded_dp_group(ddp_chunk, param):
     if bucket is None or not bucket.sharded or comm.group_size(bucket.dp_group) == 1:
         return None
     return bucket.dp_group
+
+
+def bucket_dp_ranges(ddp_chunk, param) -> list[tuple[int, int]] | None:
+    """Each DP rank's (lo, hi) of flattened `param` under the distributed optimizer (the part of
+    its bucket range inside that rank's bucket shard; (0, 0) for none), or None when the
+    parameter is not sharded over DP. Matches the MainParams of build_bucket_shards."""
+    bucket = ddp_chunk._bucket_of.get(param)
+    if bucket is None or not bucket.sharded or bucket.dp_size == 1:
+        return None
+    start, end = bucket.param_ranges[param]
+    ranges = []
+    for d in range(bucket.dp_size):
+        a, b = max(start, d * bucket.shard_size), min(end, (d + 1) * bucket.shard_size)
+        ranges.append((a - start, b - start) if a < b else (0, 0))
+    return ranges
+
+
+def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
+    """Each DP rank's (lo, hi) of a DTensor sharded along dim 0 over a 1-D mesh (FSDP2's
+    layout: torch.chunk's rows, ceil(rows / d) per rank), or None on a mesh of one rank."""
+    from torch.distributed.tensor import Shard
+
+    mesh = dtensor.device_mesh
+    if mesh.ndim != 1 or list(dtensor.placements) != [Shard(0)]:
+        raise ValueError(f"expected a DTensor sharded along dim 0 over one mesh dimension, got "
+                         f"{list(dtensor.placements)} over a {mesh.ndim}-D mesh")
+    world = mesh.size()
+    if world == 1:
+        return None
+    rows = dtensor.shape[0]
+    per_rank, row_numel = -(-rows // world), dtensor.numel() // max(rows, 1)
+    ranges = [(min(d * per_rank, rows) * row_numel, min((d + 1) * per_rank, rows) * row_numel) for d in range(world)]
+    lo, hi = ranges[mesh.get_local_rank()]
+    if dtensor.to_local().numel() != hi - lo:
+        raise ValueError(f"FSDP2 shard of {dtensor.to_local().numel()} elements, expected {hi - lo} (rows {rows}, "
+                         f"{world} ranks)")
+    return ranges

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import DistributedDataParallel
-from megalite.parallel.distributed_optimizer import build_bucket_shards, gather_full, sharded_dp_group
+from megalite.parallel.distributed_optimizer import (
+    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, gather_full, sharded_dp_group,
+)
 from megalite.parallel.fsdp import FSDPChunk
 from megalite.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.parallel.state import ParallelState
@@ -227,6 +229,10 @@ class MixedPrecisionOptimizer:
                 entry.main.copy_(local.pop("param"))
             if keys:
                 self.inner.state[entry.main] = {**local, **self._step_state(entry.main)}
+        self._finish_load(state)
+
+    def _finish_load(self, state: dict) -> None:
+        """Loss scaler, then the loaded main values into the model parameters (all ranks)."""
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         for shard in self.bucket_shards:
@@ -234,6 +240,83 @@ class MixedPrecisionOptimizer:
         for chunk in self.chunks:
             if isinstance(chunk, DistributedDataParallel) and chunk.use_distributed_optimizer:
                 chunk.start_param_sync(overlap=False)
+
+    # --- sharded checkpoints: each rank's own elements, no communication ------------------------
+    def _layout(self, chunk, param, entry) -> tuple[int, int, list | None]:
+        """(lo, hi) of the elements of flattened `param` this rank holds, and every DP rank's."""
+        if isinstance(chunk, FSDPChunk):
+            ranges = dtensor_dp_ranges(entry.main)
+        else:
+            ranges = bucket_dp_ranges(chunk, param)
+        if ranges is None:
+            return 0, param.numel(), None
+        return (*ranges[self.pstate.dp_rank], ranges)
+
+    def sharded_state_dict(self) -> dict:
+        """`state_dict` without gathering: per parameter name and key a FlatShard holding a CPU
+        fp32 copy of only the elements this rank owns (a 1/d slice under the distributed
+        optimizer or FSDP2) and where every DP rank's elements lie, for checkpoints written
+        shard by shard."""
+        self.finish_param_sync()
+        params = {}
+        for chunk, name, param, entry in self._named_params():
+            lo, hi, ranges = self._layout(chunk, param, entry)
+            values = {"param": entry.main if entry else None}
+            for key in self._state_keys():
+                values[key] = self.inner.state[entry.main][key] if entry else None
+            params[name] = {}
+            for key, value in values.items():
+                if value is None:
+                    flat = torch.zeros(0)
+                else:
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    flat = local.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+                params[name][key] = FlatShard(flat, lo, hi, param.shape, ranges)
+        return {"optimizer": self.kind, "step": self.num_steps, "params": params,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def empty_sharded_state(self, keys) -> dict:
+        """Per parameter name and key in `keys`, a zero FlatShard laid out as `sharded_state_dict`
+        lays out this rank's elements: the buffers a checkpoint load fills."""
+        params = {}
+        for chunk, name, param, entry in self._named_params():
+            lo, hi, ranges = self._layout(chunk, param, entry)
+            params[name] = {k: FlatShard(torch.zeros(hi - lo), lo, hi, param.shape, ranges) for k in keys}
+        return params
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load the form `sharded_state_dict` returns, laid out for this rank (see
+        `empty_sharded_state`)."""
+        if state.get("optimizer") != self.kind:
+            raise ValueError(f"optimizer state is for {state.get('optimizer')!r}, this run uses {self.kind!r}")
+        self.num_steps = int(state["step"])
+        keys = ("param", *self._state_keys())
+        for chunk, name, param, entry in self._named_params():
+            saved = state["params"].get(name)
+            if saved is None:
+                raise KeyError(f"optimizer state has no entry for parameter {name}")
+            lo, hi, _ = self._layout(chunk, param, entry)
+            for key in keys:
+                shard = saved.get(key)
+                if shard is None:
+                    raise KeyError(f"optimizer state for {name} lacks {key!r}")
+                mine = (tuple(shard.shape), shard.lo, shard.hi, shard.values.numel())
+                if mine != (tuple(param.shape), lo, hi, hi - lo):
+                    raise ValueError(f"optimizer state {name}.{key}: elements [{shard.lo}, {shard.hi}) of shape "
+                                     f"{tuple(shard.shape)}, this rank holds [{lo}, {hi}) of {tuple(param.shape)}")
+            if entry is None:
+                continue
+            local = {}
+            for key in keys:
+                target = torch.zeros_like(entry.main) if key != "param" else entry.main
+                on_rank = target.to_local() if hasattr(target, "to_local") else target
+                on_rank.copy_(saved[key].values.view(on_rank.shape))
+                local[key] = target
+            local.pop("param")
+            if local:
+                self.inner.state[entry.main] = {**local, **self._step_state(entry.main)}
+        self._finish_load(state)
 
     def _step_state(self, main) -> dict:
         if self.kind != "adam":

@@ -12,6 +12,7 @@ Replicas (DP ranks, the tied output copy) describe the same chunks; DCP writes e
 
 import contextlib
 import io
+import math
 import pickle
 import warnings
 import zlib
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
+
+from megalite.parallel.distributed_optimizer import FlatShard, dtensor_dp_ranges
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -30,10 +33,14 @@ class CheckpointError(RuntimeError):
 
 @contextlib.contextmanager
 def single_process_dcp():
-    """Silence DCP's warning that it 'assumes' single-process use without torch.distributed:
-    for megalite's offline tools and single-process runs that is the intent."""
+    """Silence two DCP warnings megalite has taken into account: that DCP 'assumes'
+    single-process use without torch.distributed (for offline tools and single-process runs
+    that is the intent), and that ShardedTensor, through which megalite describes its chunks of
+    a full tensor, is deprecated in favour of DTensor (which cannot describe strided or trimmed
+    chunks)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
 
 
@@ -62,50 +69,127 @@ def tp_chunks(full_shape, partition_dim: int, stride: int, tp_size: int, valid_r
     return chunks
 
 
-def sharded_tensor(local: torch.Tensor, chunks_per_rank, replica_ranks: list[int], tp_rank: int,
-                   partition_dim: int, global_shape):
-    """A ShardedTensor over `local` whose chunks are this rank's entry of `chunks_per_rank`;
-    the global metadata lists every TP rank of this rank's replica (`replica_ranks`)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+def flat_boxes(lo: int, hi: int, shape) -> list[tuple[list[int], list[int]]]:
+    """Elements [lo, hi) of a row-major tensor of `shape` as boxes (offsets, sizes), in order,
+    each a contiguous run of the range: for 2-D the end of the first row, the whole rows, the
+    start of the last row (at most three)."""
+    if lo >= hi:
+        return []
+    shape = list(shape)
+    if len(shape) <= 1:
+        return [([lo], [hi - lo])] if shape else [([], [])]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+
+    def in_row(row, a, b):
+        return [([row, *o], [1, *s]) for o, s in flat_boxes(a, b, shape[1:])]
+
+    if first == last:
+        return in_row(first, lo - first * inner, hi - first * inner)
+    boxes = []
+    if lo % inner:
+        boxes += in_row(first, lo % inner, inner)
+        first += 1
+    whole_end = hi // inner
+    if whole_end > first:
+        boxes.append(([first] + [0] * (len(shape) - 1), [whole_end - first, *shape[1:]]))
+    if hi % inner:
+        boxes += in_row(whole_end, 0, hi % inner)
+    return boxes
+
+
+def _full_boxes(local_boxes, chunks, partition_dim: int):
+    """Map boxes of a TP-local tensor to boxes of the full one through the rank's TP chunks:
+    (global offsets, sizes, index of the local box, offset within it along partition_dim)."""
+    out = []
+    for i, (offsets, sizes) in enumerate(local_boxes):
+        a, b = offsets[partition_dim], offsets[partition_dim] + sizes[partition_dim]
+        for global_offsets, chunk_sizes, local_offset in chunks:
+            x0, x1 = max(a, local_offset), min(b, local_offset + chunk_sizes[partition_dim])
+            if x0 >= x1:
+                continue
+            g_offsets, g_sizes = list(offsets), list(sizes)
+            g_offsets[partition_dim] = global_offsets[partition_dim] + x0 - local_offset
+            g_sizes[partition_dim] = x1 - x0
+            out.append((g_offsets, g_sizes, i, x0 - a))
+    return out
+
+
+def _sharded_tensor(local_shards, metas, global_shape, dtype):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    device = local.device
-    device_str = "cpu" if device.type == "cpu" else f"{device.type}:{device.index}"
-    metas, shards = [], []
-    for t, chunks in enumerate(chunks_per_rank):
-        for offsets, sizes, local_offset in chunks:
-            meta = ShardMetadata(offsets, sizes, f"rank:{replica_ranks[t]}/{device_str}")
-            metas.append(meta)
-            if t == tp_rank:
-                view = local.narrow(partition_dim, local_offset, sizes[partition_dim])
-                if not view.is_contiguous():
-                    raise CheckpointError(f"cannot describe a non-contiguous shard (dim {partition_dim})")
-                shards.append(Shard(view, meta))
-    props = TensorProperties(dtype=local.dtype)
-    metadata = ShardedTensorMetadata(metas, torch.Size(global_shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
+    metadata = ShardedTensorMetadata(metas, torch.Size(global_shape), TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
-def describe(local: torch.Tensor, like: torch.Tensor, name: str, pstate, vocab_size: int):
-    """The object to put in a DCP state dict for `local`, a tensor laid out as parameter `like`
-    (the parameter itself, or an optimizer state of it) named `name`."""
-    sharded = getattr(like, "tensor_model_parallel", False) and pstate.tp_size > 1
+def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
+    """The object to put in a DCP state dict for `local`: a tensor laid out as parameter `like`
+    (the parameter itself, or an optimizer state of it) named `name`, or a FlatShard of one.
+
+    Tensors replicated over TP and DP go to DCP as they are. Otherwise this rank's elements
+    become boxes of the full tensor, described as a ShardedTensor whose global metadata covers
+    the full tensor once: every (TP rank, DP rank) holder's boxes for a TP-sharded tensor, this
+    TP rank's for a replicated one (the other TP ranks describe identical boxes; DCP writes
+    each once)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    tp_sharded = getattr(like, "tensor_model_parallel", False) and pstate.tp_size > 1
     is_vocab = name in VOCAB_PARAMS
-    if not sharded:
-        return local[:vocab_size] if is_vocab else local
-    dim, stride = like.partition_dim, like.partition_stride
-    full_shape = list(local.shape)
-    full_shape[dim] *= pstate.tp_size
-    chunks = tp_chunks(full_shape, dim, stride, pstate.tp_size, vocab_size if is_vocab else None)
+    if hasattr(local, "to_local"):  # an FSDP2 parameter: this DP rank's rows of the TP-local tensor
+        ranges = dtensor_dp_ranges(local)
+        lo, hi = ranges[pstate.dp_rank] if ranges else (0, local.numel())
+        local = FlatShard(local.to_local().reshape(-1), lo, hi, local.shape, ranges)
+    if isinstance(local, torch.Tensor):
+        if not tp_sharded:
+            return local[:vocab_size] if is_vocab else local
+        if not local.is_contiguous():
+            raise CheckpointError(f"{name}: cannot describe a non-contiguous tensor")
+        local = FlatShard(local.view(-1), 0, local.numel(), local.shape)
+    shape = list(local.shape)
+    if local.dp_ranges is None and not tp_sharded:  # every rank holds all of it
+        view = local.values.view(shape)
+        return view[:vocab_size] if is_vocab else view
+    full_shape = list(shape)
+    if tp_sharded:
+        dim = like.partition_dim
+        full_shape[dim] *= pstate.tp_size
+        chunks = tp_chunks(full_shape, dim, like.partition_stride, pstate.tp_size, vocab_size if is_vocab else None)
+        holders_tp = range(pstate.tp_size)
+    else:
+        dim = 0
+        trimmed = [min(shape[0], vocab_size) if is_vocab else shape[0], *shape[1:]]
+        chunks = {pstate.tp_rank: [([0] * len(shape), trimmed, 0)]}
+        holders_tp = [pstate.tp_rank]
+    holders_dp = list(enumerate(local.dp_ranges)) if local.dp_ranges else [(pstate.dp_rank, (local.lo, local.hi))]
     global_shape = list(full_shape)
     if is_vocab:
         global_shape[0] = vocab_size
-    replica = [pstate.layout.rank_of(t, pstate.dp_rank, pstate.pp_rank) for t in range(pstate.tp_size)]
-    return sharded_tensor(local, chunks, replica, pstate.tp_rank, dim, global_shape)
+    device = local.values.device
+    device_str = "cpu" if device.type == "cpu" else f"{device.type}:{device.index}"
+    metas, shards = [], []
+    for d, (lo, hi) in holders_dp:
+        boxes = flat_boxes(lo, hi, shape)
+        starts = [0]
+        for _, sizes in boxes:
+            starts.append(starts[-1] + math.prod(sizes))
+        for t in holders_tp:
+            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank)}/{device_str}"
+            for offsets, sizes, i, shift in _full_boxes(boxes, chunks[t], dim):
+                meta = ShardMetadata(offsets, sizes, placement)
+                metas.append(meta)
+                if (t, d) != (pstate.tp_rank, pstate.dp_rank):
+                    continue
+                box = local.values[starts[i]:starts[i + 1]].view(boxes[i][1]).narrow(dim, shift, sizes[dim])
+                if not box.is_contiguous():
+                    raise CheckpointError(f"{name}: cannot describe a non-contiguous shard (dim {dim})")
+                shards.append(Shard(box, meta))
+    return _sharded_tensor(shards, metas, global_shape, local.values.dtype)
 
 
-def global_shape_of(local: torch.Tensor, like: torch.Tensor, name: str, tp_size: int, vocab_size: int) -> list[int]:
+def global_shape_of(local, like: torch.Tensor, name: str, tp_size: int, vocab_size: int) -> list[int]:
+    """The full (TP=1, unpadded) shape of `local`, a tensor or FlatShard laid out as `like`."""
     shape = list(local.shape)
     if getattr(like, "tensor_model_parallel", False):
         shape[like.partition_dim] *= tp_size

@@ -13,6 +13,10 @@ the old directory to iter_XXXXXXX.old and deletes it only once the new one is pu
 then a load finds it there. common.json holds the size and CRC32 of every other file (tensor
 data, metadata, RNG states) and a load refuses a file that does not match. Nothing is unpickled
 on load but DCP's metadata, through an allowlist (see checkpoint_format).
+
+Optimizer state is saved as each rank holds it: under the distributed optimizer (or FSDP2)
+every DP rank writes only its own slice of the fp32 main parameters and optimizer moments, and
+every rank reads only the elements its own layout needs.
 """
 
 import json
@@ -175,9 +179,10 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
             shutil.rmtree(tmp)  # left by a crash during an earlier save
         tmp.mkdir()
     _barrier(group)
-    optimizer_state = optimizer.state_dict() if optimizer is not None else {"params": {}}
+    optimizer_state = optimizer.sharded_state_dict() if optimizer is not None else {"params": {}}
     entries, vocab = _tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
-    state = _dcp_state_dict(entries, pstate, vocab)
+    with single_process_dcp():
+        state = _dcp_state_dict(entries, pstate, vocab)
     rng_file = rng_file_name(pstate)
     save_rng_state(tmp / rng_file, rng_tracker)
     common = {**common, "iteration": iteration, "optimizer": optimizer_state,
@@ -221,9 +226,9 @@ def _read_common(path: Path) -> dict:
 def _load_tensors(path: Path, entries, pstate, vocab) -> None:
     metadata = read_metadata_file(path / ".metadata")
     _check_shapes(metadata, entries, pstate, vocab, path)
-    state = _dcp_state_dict(entries, pstate, vocab)
     try:
         with single_process_dcp():
+            state = _dcp_state_dict(entries, pstate, vocab)
             dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
@@ -256,13 +261,13 @@ def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
                               f"{optimizer.kind!r} (use --no-load-optim to start the optimizer afresh)")
     metadata = read_metadata_file(path / ".metadata")
     states = sorted({k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optimizer/")})
-    buffers = {}
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            buffers[name] = {s: torch.zeros(param.shape, dtype=torch.float32) for s in states}
+    buffers = optimizer.empty_sharded_state(states)  # only the elements this rank holds
     entries, vocab = _tensor_entries(chunks, buffers, pstate, for_load=True)
     _load_tensors(path, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
-    optimizer.load_state_dict({**saved, "params": buffers})
+    try:
+        optimizer.load_sharded_state_dict({**saved, "params": buffers})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: optimizer state does not fit this run ({e})") from e
 
 
 def load_checkpoint(root, *, chunks, pstate, rng_tracker=None, load_rng=True, fallback=False,
