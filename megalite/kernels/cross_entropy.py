@@ -44,7 +44,7 @@ def torch_local_stats(logits2d, local_target, n_valid: int, need_sum: bool,
     return out
 
 
-def torch_grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, label_smoothing: float,
+def torch_grad_logits(logits2d, local_target, row_max, log_sum, grad_loss, n_valid: int, label_smoothing: float,
                       smooth: torch.Tensor, inplace: bool, chunk_elements: int = TORCH_CHUNK_ELEMENTS):
     """Torch twin of cross_entropy_triton.grad_logits(_), one fp32 row chunk at a time."""
     n_rows, n_cols = logits2d.shape
@@ -54,7 +54,8 @@ def torch_grad_logits(logits2d, local_target, lse, grad_loss, n_valid: int, labe
     for start in range(0, n_rows if n_valid > 0 else 0, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         g = grad_loss[rows].unsqueeze(1)
-        d = logits2d[rows, :n_valid].to(torch.float32, copy=True).sub_(lse[rows].unsqueeze(1)).exp_().sub_(smooth)
+        d = logits2d[rows, :n_valid].to(torch.float32, copy=True).sub_(row_max[rows].unsqueeze(1))
+        d = d.sub_(log_sum[rows].unsqueeze(1)).exp_().sub_(smooth)  # exact where max + log sum would round
         t = local_target[rows]
         hit = (t >= 0).unsqueeze(1)
         d.scatter_add_(1, t.clamp(min=0).unsqueeze(1), torch.where(hit, label_smoothing - 1.0, 0.0))
@@ -91,7 +92,6 @@ class _CrossEntropyFunction(torch.autograd.Function):
         reduced = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group)
         n_rows = row_max.shape[0]
         log_sum_exp = torch.log(reduced[:n_rows])
-        lse = global_max + log_sum_exp
         # Subtract the large terms from each other first: lse - z_t = log_sum_exp + (max - z_t),
         # exact even when the logits are large and lse would round at their magnitude.
         loss = log_sum_exp + (global_max - reduced[n_rows:2 * n_rows])
@@ -103,15 +103,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             smooth = torch.zeros(1, dtype=torch.float32, device=logits.device)
 
-        ctx.save_for_backward(logits, local_target, lse, smooth)
+        ctx.save_for_backward(logits, local_target, global_max, log_sum_exp, smooth)
         ctx.triton, ctx.valid_vocab, ctx.label_smoothing = triton, valid_vocab, label_smoothing
         ctx.inplace_backward = inplace_backward
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, local_target, lse, smooth = ctx.saved_tensors
-        args = (as_rows(logits), local_target, lse, grad_loss.reshape(-1).float().contiguous(), ctx.valid_vocab,
+        logits, local_target, global_max, log_sum_exp, smooth = ctx.saved_tensors
+        args = (as_rows(logits), local_target, global_max, log_sum_exp, grad_loss.reshape(-1).float().contiguous(), ctx.valid_vocab,
                 ctx.label_smoothing, smooth)
         if not ctx.triton:
             grad = torch_grad_logits(*args, ctx.inplace_backward)

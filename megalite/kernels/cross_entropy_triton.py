@@ -46,19 +46,22 @@ def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_v
 
 
 @triton.jit
-def _ce_grad_kernel(LOGITS, GRAD, TARGET, LSE, GRAD_LOSS, SMOOTH, stride_row, stride_grad, n_cols, n_valid,
+def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, stride_row, stride_grad, n_cols,
+                    n_valid,
                     target_weight, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < n_cols
     valid = cols < n_valid
     z = tl.load(LOGITS + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + row)
+    row_max = tl.load(ROW_MAX + row)
+    log_sum = tl.load(LOG_SUM + row)
     g = tl.load(GRAD_LOSS + row)
     target = tl.load(TARGET + row)
     smooth_weight = tl.load(SMOOTH)
     # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V on the real vocabulary, 0 on padding.
-    grad = tl.exp(z - lse) - smooth_weight - tl.where(cols == target, target_weight, 0.0)
+    # softmax as exp((z - max) - log sum): exact where max + log sum would round at large logits.
+    grad = tl.exp((z - row_max) - log_sum) - smooth_weight - tl.where(cols == target, target_weight, 0.0)
     grad = tl.where(valid, grad * g, 0.0)
     tl.store(GRAD + row * stride_grad + cols, to_dtype(grad, GRAD.dtype.element_ty), mask=in_row)
 
@@ -83,26 +86,26 @@ def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int
     return out
 
 
-def _launch_grad(logits2d, grad, local_target, lse, grad_loss, n_valid, label_smoothing, smooth):
+def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth):
     n_rows, n_cols = logits2d.shape
     block_v, num_warps = _block_v(n_cols)
     _ce_grad_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
-        logits2d, grad, local_target, lse, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols, n_valid,
+        logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols, n_valid,
         1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
 
 
 @compile_opaque("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
-def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
-                n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
-    """Gradient of the loss w.r.t. logits2d [N, V_local], in its dtype; smooth is a 1-element fp32
-    tensor holding label_smoothing / V."""
+def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+                grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss w.r.t. logits2d [N, V_local], in its dtype, from the rows' global max
+    and log sum exp(z - max); smooth is a 1-element fp32 tensor holding label_smoothing / V."""
     grad = torch.empty(logits2d.shape, dtype=logits2d.dtype, device=logits2d.device)
-    _launch_grad(logits2d, grad, local_target, lse, grad_loss, n_valid, label_smoothing, smooth)
+    _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
     return grad
 
 
-def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
-                 n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
+def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+                 grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
     """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
-    _launch_grad(logits2d, logits2d, local_target, lse, grad_loss, n_valid, label_smoothing, smooth)
+    _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
     return logits2d

@@ -82,11 +82,11 @@ def test_torch_path_in_small_chunks():
     whole = torch_local_stats(logits, local_target, 18, True)
     for chunk in (18, 40, 54):
         assert torch.equal(torch_local_stats(logits, local_target, 18, True, chunk_elements=chunk), whole)
-    lse = whole[0] + whole[1].log()
+    row_max, log_sum = whole[0], whole[1].log()
     smooth = torch.tensor([0.1 / 18])
     grad_loss = torch.rand(7, generator=g)
-    whole_grad = torch_grad_logits(logits, local_target, lse, grad_loss, 18, 0.1, smooth, False)
-    assert torch.equal(torch_grad_logits(logits, local_target, lse, grad_loss, 18, 0.1, smooth, False,
+    whole_grad = torch_grad_logits(logits, local_target, row_max, log_sum, grad_loss, 18, 0.1, smooth, False)
+    assert torch.equal(torch_grad_logits(logits, local_target, row_max, log_sum, grad_loss, 18, 0.1, smooth, False,
                                          chunk_elements=40), whole_grad)
 
 
