@@ -18,7 +18,7 @@ from megalite.model.config import GPTConfig
 from megalite.training.checkpoint_format import (
     CheckpointError, SafeFileSystemReader, read_metadata_file, single_process_dcp, verify_files,
 )
-from megalite.training.checkpointing import TRACKER, iteration_dir, read_tracker
+from megalite.training.checkpointing import TRACKER, published_iteration_dir, read_tracker
 
 
 def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
@@ -30,7 +30,7 @@ def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
         iteration = read_tracker(root)
         if iteration is None:
             raise CheckpointError(f"{root / TRACKER}: missing (not a megalite checkpoint directory)")
-    path = iteration_dir(root, iteration) / "common.json"
+    path = published_iteration_dir(root, iteration) / "common.json"
     try:
         common = json.loads(path.read_text())
     except FileNotFoundError:
@@ -51,7 +51,7 @@ class MegaliteCheckpoint:
             self.common, self.iteration = read_common(self.root, iteration)
         except CheckpointError as e:
             raise ConversionError(str(e)) from None
-        self.path = iteration_dir(self.root, self.iteration)
+        self.path = published_iteration_dir(self.root, self.iteration)
         if verify:
             problems = verify_files(self.path, self.common.get("files", {}))
             if problems:

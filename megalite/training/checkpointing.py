@@ -49,6 +49,12 @@ def _aside_dir(final: Path) -> Path:
     return final.with_suffix(".old")
 
 
+def published_iteration_dir(root, iteration: int) -> Path:
+    """iter_XXXXXXX, or its .old copy where a save overwriting that iteration was interrupted."""
+    path = iteration_dir(root, iteration)
+    return _aside_dir(path) if not path.is_dir() and _aside_dir(path).is_dir() else path
+
+
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
@@ -286,9 +292,7 @@ def load_checkpoint(root, *, chunks, pstate, rng_tracker=None, load_rng=True, fa
         candidates += [i for i in older if i < latest]
     error = None
     for it in candidates:
-        path = iteration_dir(root, it)
-        if not path.is_dir() and _aside_dir(path).is_dir():
-            path = _aside_dir(path)  # a save overwriting this iteration was interrupted
+        path = published_iteration_dir(root, it)
         try:
             if not path.is_dir():
                 raise CheckpointError(f"{path}: missing (tracker {root / TRACKER} points at iteration {it})")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.model.gpt import GPTModel
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.pipeline_model import build_model_chunks
@@ -147,7 +148,8 @@ def test_damaged_checkpoint_refused_naming_file_then_fallback(tmp_path, damage, 
 
 def test_interrupted_overwrite_keeps_the_old_checkpoint_loadable(tmp_path, monkeypatch):
     chunks, state = _single(tmp_path)
-    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})
+    common = {"model_config": chunks[0].config.to_dict()}  # what the converter needs to read it
+    save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common=common)
     first = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     with torch.no_grad():
         for p in chunks[0].parameters():
@@ -169,6 +171,10 @@ def test_interrupted_overwrite_keeps_the_old_checkpoint_loadable(tmp_path, monke
     vocab = fresh[0].config.vocab_size  # padding rows are not saved
     assert all(torch.equal(_vocab_rows(n, p, vocab), _vocab_rows(n, first[n], vocab))
                for n, p in fresh[0].named_parameters())
+    converter_view = MegaliteCheckpoint(tmp_path)  # the offline converter finds the set-aside copy too
+    assert converter_view.iteration == 3 and all(
+        torch.equal(converter_view.get(f"model/{n}"), _vocab_rows(n, first[n], vocab))
+        for n in first if f"model/{n}" in converter_view.keys())
     save_checkpoint(tmp_path, 4, chunks=chunks, optimizer=None, pstate=state, common={})  # restores it
     save_checkpoint(tmp_path, 3, chunks=chunks, optimizer=None, pstate=state, common={})  # overwrites it
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([TRACKER, "iter_0000003", "iter_0000004"])
