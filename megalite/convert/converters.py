@@ -88,6 +88,12 @@ def hf_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
     with staged_output(final) as staging:
         stream = ((f"model/{name}", t) for name, t in hf_mapping.hf_to_megalite(source.get, source.config))
         files = _stream_to_dcp(StreamingDCPWriter(iteration_dir(staging, 0)), placement, stream, summary)
+        # A stored tensor megalite has no place for is a part of the model it lacks (q/k norms, say):
+        # converting without it would give a model that computes something else.
+        unused = source.unused()
+        if unused:
+            raise ConversionError(f"{source.files[unused[0]]}: tensor {unused[0]} has no place in megalite's "
+                                  f"{source.hf_config.get('model_type')} model" + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
         config = source.config.replace(params_dtype=PARAMS_DTYPES.get(summary.dtype, "float32"))
         tokenizer = copy_hf_tokenizer(source.dir, staging, final)
         flags = training_flags(config, layout, tokenizer, final)
@@ -97,9 +103,6 @@ def hf_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
                                      "architectures": source.hf_config.get("architectures")}}
         _publish_checkpoint(staging, 0, files, common)
     summary.config, summary.flags, summary.tokenizer = config, flags, tokenizer
-    unused = source.unused()
-    if unused:
-        summary.notes.append(f"{len(unused)} tensor(s) of {source.weights_file.name} not used, e.g. {unused[0]}")
     note = _vocab_note(tokenizer, config)
     if note:
         summary.notes.append(note)

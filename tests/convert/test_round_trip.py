@@ -110,7 +110,7 @@ def test_gpt2_saved_from_the_base_model(tmp_path, capsys):
     _assert_identical(model.state_dict(), tmp_path / "back", "gpt2 (base-model names)")
 
 
-def test_unused_tensors_are_reported(tmp_path, capsys):
+def test_tensors_megalite_has_no_place_for_are_refused(tmp_path, capsys):
     from safetensors.torch import save_file
 
     model = hf_model("llama", seed=6)
@@ -119,9 +119,11 @@ def test_unused_tensors_are_reported(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path / "hf")
-    hf_to_megalite(tmp_path / "hf", tmp_path / "ml")
-    expected = "1 tensor(s) of model.safetensors not used, e.g. model.layers.0.self_attn.q_norm.weight"
-    assert expected in capsys.readouterr().out
+    status = convert("--loader", "hf", "--saver", "megalite", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "ml")
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err == (f"convert: error: {tmp_path / 'hf' / 'model.safetensors'}: tensor "
+                                   "model.layers.0.self_attn.q_norm.weight has no place in megalite's llama model"), err
+    assert list(tmp_path.iterdir()) == [tmp_path / "hf"], "output left behind"
 
 
 def test_gpt2_bpe_tokenizer_files_travel_both_ways(tmp_path, capsys):
