@@ -92,8 +92,9 @@ def hf_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
         # converting without it would give a model that computes something else.
         unused = source.unused()
         if unused:
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
             raise ConversionError(f"{source.files[unused[0]]}: tensor {unused[0]} has no place in megalite's "
-                                  f"{source.hf_config.get('model_type')} model" + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
+                                  f"{source.hf_config.get('model_type')} model{more}")
         config = source.config.replace(params_dtype=PARAMS_DTYPES.get(summary.dtype, "float32"))
         tokenizer = copy_hf_tokenizer(source.dir, staging, final)
         flags = training_flags(config, layout, tokenizer, final)
