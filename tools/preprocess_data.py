@@ -7,7 +7,8 @@ writes data/corpus_text_document.bin/.idx (one dataset per --json-keys key), rea
 Megatron-LM and megalite. Input: .jsonl/.json (optionally .gz), plain text (one document per
 line, or per file with --text-mode file), directories and globs of them. Bad input stops
 with file:line: reason and a non-zero exit unless --skip-bad-lines; nothing is left under the
-output names unless the run succeeds.
+output names unless the run succeeds (an interrupted or terminated run removes its temporary
+files; the next run with the same --output-prefix removes those of a killed one).
 """
 
 import argparse
@@ -17,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.corpus import BadInput  # noqa: E402
-from megalite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from megalite.data.preprocess import PreprocessConfig, Terminated, preprocess  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> PreprocessConfig:
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="worker processes")
+    g.add_argument("--workers", type=int, default=1, help="processes that tokenise (this one included)")
     g.add_argument("--partitions", type=int, default=1,
                    help="cut the input into at least this many shards (the output does not change)")
     g.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; no output written", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"error: {e}; no output written", file=sys.stderr)
+        return 143
     print(f"{summary['docs']} documents, {summary['tokens']} tokens from {summary['files']} files; "
           f"{summary['empty']} empty documents skipped", file=sys.stderr)
     if summary["bad_count"]:

@@ -130,7 +130,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {self.dtype} has no MMIDIDX code")
         self._bin_tmp = temp_name(bin_path(prefix))
         self._idx_tmp = temp_name(idx_path(prefix))
-        self._bin = open(self._bin_tmp, "wb", buffering=1 << 22)
+        self._bin = open(self._bin_tmp, "wb", buffering=1 << 20)
         self._lengths = array("i")
         self._doc_indices = array("q", [0])
         self._modes = array("b") if multimodal else None
@@ -169,7 +169,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"cannot merge {prefix}: multimodal and text indices do not mix")
         self._bin.flush()
         with open(bin_path(prefix), "rb") as src:
-            shutil.copyfileobj(src, self._bin, 1 << 24)
+            shutil.copyfileobj(src, self._bin, 1 << 20)  # a fixed buffer: memory independent of size
         offset = len(self._lengths)
         self._lengths.frombytes(other.sequence_lengths.tobytes())
         self._doc_indices.frombytes((other.document_indices[1:] + offset).tobytes())

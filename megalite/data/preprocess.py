@@ -1,18 +1,23 @@
 """Tokenise raw corpora into Megatron indexed datasets, in parallel and in bounded memory.
 
 The input is cut into shards: byte ranges of plain files (aligned to lines by the reader),
-whole gzip files, or groups of whole files in one-document-per-file mode. Worker processes
-tokenise shards into their own small indexed datasets; the main process appends them, in
-input order, to the output under a temporary name and deletes them. The output is therefore
-the same for any number of workers, memory stays bounded by the shard batch size, and the
-final names appear only when everything succeeded.
+whole gzip files, or groups of whole files in one-document-per-file mode. --workers
+processes (the main one and forked workers, see shard_pool.py) tokenise shards into their
+own small indexed datasets; the main process appends them, in input order, to the output
+under a temporary name and deletes them. The output is therefore the same for any number
+of workers, memory stays bounded by the shard batch size, and the final names appear only
+when everything succeeded.
 """
 
-import gc
-import multiprocessing
+import contextlib
+import functools
+import glob
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +25,7 @@ import numpy as np
 
 from megalite.data.corpus import BadInput, expand_inputs
 from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from megalite.data.shard_pool import context, ordered_results
 from megalite.data.shards import Shard, absolute_line, plan_shards, read_shard
 
 
@@ -62,7 +68,8 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 
 class ShardWorker:
-    """Tokenises shards; one per process (built once, as the tokenizer is)."""
+    """Tokenises shards; one per process (built once, as the tokenizer is, and inherited by
+    forked workers)."""
 
     def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None):
         from megalite.data.tokenizers import build_tokenizer
@@ -70,7 +77,8 @@ class ShardWorker:
         self.config = config
         self.tmp_dir = tmp_dir
         self.progress = progress  # shared [docs, bytes, tokens] counters
-        self.report = report  # called with the counters after each batch (single process)
+        self.report = report  # called with the counters after each batch, in this process only
+        self.owner = os.getpid()
         self.tokenizer = build_tokenizer(
             config.tokenizer_type, tokenizer_model=config.tokenizer_model, vocab_file=config.vocab_file,
             merge_file=config.merge_file, vocab_size=config.vocab_size)
@@ -170,26 +178,8 @@ class ShardWorker:
                 self.progress[0] += len(batch)
                 self.progress[1] += nbytes
                 self.progress[2] += result.tokens - tokens_before
-            if self.report is not None:
+            if self.report is not None and os.getpid() == self.owner:
                 self.report(*self.progress[:])
-
-
-_WORKER: ShardWorker | None = None  # one per worker process, set by the pool initializer
-
-
-def _init_worker(config, tmp_dir, progress):
-    global _WORKER  # noqa: PLW0603 - per-process state of a multiprocessing worker
-    _WORKER = ShardWorker(config, tmp_dir, progress)
-
-
-def _adopt_worker(worker):
-    """Pool initializer under fork: the parent's worker (tokenizer loaded) is inherited."""
-    global _WORKER  # noqa: PLW0603 - per-process state of a multiprocessing worker
-    _WORKER = worker
-
-
-def _run_shard(shard):
-    return _WORKER.run(shard)
 
 
 class Progress:
@@ -215,83 +205,113 @@ class Progress:
 
 def preprocess(config: PreprocessConfig, stream=None) -> dict:
     """Run preprocessing; return a summary dict. Raises BadInput (first bad line in input
-    order) unless skip_bad_lines, ValueError for bad flags; no final output exists then."""
+    order) unless skip_bad_lines, ValueError for bad flags, Terminated on SIGTERM; no final
+    output exists then, nor any temporary file (after a SIGKILL, the next run with the same
+    --output-prefix removes the leftovers)."""
     if config.text_mode not in ("line", "file"):
         raise ValueError(f"--text-mode must be 'line' or 'file', got {config.text_mode!r}")
     if config.workers < 1 or config.partitions < 1:
         raise ValueError("--workers and --partitions must be at least 1")
     paths = expand_inputs(config.input)
-    out_dir = os.path.dirname(os.path.abspath(config.output_prefix))
-    if not os.path.isdir(out_dir):
-        raise ValueError(f"--output-prefix {config.output_prefix}: directory {out_dir} does not exist")
+    prefix = os.path.abspath(config.output_prefix)
+    if not os.path.isdir(os.path.dirname(prefix)):
+        raise ValueError(f"--output-prefix {config.output_prefix}: directory {os.path.dirname(prefix)} "
+                         "does not exist")
+    progress = Progress(config.log_interval, stream)
+    for leftover in remove_leftovers(prefix, config.json_keys):
+        print(f"removed {leftover}, left by a preprocessing run that was killed", file=progress.stream)
     shards = plan_shards(paths, config.text_mode, config.workers, config.partitions, config.max_shard_bytes)
-    tmp_dir = f"{os.path.abspath(config.output_prefix)}.tmp-{os.getpid()}-shards"
-    os.makedirs(tmp_dir)
-    progress_report = Progress(config.log_interval, stream)
+    tmp_dir = f"{prefix}.tmp-{os.getpid()}-shards"
+    summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
     writers = []
-    pool = None
-    try:
-        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        counters = ctx.Array("q", 3)
-        # built here first, so that tokenizer errors surface before any worker starts
-        worker = ShardWorker(config, tmp_dir, counters, progress_report.update if config.workers == 1 else None)
-        dtype = worker.dtype
-        if config.workers == 1:
-            results = map(worker.run, shards)
-        else:
-            if ctx.get_start_method() == "fork":  # workers inherit `worker`, nothing is pickled
-                gc.freeze()  # the children's garbage collector then skips (and never copies) our heap
-                pool = ctx.Pool(config.workers, _adopt_worker, (worker,))
-            else:
-                pool = ctx.Pool(config.workers, _init_worker, (config, tmp_dir, counters))
-            results = pool.imap(_run_shard, shards)
-        writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), dtype) for k in config.json_keys]
-        summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
-        for result in _with_progress(results, pool, progress_report, counters):
-            if result.error is not None:
-                raise _located(result.error)
-            for k, writer in enumerate(writers):
-                prefix = os.path.join(tmp_dir, f"shard{result.index:06d}_{config.json_keys[k]}")
-                writer.add_dataset(prefix)
-                for ext in (".bin", ".idx"):
-                    os.remove(prefix + ext)
-            for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
-                summary[key] += getattr(result, key)
-            summary["bad"].extend(str(_located(b)) for b in result.bad)
-        for writer in writers:
-            writer.finalize()
-        summary["bad"] = summary["bad"][:5]
-        summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
-        print(progress_report.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
-              file=progress_report.stream, flush=True)
-        return summary
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-            gc.unfreeze()
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _with_progress(results, pool, progress: Progress, counters):
-    """Yield shard results in order, printing progress while waiting for worker processes."""
-    if pool is None:
-        yield from results
-        return
-    while True:
+    with terminate_raises():
+        os.makedirs(tmp_dir)
         try:
-            result = results.next(timeout=0.5)
-        except multiprocessing.TimeoutError:
-            progress.update(*counters[:])
+            counters = context().Array("q", 3)  # documents, bytes, tokens done, over all processes
+            # built here first, so that tokenizer errors surface before any worker starts
+            worker = ShardWorker(config, tmp_dir, counters, progress.update)
+            writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), worker.dtype)
+                       for k in config.json_keys]
+            results = ordered_results(worker, shards, config.workers,
+                                      functools.partial(ShardWorker, config, tmp_dir, counters),
+                                      lambda: progress.update(*counters[:]))
+            for result in results:
+                if result.error is not None:
+                    results.close()
+                    raise _located(result.error)
+                for key, writer in zip(config.json_keys, writers):
+                    shard_prefix = worker.shard_prefix(result.index, key)
+                    writer.add_dataset(shard_prefix)
+                    for ext in (".bin", ".idx"):
+                        os.remove(shard_prefix + ext)
+                for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
+                    summary[key] += getattr(result, key)
+                summary["bad"].extend(str(_located(b)) for b in result.bad)
+            for writer in writers:
+                writer.finalize()
+        except BaseException:
+            for writer in writers:
+                writer.abort()
+            raise
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    summary["bad"] = summary["bad"][:5]
+    summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
+    print(progress.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
+          file=progress.stream, flush=True)
+    return summary
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a BaseException, like KeyboardInterrupt, so that cleanup runs)."""
+
+
+@contextlib.contextmanager
+def terminate_raises():
+    """Within: SIGTERM raises Terminated (in the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def remove_leftovers(prefix: str, keys: list[str]) -> list[str]:
+    """Delete the temporary files and shard directories that earlier runs with this output
+    prefix left when killed (their process no longer exists); return their paths."""
+    patterns = [f"{glob.escape(prefix)}.tmp-*-shards"]
+    for key in keys:
+        out = glob.escape(output_prefix_for(prefix, key))
+        patterns += [f"{out}.bin.tmp-*", f"{out}.idx.tmp-*"]
+    removed = []
+    for path in sorted(p for pattern in patterns for p in glob.glob(pattern)):
+        match = re.search(r"\.tmp-(\d+)(-shards)?$", path)
+        if match is None or _process_exists(int(match.group(1))):
             continue
-        except StopIteration:
-            return
-        yield result
-        progress.update(*counters[:])
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _located(where) -> BadInput:

@@ -50,9 +50,15 @@ class TiktokenBPE:
         if not texts:
             return []
         encode = self.encodings[pattern].encode_ordinary
-        rank_lists = [encode(t) for t in texts]
-        counts = list(map(len, rank_lists))
-        ranks = np.fromiter(chain.from_iterable(rank_lists), np.int32, count=sum(counts))
+        counts = []
+
+        def each_text():  # one text's list of Python ints alive at a time
+            for text in texts:
+                ranks = encode(text)
+                counts.append(len(ranks))
+                yield ranks
+
+        ranks = np.fromiter(chain.from_iterable(each_text()), np.int32)
         ends = np.cumsum(counts)
         if self.drop_rank is not None:
             kept = ranks != self.drop_rank
