@@ -122,12 +122,13 @@ def decode_utf8(raw: bytes, path: str, line: int) -> str:
 
 def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[str]:
     """The strings under `keys` of one JSONL line; BadInput on anything else."""
-    text = decode_utf8(raw, path, line).rstrip("\r\n")
+    text = decode_utf8(raw, path, line)
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        where = " (end of line)" if e.pos >= len(text) else ""
-        raise BadInput(path, line, f"malformed JSON: {e.msg} at column {e.pos + 1}{where}") from None
+    except json.JSONDecodeError as e:  # the column within the line, its end counted as one past it
+        length = len(text.rstrip("\r\n"))
+        where = " (end of line)" if e.pos >= length else ""
+        raise BadInput(path, line, f"malformed JSON: {e.msg} at column {min(e.pos, length) + 1}{where}") from None
     if not isinstance(obj, dict):
         raise BadInput(path, line, f"expected a JSON object, got {type(obj).__name__}")
     out = []
