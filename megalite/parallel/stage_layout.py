@@ -39,13 +39,16 @@ def virtual_stages_per_rank(num_layers: int, pipeline_size: int,
     """
     per_stage, chunks = num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank
     if per_stage is not None and chunks is not None:
-        raise ValueError(f"give either {LAYERS_PER_VIRTUAL_FLAG} or {VIRTUAL_FLAG}, not both")
+        raise ValueError(f"{LAYERS_PER_VIRTUAL_FLAG} and {VIRTUAL_FLAG} contradict each other "
+                         "(give one)")
     if chunks is not None:
         _positive(VIRTUAL_FLAG, chunks)
         return chunks
     if per_stage is None:
         return 1
     _positive(LAYERS_PER_VIRTUAL_FLAG, per_stage)
+    if pipeline_size == 1:
+        raise ValueError(f"{LAYERS_PER_VIRTUAL_FLAG} needs {PIPELINE_FLAG} > 1")
     if uneven:
         raise ValueError(f"{LAYERS_PER_VIRTUAL_FLAG} cannot be combined with {FIRST_FLAG} or "
                          f"{LAST_FLAG}; give {VIRTUAL_FLAG} instead")
@@ -67,8 +70,9 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: in
     _positive(NUM_LAYERS_FLAG, num_layers)
     _positive(PIPELINE_FLAG, p)
     _positive(VIRTUAL_FLAG, v)
-    uneven = first_stage_layers is not None or last_stage_layers is not None
-    if not uneven:
+    given = [(flag, value) for flag, value in
+             ((FIRST_FLAG, first_stage_layers), (LAST_FLAG, last_stage_layers)) if value is not None]
+    if not given:
         if num_layers % (p * v):
             raise ValueError(
                 f"{NUM_LAYERS_FLAG} {num_layers} is not divisible by {PIPELINE_FLAG} {p} x "
@@ -76,27 +80,24 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: in
                 f"set {FIRST_FLAG}/{LAST_FLAG}")
         return [num_layers // (p * v)] * (p * v)
     if p == 1:
-        raise ValueError(f"{FIRST_FLAG}/{LAST_FLAG} need {PIPELINE_FLAG} > 1")
+        raise ValueError(f"{' and '.join(flag for flag, _ in given)} "
+                         f"need{'s' if len(given) == 1 else ''} {PIPELINE_FLAG} > 1")
     middle_layers, middle_ranks = num_layers, p
-    for flag, value in ((FIRST_FLAG, first_stage_layers), (LAST_FLAG, last_stage_layers)):
-        if value is None:
-            continue
+    for flag, value in given:
         _positive(flag, value)
         if value % v:
             raise ValueError(f"{flag} {value} is not divisible by {VIRTUAL_FLAG} {v} (the stage's "
                              "layers are split evenly over its chunks)")
         middle_layers -= value
         middle_ranks -= 1
-    given = " and ".join(f"{flag} {value}" for flag, value in
-                       ((FIRST_FLAG, first_stage_layers), (LAST_FLAG, last_stage_layers))
-                       if value is not None)
+    named = " and ".join(f"{flag} {value}" for flag, value in given)
     if middle_layers < 0 or (middle_ranks == 0 and middle_layers > 0) or (
             middle_ranks > 0 and middle_layers == 0):
-        raise ValueError(f"{given} leaves {middle_layers} of {NUM_LAYERS_FLAG} {num_layers} for "
+        raise ValueError(f"{named} leaves {middle_layers} of {NUM_LAYERS_FLAG} {num_layers} for "
                          f"the {middle_ranks} other pipeline rank(s) of {PIPELINE_FLAG} {p}; each "
                          "needs at least one layer per chunk, and no layer may be left over")
     if middle_ranks and middle_layers % (middle_ranks * v):
-        raise ValueError(f"{NUM_LAYERS_FLAG} {num_layers} minus {given} leaves {middle_layers} "
+        raise ValueError(f"{NUM_LAYERS_FLAG} {num_layers} minus {named} leaves {middle_layers} "
                          f"layers, not divisible by the {middle_ranks} middle pipeline rank(s) x "
                          f"{VIRTUAL_FLAG} {v} = {middle_ranks * v} chunks")
 

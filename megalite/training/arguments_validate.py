@@ -64,8 +64,6 @@ def default_ffn_hidden_size(args) -> int:
 
 def virtual_stages(args) -> int:
     """Model chunks per pipeline rank, from either of Megatron's two virtual-pipeline flags."""
-    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
-        _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     uneven = (args.decoder_first_pipeline_num_layers is not None
               or args.decoder_last_pipeline_num_layers is not None)
     return virtual_stages_per_rank(args.num_layers, args.pipeline_model_parallel_size,
@@ -78,9 +76,6 @@ def layout_from_args(args, world_size: int) -> ParallelLayout:
 
     Raises ValueError naming the flags before any process group exists."""
     _require(args, ("num_layers", "hidden_size", "num_attention_heads"))
-    if args.num_virtual_stages_per_pipeline_rank and args.num_layers_per_virtual_pipeline_stage:
-        _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-              "contradict each other (give one)")
     layout = ParallelLayout(world_size, tensor=args.tensor_model_parallel_size,
                             pipeline=args.pipeline_model_parallel_size,
                             virtual_pipeline=virtual_stages(args))
@@ -179,12 +174,9 @@ def _check_recompute(args, layers_per_chunk: int):
 def _check_pipeline(args, layout: ParallelLayout) -> int:
     """Checks the layer split over (virtual) stages, the one the model is built with; returns
     the most layers one model chunk holds."""
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    given = [_flag(name) for name, value in (("decoder_first_pipeline_num_layers", first),
-                                             ("decoder_last_pipeline_num_layers", last)) if value is not None]
-    if given and layout.pipeline == 1:
-        _fail(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --pipeline-model-parallel-size > 1")
-    return max(layers_per_virtual_stage(args.num_layers, layout.pipeline, layout.virtual_pipeline, first, last))
+    return max(layers_per_virtual_stage(args.num_layers, layout.pipeline, layout.virtual_pipeline,
+                                        args.decoder_first_pipeline_num_layers,
+                                        args.decoder_last_pipeline_num_layers))
 
 
 def _check_parallel(args, layout: ParallelLayout):

@@ -70,7 +70,9 @@ def test_offsets_match_megatron_core():
     ((12, 2, 1, 4, 4), r"leaves 4 of --num-layers 12 for the 0 other pipeline rank"),
     ((8, 4, 1, 4, 4), r"leaves 0 of --num-layers 8 for the 2 other pipeline rank"),
     ((8, 2, 1, 10), r"leaves -2 of --num-layers 8"),
-    ((8, 1, 1, 4), r"need --pipeline-model-parallel-size > 1"),
+    ((8, 1, 1, 4), r"^--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1$"),
+    ((8, 1, 1, 4, 4), r"^--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers "
+                      r"need --pipeline-model-parallel-size > 1$"),
     ((8, 2, 1, 0), r"--decoder-first-pipeline-num-layers must be a positive integer, got 0"),
     ((0, 2, 1), r"--num-layers must be a positive integer"),
 ])
@@ -87,9 +89,13 @@ def test_virtual_stage_flags():
                                          r"--pipeline-model-parallel-size 4 x "
                                          r"--num-layers-per-virtual-pipeline-stage 4 = 16"):
         virtual_stages_per_rank(24, 4, num_layers_per_virtual_pipeline_stage=4)
-    with pytest.raises(ValueError, match=r"either --num-layers-per-virtual-pipeline-stage or "
-                                         r"--num-virtual-stages-per-pipeline-rank, not both"):
+    with pytest.raises(ValueError, match=r"--num-layers-per-virtual-pipeline-stage and "
+                                         r"--num-virtual-stages-per-pipeline-rank contradict each "
+                                         r"other \(give one\)"):
         virtual_stages_per_rank(24, 4, 2, 3)
+    with pytest.raises(ValueError, match=r"--num-layers-per-virtual-pipeline-stage needs "
+                                         r"--pipeline-model-parallel-size > 1"):
+        virtual_stages_per_rank(24, 1, num_layers_per_virtual_pipeline_stage=2)
     with pytest.raises(ValueError, match=r"cannot be combined with --decoder-first"):
         virtual_stages_per_rank(24, 4, num_layers_per_virtual_pipeline_stage=2, uneven=True)
 
