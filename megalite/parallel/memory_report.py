@@ -1,6 +1,6 @@
 """Bytes of parameters, gradients and optimizer state on this rank, against formulas.md.
 
-    info, line = memory_report(chunks, optimizer, pstate, cpu_offload=args.optimizer_cpu_offload)
+    info, line = memory_report(chunks, optimizer, pstate)
     print(line)   # at start-up
 
 Ψ is the number of parameters of the model replica on this rank (its TP/PP shard, counted
@@ -55,15 +55,9 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def _offloaded(optimizer, device: torch.device) -> bool:
-    """Whether the optimizer keeps its tensors on another device than the model's."""
-    return any(t is not None and t.device != device for shard in optimizer.bucket_shards
-               for t in (shard.main_flat, shard.grad_flat))
-
-
-def memory_report(chunks, optimizer, pstate: ParallelState, *, cpu_offload: bool = False) -> tuple[dict, str]:
-    """(figures, one printable line) for this rank's chunks and optimizer. `cpu_offload`: the
-    optimizer was built with it (also detected when the model is on an accelerator)."""
+def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
+    """(figures, one printable line) for this rank's chunks and optimizer (host and device
+    apart when the optimizer was built with cpu_offload)."""
     num_params = param_bytes = grad_bytes = 0
     precision, fsdp = None, False
     for chunk in chunks:
@@ -85,8 +79,7 @@ def memory_report(chunks, optimizer, pstate: ParallelState, *, cpu_offload: bool
             raise TypeError(f"memory_report: unsupported chunk {type(chunk).__name__}")
     optimizer_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     total = param_bytes + grad_bytes + optimizer_bytes
-    model_device = next(p for chunk in chunks for p in chunk.module.parameters()).device
-    offload = optimizer is not None and (cpu_offload or _offloaded(optimizer, model_device))
+    offload = optimizer is not None and optimizer.cpu_offload
     host_bytes = optimizer_bytes if offload else 0
     d = pstate.dp_size
     distributed = optimizer is not None and optimizer.sharded_over_dp
@@ -110,9 +103,10 @@ def memory_report(chunks, optimizer, pstate: ParallelState, *, cpu_offload: bool
             "formula_bytes_per_param": formula, "formula": described}
     head = f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params | "
     if offload:
-        line = (head + f"device ({model_device.type}): weights {_fmt(param_bytes)} + grads {_fmt(grad_bytes)} = "
-                f"{_fmt(total - host_bytes)} = {info['device_bytes_per_param']:.2f} B/param | host (cpu): optimizer "
-                f"{_fmt(host_bytes)} = {info['host_bytes_per_param']:.2f} B/param | formula {described}")
+        line = (head + f"device ({optimizer.comm_device.type}): weights {_fmt(param_bytes)} + grads "
+                f"{_fmt(grad_bytes)} = {_fmt(total - host_bytes)} = {info['device_bytes_per_param']:.2f} B/param | "
+                f"host (cpu): optimizer {_fmt(host_bytes)} = {info['host_bytes_per_param']:.2f} B/param | "
+                f"formula {described}")
     else:
         line = (head + f"weights {_fmt(param_bytes)} + grads {_fmt(grad_bytes)} + optimizer {_fmt(optimizer_bytes)} "
                 f"= {_fmt(total)} = {info['bytes_per_param']:.2f} B/param | formula {described}: "

@@ -44,7 +44,7 @@ class MixedPrecisionOptimizer:
                  log_num_zeros_in_grad: bool = False):
         self.chunks, self.pstate, self.kind = list(chunks), pstate, kind
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
-        self.overlap_param_gather = overlap_param_gather
+        self.overlap_param_gather, self.cpu_offload = overlap_param_gather, cpu_offload
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.num_steps = 0  # successful steps: Adam's step count
         self.num_attempts = 0  # step() calls in this process, skipped ones included

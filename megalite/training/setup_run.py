@@ -145,7 +145,7 @@ def build_run(args) -> Run:
             if not args.no_load_optim and optimizer is not None:
                 load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
                 scheduler.load_state_dict(common["lr_scheduler"])
-    info, line = memory_report(chunks, optimizer, pstate, cpu_offload=args.optimizer_cpu_offload)
+    info, line = memory_report(chunks, optimizer, pstate)
     if pstate.dp_rank == 0:
         print(line, flush=True)
     return run

@@ -146,7 +146,7 @@ def check_offload_memory(info: dict, line: str, d: int) -> None:
 def test_memory_report_separates_host_and_device_under_cpu_offload():
     chunk, optimizer = build(SINGLE, "gpt2", dist_opt=True, params_dtype="bfloat16", cpu_offload=True)
     train_step(chunk, optimizer, SINGLE, 0, 16)
-    check_offload_memory(*memory_report([chunk], optimizer, SINGLE, cpu_offload=True), d=1)
+    check_offload_memory(*memory_report([chunk], optimizer, SINGLE), d=1)
 
 
 def test_adam_and_sgd_use_torchs_foreach_implementation_on_cpu():
@@ -264,7 +264,7 @@ def _memory(pstate, fsdp=False, cpu_offload=False):
     chunk, optimizer = build(pstate, "gpt2", dist_opt=not fsdp, fsdp=fsdp, cpu_offload=cpu_offload,
                              params_dtype="float32" if fsdp else "bfloat16")
     train_step(chunk, optimizer, pstate, 0, 4)
-    return memory_report([chunk], optimizer, pstate, cpu_offload=cpu_offload)
+    return memory_report([chunk], optimizer, pstate)
 
 
 def _optimizer_worker(rank, world_size):

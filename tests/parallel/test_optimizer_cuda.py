@@ -68,7 +68,7 @@ def test_cpu_offload_keeps_main_params_adam_state_and_gradient_copies_on_the_cpu
     assert {m.main.grad.device.type for m in optimizer.mains} == {"cpu"}
     assert {t.device.type for s in optimizer.bucket_shards for t in (s.main_flat, s.grad_flat)} == {"cpu"}
     assert _state_devices(optimizer) == {"cpu"}
-    # Detected from where the tensors are, even without the flag.
+    # The report asks the optimizer whether it offloads (optimizer.cpu_offload).
     info, line = memory_report([chunk], optimizer, SINGLE)
     assert info["cpu_offload"] and info["formula_bytes_per_param"] is None, line
     assert abs(info["device_bytes_per_param"] / 6 - 1) < 0.01, line

@@ -136,7 +136,7 @@ def _memory_of(args, pstate, dist_opt, cpu_offload) -> dict:
     masked_mean_loss(chunk(tokens[:, :32], labels=labels[:, :32]), mask[:, :32]).backward()
     finalize_model_grads([chunk], pstate)
     optimizer.step()
-    info, line = memory_report([chunk], optimizer, pstate, cpu_offload=cpu_offload)
+    info, line = memory_report([chunk], optimizer, pstate)
     return {"info": info, "line": line}
 
 
