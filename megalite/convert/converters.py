@@ -173,10 +173,7 @@ def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iterati
     source = MegaliteCheckpoint(load_dir, iteration)
     config = source.config
 
-    read = set()
-
     def meta(name):  # pass 1: names, shapes and dtypes without reading any data
-        read.add(f"model/{name}")
         shape, dtype = source.spec(f"model/{name}")
         return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -186,7 +183,7 @@ def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iterati
         raise ConversionError(f"the checkpoint's model cannot be a Hugging Face model: {e}") from None
     # A model tensor the mapping never read would be silently dropped: the exported model would
     # compute something else.
-    unused = [key for key in source.keys() if key.startswith("model/") and key not in read]
+    unused = source.unused()
     if unused:
         raise ConversionError(f"{source.path}: model tensor {unused[0].removeprefix('model/')} has no place in the "
                               f"Hugging Face {hf_mapping.family_of(config)} model"

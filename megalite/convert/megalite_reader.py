@@ -61,16 +61,22 @@ class MegaliteCheckpoint:
             self.config = GPTConfig.from_dict(self.common["model_config"])
         except (CheckpointError, ValueError, TypeError) as e:
             raise ConversionError(f"{self.path}: {e}") from None
+        self.used: set[str] = set()
 
     def keys(self) -> list[str]:
         return list(self.metadata.state_dict_metadata)
 
     def spec(self, key: str) -> tuple[tuple, torch.dtype]:
-        """(stored shape, dtype) of tensor `key`."""
+        """(stored shape, dtype) of tensor `key`, which counts as used."""
         meta = self.metadata.state_dict_metadata.get(key)
         if meta is None or not hasattr(meta, "size"):
             raise ConversionError(f"{self.path}: checkpoint has no tensor {key}")
+        self.used.add(key)
         return tuple(meta.size), meta.properties.dtype
+
+    def unused(self, prefix: str = "model/") -> list[str]:
+        """Stored keys under `prefix` that no `spec` or `get` asked for, in stored order."""
+        return [key for key in self.keys() if key.startswith(prefix) and key not in self.used]
 
     def get(self, key: str) -> torch.Tensor:
         """The full tensor `key` ('model/<name>' or 'optimizer/<state>/<name>'), assembled
