@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.comm import group_size
+
 PHASES = ("forward-backward", "grads-sync", "optimizer", "evaluation", "save-checkpoint")
 """Timed phases in report order (Megatron's names where it has them: forward-backward,
 optimizer, save-checkpoint; grads-sync is finalize_model_grads: the data-parallel reduction
@@ -59,13 +61,13 @@ class Timers:
             return None
         ms = torch.tensor([self.elapsed[p] * 1000 / max(iterations, 1) for p in PHASES], dtype=torch.float64,
                           device=self.device)
-        low, high = ms.clone(), ms.clone()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        extremes = torch.cat([-ms, ms])  # one MAX all-reduce gives both: min(x) = -max(-x)
+        if group_size(group) > 1:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
         self.elapsed = dict.fromkeys(PHASES, 0.0)
+        negated_low, high = extremes.view(2, -1).tolist()
         lines = ["(min, max) time across ranks (ms):"]
-        for phase, a, b in zip(PHASES, low.tolist(), high.tolist()):
+        for phase, a, b in zip(PHASES, negated_low, high):
             if b > 0:
-                lines.append(f"    {phase + ' ':.<48}: ({a:.2f}, {b:.2f})")
+                lines.append(f"    {phase + ' ':.<48}: ({-a:.2f}, {b:.2f})")
         return "\n".join(lines)
