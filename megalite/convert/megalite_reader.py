@@ -23,6 +23,12 @@ from megalite.training.checkpointing import TRACKER, published_iteration_dir, re
 
 def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
     """(common.json of the latest (or given) checkpoint under `load_dir`, its iteration)."""
+    common, iteration, _ = _read_published(load_dir, iteration)
+    return common, iteration
+
+
+def _read_published(load_dir, iteration: int | None) -> tuple[dict, int, Path]:
+    """read_common's pair and the iteration folder whose common.json it read."""
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory")
@@ -39,7 +45,7 @@ def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(common.get("model_config"), dict):
         raise CheckpointError(f"{path}: no model_config entry (cannot rebuild the model)")
-    return common, iteration
+    return common, iteration, path.parent
 
 
 class MegaliteCheckpoint:
@@ -48,10 +54,9 @@ class MegaliteCheckpoint:
     def __init__(self, load_dir, iteration: int | None = None, verify: bool = True):
         self.root = Path(load_dir)
         try:
-            self.common, self.iteration = read_common(self.root, iteration)
+            self.common, self.iteration, self.path = _read_published(self.root, iteration)
         except CheckpointError as e:
             raise ConversionError(str(e)) from None
-        self.path = published_iteration_dir(self.root, self.iteration)
         if verify:
             problems = verify_files(self.path, self.common.get("files", {}))
             if problems:
