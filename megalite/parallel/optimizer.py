@@ -149,6 +149,19 @@ class MixedPrecisionOptimizer:
         comm.all_reduce(total, self._norm_group())
         return total.sqrt().item()
 
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Megatron's "params norm": the L2 norm of the fp32 main parameters of the whole model
+        over all ranks, each element once as in `global_grad_norm` (MainParam.counted; sharded
+        over DP, each rank adds its own shard), summed in float64. A collective."""
+        total = torch.zeros((), dtype=torch.float64, device=self.comm_device)
+        for m in self.mains:
+            if m.counted:
+                main = m.main.to_local() if hasattr(m.main, "to_local") else m.main
+                total += main.detach().double().square().sum().to(self.comm_device)
+        comm.all_reduce(total, self._norm_group())
+        return total.sqrt().item()
+
     def _count_zeros(self) -> int:
         total = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         for g in self._grads(counted_only=True):

@@ -14,7 +14,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import comm
 from megalite.parallel.data_parallel import finalize_model_grads
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
@@ -61,21 +60,6 @@ def _dp_mean(run: Run, loss: torch.Tensor | None) -> float | None:
         dist.all_reduce(loss, group=run.pstate.dp_group)
         loss /= run.pstate.dp_size
     return loss.item()
-
-
-@torch.no_grad()
-def params_norm(optimizer, pstate) -> float:
-    """Megatron's "params norm": the L2 norm of the model's fp32 main parameters, each element
-    counted once: replicated-over-TP parameters on TP rank 0 and a tied embedding on the stage
-    holding it (MainParam.counted, see distributed_optimizer.counts_in_norm); under the
-    distributed optimizer or FSDP2 each DP rank adds its own shard. A collective."""
-    total = torch.zeros((), dtype=torch.float64, device=optimizer.comm_device)
-    for m in optimizer.mains:
-        if m.counted:
-            main = m.main.to_local() if hasattr(m.main, "to_local") else m.main
-            total += main.detach().double().square().sum().to(optimizer.comm_device)
-    comm.all_reduce(total, pstate.world_group if optimizer.sharded_over_dp else pstate.mp_group)
-    return total.sqrt().item()
 
 
 def common_state(run: Run) -> dict:
@@ -190,7 +174,7 @@ class Trainer:
     def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters):
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
-        norm_of_params = params_norm(run.optimizer, run.pstate) if self.args.log_params_norm else None
+        norm_of_params = run.optimizer.params_norm() if self.args.log_params_norm else None
         if run.writes_logs:
             self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters)
         timing = self.timers.report(run.pstate.world_group, iters)
