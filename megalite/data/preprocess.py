@@ -232,21 +232,21 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
             worker = ShardWorker(config, tmp_dir, counters, progress.update)
             writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), worker.dtype)
                        for k in config.json_keys]
-            results = ordered_results(worker, shards, config.workers,
-                                      functools.partial(ShardWorker, config, tmp_dir, counters),
-                                      lambda: progress.update(*counters[:]))
-            for result in results:
-                if result.error is not None:
-                    results.close()
-                    raise _located(result.error)
-                for key, writer in zip(config.json_keys, writers):
-                    shard_prefix = worker.shard_prefix(result.index, key)
-                    writer.add_dataset(shard_prefix)
-                    for ext in (".bin", ".idx"):
-                        os.remove(shard_prefix + ext)
-                for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
-                    summary[key] += getattr(result, key)
-                summary["bad"].extend(str(_located(b)) for b in result.bad)
+            # closed (its workers stopped) before tmp_dir is removed, however the loop ends
+            with contextlib.closing(ordered_results(
+                    worker, shards, config.workers, functools.partial(ShardWorker, config, tmp_dir, counters),
+                    lambda: progress.update(*counters[:]))) as results:
+                for result in results:
+                    if result.error is not None:
+                        raise _located(result.error)
+                    for key, writer in zip(config.json_keys, writers):
+                        shard_prefix = worker.shard_prefix(result.index, key)
+                        writer.add_dataset(shard_prefix)
+                        for ext in (".bin", ".idx"):
+                            os.remove(shard_prefix + ext)
+                    for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
+                        summary[key] += getattr(result, key)
+                    summary["bad"].extend(str(_located(b)) for b in result.bad)
             for writer in writers:
                 writer.finalize()
         except BaseException:

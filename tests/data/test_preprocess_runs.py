@@ -99,3 +99,24 @@ def test_killed_run_leaves_no_final_names_and_the_next_run_removes_its_leftovers
     assert done.returncode == 0, done.stderr
     assert f"removed {out / left[0]}, left by a preprocessing run that was killed" in done.stderr
     assert sorted(os.listdir(out)) == ["ds_text_document.bin", "ds_text_document.idx"]
+
+
+def test_a_failure_while_merging_stops_the_workers_before_removing_the_temporary_files(tmp_path, monkeypatch):
+    """add_dataset fails on the first shard: the workers are gone, and the temporary
+    directory with them, by the time the error leaves preprocess()."""
+    from megalite.data import preprocess as pre
+
+    def fail(self, prefix):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pre.IndexedDatasetWriter, "add_dataset", fail)
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"1 2 3 4 5 6 7 8 9\n" * 200_000)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = pre.PreprocessConfig(input=[str(source)], output_prefix=str(out / "ds"), tokenizer_type="NullTokenizer",
+                                  vocab_size=100, workers=2, max_shard_bytes=64 << 10)
+    with open(os.devnull, "w") as quiet, pytest.raises(OSError, match="disk full") as failure:
+        pre.preprocess(config, stream=quiet)
+    assert psutil.Process().children() == [], failure  # not left to the traceback's release
+    assert os.listdir(out) == []
