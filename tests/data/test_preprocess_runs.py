@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.data.conftest import REPO
+from tests.data.conftest import REPO, run_python
 
 PEAK_MEMORY = r"""
 import os, sys
@@ -42,8 +42,7 @@ def test_peak_memory_does_not_grow_with_the_input(tmp_path, demo_corpus, sp_mode
     for copies in (4, 16):
         path = tmp_path / f"in{copies}.jsonl"
         path.write_bytes(corpus * copies)
-        out = subprocess.run([sys.executable, "-c", PEAK_MEMORY, str(path), str(tmp_path / f"out{copies}"), sp_model],
-                             capture_output=True, text=True, cwd=REPO, timeout=300)
+        out = run_python(["-c", PEAK_MEMORY, str(path), str(tmp_path / f"out{copies}"), sp_model], timeout=300)
         assert out.returncode == 0, out.stderr
         growth[copies], tokens[copies] = (float(x) for x in out.stdout.split())
     assert tokens[16] == 4 * tokens[4]
@@ -52,7 +51,8 @@ def test_peak_memory_does_not_grow_with_the_input(tmp_path, demo_corpus, sp_mode
 
 
 def preprocess_command(tmp_path, source, prefix):
-    return [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(source),
+    """Arguments to the Python interpreter."""
+    return [os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(source),
             "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--workers", "2", "--log-interval", "100000"]
 
@@ -64,8 +64,8 @@ def start_and_stop_mid_run(tmp_path, sig):
     out.mkdir()
     source = tmp_path / "in.txt"
     source.write_bytes(b"1 2 3 4 5 6 7 8 9\n" * 1_500_000)  # 27 MB: several seconds of work
-    proc = subprocess.Popen(preprocess_command(tmp_path, source, out / "ds"), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, *preprocess_command(tmp_path, source, out / "ds")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not any(name.endswith("-shards") and os.listdir(out / name) for name in os.listdir(out)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -94,8 +94,7 @@ def test_killed_run_leaves_no_final_names_and_the_next_run_removes_its_leftovers
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     small = tmp_path / "small.txt"
     small.write_text("1 2\n3\n")
-    done = subprocess.run(preprocess_command(tmp_path, small, out / "ds"), capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+    done = run_python(preprocess_command(tmp_path, small, out / "ds"), timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"removed {out / left[0]}, left by a preprocessing run that was killed" in done.stderr
     assert sorted(os.listdir(out)) == ["ds_text_document.bin", "ds_text_document.idx"]
