@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.data.corpus import expand_inputs, iter_documents  # noqa: E402
+from megalite.data.corpus import expand_inputs  # noqa: E402
+from megalite.data.shards import read_documents  # noqa: E402
 
 MAX_SENTENCE_BYTES = 4192
 
@@ -23,7 +24,7 @@ MAX_SENTENCE_BYTES = 4192
 def training_sentences(paths, json_keys, text_mode, max_sentences):
     """Lines of the documents' text, the unit SentencePiece trains on, in input order."""
     count = 0
-    for doc in iter_documents(paths, json_keys, text_mode):
+    for doc in read_documents(paths, json_keys, text_mode):
         for text in doc:
             for line in text.splitlines():
                 line = line.strip()

@@ -147,35 +147,3 @@ def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[s
         out.append(value)
     return out
 
-
-def iter_documents(paths: list[str], keys: list[str], text_mode: str = "line", on_bad=None):
-    """Yield each document as a list of strings, one per key, from files in order.
-
-    JSONL lines become documents; plain text gives one document per line (text_mode
-    'line') or per file ('file') under every key. Blank lines are skipped. `on_bad(err)` is
-    called with each BadInput; when None the error is raised.
-    """
-    for path in paths:
-        try:
-            if not is_jsonl(path) and text_mode == "file":
-                text, _ = read_document_file(path)
-                if text.strip():
-                    yield [text] * len(keys)
-                continue
-            with open_binary(path) as f:
-                for lineno, raw in enumerate(read_lines(f, path), 1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        if is_jsonl(path):
-                            yield parse_json_line(raw, keys, path, lineno)
-                        else:
-                            yield [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
-                    except BadInput as err:
-                        if on_bad is None:
-                            raise
-                        on_bad(err)
-        except BadInput as err:
-            if on_bad is None or err.fatal:
-                raise
-            on_bad(err)

@@ -71,6 +71,15 @@ def read_shard(shard: Shard, keys: list[str], text_mode: str):
                 return
 
 
+def read_documents(paths: list[str], keys: list[str], text_mode: str):
+    """Yield the texts (one string per key; blank lines give empty strings) of every
+    document of whole files, in order; raise the first BadInput."""
+    for item in read_shard(Shard(0, [(path, 0, None) for path in paths]), keys, text_mode):
+        if isinstance(item, BadInput):
+            raise item
+        yield item[0]
+
+
 def _read_lines(path: str, start: int, end: int | None, keys: list[str]):
     jsonl = is_jsonl(path)
     with open_binary(path) as f:
