@@ -65,7 +65,7 @@ def read_shard(shard: Shard, keys: list[str], text_mode: str):
                 continue
             yield from _read_lines(path, start, end, keys)
         except BadInput as err:
-            err.first_line_offset = getattr(err, "first_line_offset", 0)
+            err.first_line_offset = 0  # a damaged gzip file or a one-document file: whole files, from byte 0
             yield err
             if err.fatal:
                 return
