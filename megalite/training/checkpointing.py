@@ -145,9 +145,7 @@ class PendingSave:
             write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
             aside = _aside_dir(final)
             if final.exists():  # overwrite: keep the old one loadable until the new one is published
-                if aside.exists():
-                    shutil.rmtree(aside)
-                os.replace(final, aside)
+                os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
             os.replace(self.tmp, final)
             write_text_atomic(self.root / TRACKER, str(self.iteration))
             if aside.exists():
@@ -229,8 +227,8 @@ def _read_common(path: Path) -> dict:
         raise CheckpointError(f"{common_path}: not valid JSON ({e})") from e
 
 
-def _load_tensors(path: Path, entries, pstate, vocab) -> None:
-    metadata = read_metadata_file(path / ".metadata")
+def _load_tensors(path: Path, metadata, entries, pstate, vocab) -> None:
+    """Load `entries` from the checkpoint at `path`, whose .metadata the caller has read."""
     _check_shapes(metadata, entries, pstate, vocab, path)
     try:
         with single_process_dcp():
@@ -247,7 +245,7 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
     if problems:
         raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
-    _load_tensors(path, entries, pstate, vocab)
+    _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))
     return {**common, "path": str(path)}
@@ -269,7 +267,7 @@ def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
     states = sorted({k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optimizer/")})
     buffers = optimizer.empty_sharded_state(states)  # only the elements this rank holds
     entries, vocab = _tensor_entries(chunks, buffers, pstate, for_load=True)
-    _load_tensors(path, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
+    _load_tensors(path, metadata, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
     try:
         optimizer.load_sharded_state_dict({**saved, "params": buffers})
     except (KeyError, ValueError) as e:
