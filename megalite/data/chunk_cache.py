@@ -13,8 +13,6 @@ Token ids are kept as int32 bytes so that a document is one `bytes.join`.
 
 from itertools import chain, filterfalse
 
-import numpy as np
-
 
 class ChunkCache:
     """Tokenise batches of texts via a bounded chunk -> int32-ids-bytes cache.
@@ -40,9 +38,3 @@ class ChunkCache:
             table.update(zip(missing, self.encode_chunks(missing)))
         lookup = table.__getitem__
         return [b"".join(map(lookup, chunks)) for chunks in splits]
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(b, np.int32) for b in self.encode_batch_bytes(texts)]
-
-    def encode(self, text: str) -> list[int]:
-        return np.frombuffer(self.encode_batch_bytes([text])[0], np.int32).tolist()

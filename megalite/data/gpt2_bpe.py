@@ -237,9 +237,6 @@ class GPT2BPE:
     def encode(self, text: str) -> list[int]:
         return np.frombuffer(self.encode_batch_bytes([text])[0], np.int32).tolist()
 
-    def encode_batch(self, texts: list[str]):
-        return [np.frombuffer(b, np.int32) for b in self.encode_batch_bytes(texts)]
-
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
         if self._tiktoken is None:
             return self._chunks.encode_batch_bytes(texts)

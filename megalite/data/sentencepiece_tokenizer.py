@@ -251,9 +251,6 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return np.frombuffer(self.encode_batch_bytes([text])[0], np.int32).tolist()
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(b, np.int32) for b in self.encode_batch_bytes(texts)]
-
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
         if self._tiktoken is not None:
             if self.chunking == "fine":
