@@ -224,10 +224,7 @@ class GPT2BPE:
             merged.append(a + b)
             ranks[bytes(self.byte_decoder[c] for c in a + b)] = len(rank_ids)
             rank_ids.append(self.encoder[a + b])
-        if self._hf_bpe is not None:
-            if any(len(self._hf_bpe.tokenize(t)) != 1 for t in merged):
-                return None
-        elif any(len(self.bpe(t)) != 1 for t in merged):
+        if any(len(self._fast_bpe_ids(t)) != 1 for t in merged):
             return None
         return TiktokenBPE("gpt2", ranks, np.array(rank_ids), {"plain": GPT2_PLAIN_PATTERN}, drop_rank=0)
 
