@@ -33,7 +33,7 @@ CHUNK_PATTERNS = {  # applied to " " + text (the space stands for the dummy pref
 # The "fine" classes restricted to ASCII (letters, digits, the rest), for ASCII text: faster.
 FINE_ASCII_PATTERN = re.compile(r" *(?:[A-Za-z]+|[0-9]+|[^A-Za-z0-9 ]+)| +")
 # tiktoken's pre-tokens: the same chunks, with the space standing for U+2581 in pieces too.
-TIKTOKEN_PATTERNS = {"fine": r" *(?:[A-Za-z]+|[0-9]+|[^A-Za-z0-9 ]+)| +", "word": r" *[^ ]+| +"}
+TIKTOKEN_PATTERNS = {"fine": FINE_ASCII_PATTERN.pattern, "word": r" *[^ ]+| +"}
 SEPARATORS = {"L": "a", "D": "0", "O": "."}  # one character of each kind
 PIECE_NORMAL, PIECE_USER_DEFINED, PIECE_UNUSED, PIECE_BYTE = 1, 4, 5, 6
 JOIN_CHARS = 4096  # unseen chunks are encoded in texts of about this size (SentencePiece
@@ -116,12 +116,9 @@ class SentencePieceTokenizer:
         if self.chunking:
             self._surface, self._surface_chars = self._surface_lengths()
             split = CHUNK_PATTERNS[self.chunking].findall
-            if self.chunking == "fine":
-                split_ascii = FINE_ASCII_PATTERN.findall
-                self._cache = ChunkCache(lambda text: (split_ascii(" " + text) if text.isascii() else
-                                                       split(" " + text)) if text else [], self._encode_chunks)
-            else:
-                self._cache = ChunkCache(lambda text: split(" " + text) if text else [], self._encode_chunks)
+            split_ascii = FINE_ASCII_PATTERN.findall if self.chunking == "fine" else split  # faster, same chunks
+            self._cache = ChunkCache(lambda t: (split_ascii if t.isascii() else split)(" " + t) if t else [],
+                                     self._encode_chunks)
             self._tiktoken = self._tiktoken_core(proto)
 
     def _surface_lengths(self) -> tuple[np.ndarray, np.ndarray]:
@@ -224,7 +221,8 @@ class SentencePieceTokenizer:
         for _, i, piece in merged:
             ranks[piece.encode("utf-8")] = len(rank_ids)
             rank_ids.append(i)
-        plain = parse_model(proto.SerializeToString())
+        plain = type(proto)()
+        plain.CopyFrom(proto)
         plain.normalizer_spec.add_dummy_prefix = False
         plain_sp = type(self.sp)(model_proto=plain.SerializeToString())
         texts = [p.replace(" ", SPACE) for _, _, p in merged]
@@ -234,8 +232,6 @@ class SentencePieceTokenizer:
 
     def _encode_tiktoken(self, texts: list[str], pattern: str) -> list[bytes | None]:
         """SentencePiece's normalisation here: the dummy-prefix space, U+2581 as a space."""
-        if pattern == "fine":  # ASCII texts
-            return self._tiktoken.encode_bytes([" " + t if t else "" for t in texts], pattern)
         return self._tiktoken.encode_bytes([" " + t.replace(SPACE, " ") if t else "" for t in texts], pattern)
 
     def _encode_words(self, texts: list[str]) -> list[bytes]:
