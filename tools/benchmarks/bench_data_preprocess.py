@@ -60,10 +60,10 @@ def make_tokenizer_files(corpus: str, work: str, vocab_size: int) -> dict:
     }
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (worker pools)."""
+def cpu_times() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its finished children (worker pools)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def straightforward_loop(corpus: str, prefix: str, tokenizer, encode) -> None:
@@ -89,11 +89,11 @@ def run_method(method: str, corpus: str, prefix: str, tok_args: dict) -> tuple[f
     method in a fresh process."""
     import subprocess
 
-    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    cpu0, t0 = sum(cpu_times()), time.perf_counter()
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", method, "--corpus", corpus,
                           "--prefix", prefix, "--tokenizer", json.dumps(tok_args)], check=True, capture_output=True,
                          text=True)
-    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    seconds, cpu = time.perf_counter() - t0, sum(cpu_times()) - cpu0
     own = json.loads(out.stdout.strip().splitlines()[-1])
     workers = int(method[-1]) if method.startswith("megalite") else 1
     busiest = max(own["main"], own["workers"] / (workers - 1)) if workers > 1 else own["main"]
@@ -178,8 +178,8 @@ def main():
         _loop(a.corpus, a.prefix, tok_args, reference=a.run == "loop-library")
     else:
         run_megalite(a.corpus, a.prefix, tok_args, int(a.run[-1]))
-    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(json.dumps({"main": own.ru_utime + own.ru_stime, "workers": workers.ru_utime + workers.ru_stime}))
+    main_cpu, workers_cpu = cpu_times()
+    print(json.dumps({"main": main_cpu, "workers": workers_cpu}))
 
 
 if __name__ == "__main__":
