@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import comm
 from megalite.parallel.grad_buffer import Bucket
 from megalite.parallel.sharding import is_sharded
 
@@ -38,8 +37,6 @@ class MainParam:
     counted: bool
     """Whether this rank counts it in the global gradient norm (once per parameter, not once
     per TP replica or per tied embedding copy)."""
-    dp_group: object = None
-    """Set when the parameter is sharded over this data-parallel group."""
 
     def grad(self) -> torch.Tensor | None:
         grad = self.main.grad
@@ -106,7 +103,6 @@ def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[Buck
             s0, s1 = bucket.shard_start, bucket.shard_end
             main_flat = torch.zeros(s1 - s0, dtype=torch.float32, device=device) if copy_params else None
             grad_flat = torch.zeros(s1 - s0, dtype=torch.float32, device=device) if copy_grads else None
-            dp_group = bucket.dp_group if bucket.sharded and bucket.dp_size > 1 else None
             mains = []
             for param, (start, end) in bucket.param_ranges.items():
                 a, b = max(start, s0), min(end, s1)
@@ -119,7 +115,7 @@ def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[Buck
                     main.copy_(flat)
                 main.grad = bucket.grad_data[a:b] if grad_flat is None else grad_flat[a - s0:b - s0]
                 mains.append(MainParam(names[param], param, main, lo, hi,
-                                       counts_in_norm(param, tp_rank, ddp_chunk.module), dp_group))
+                                       counts_in_norm(param, tp_rank, ddp_chunk.module)))
             shards.append(BucketShard(bucket, mains, main_flat, grad_flat))
     return shards
 
@@ -139,20 +135,24 @@ def gather_full(param: torch.nn.Parameter, entry: MainParam | None, value: torch
     return full.cpu().view(param.shape)
 
 
+def _sharded_bucket(ddp_chunk, param):
+    """`param`'s bucket if it is sharded over DP (see Bucket.sharded_over_dp), else None."""
+    bucket = ddp_chunk._bucket_of.get(param)
+    return bucket if bucket is not None and bucket.sharded_over_dp else None
+
+
 def sharded_dp_group(ddp_chunk, param):
     """The DP group over which `param`'s main value is sharded, or None."""
-    bucket = ddp_chunk._bucket_of.get(param)
-    if bucket is None or not bucket.sharded or comm.group_size(bucket.dp_group) == 1:
-        return None
-    return bucket.dp_group
+    bucket = _sharded_bucket(ddp_chunk, param)
+    return bucket.dp_group if bucket is not None else None
 
 
 def bucket_dp_ranges(ddp_chunk, param) -> list[tuple[int, int]] | None:
     """Each DP rank's (lo, hi) of flattened `param` under the distributed optimizer (the part of
     its bucket range inside that rank's bucket shard; (0, 0) for none), or None when the
     parameter is not sharded over DP. Matches the MainParams of build_bucket_shards."""
-    bucket = ddp_chunk._bucket_of.get(param)
-    if bucket is None or not bucket.sharded or bucket.dp_size == 1:
+    bucket = _sharded_bucket(ddp_chunk, param)
+    if bucket is None:
         return None
     start, end = bucket.param_ranges[param]
     ranges = []
@@ -182,3 +182,4 @@ def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
         raise ValueError(f"FSDP2 shard of {dtensor.to_local().numel()} elements, expected {hi - lo} (rows {rows}, "
                          f"{world} ranks)")
     return ranges
+

@@ -57,6 +57,11 @@ class Bucket:
     def shard_end(self) -> int:
         return self.shard_start + self.shard_size
 
+    @property
+    def sharded_over_dp(self) -> bool:
+        """Whether each DP rank holds only its shard (distributed optimizer, more than one rank)."""
+        return self.sharded and self.dp_size > 1
+
     def grad_shard(self) -> torch.Tensor:
         """This rank's slice of the bucket's gradients (the whole bucket without sharding)."""
         return self.grad_data[self.shard_start:self.shard_end]
@@ -102,7 +107,7 @@ class Bucket:
 
     def start_param_sync(self, async_op: bool) -> None:
         """All-gather every rank's updated parameter shard into the parameter buffer."""
-        if not self.sharded or self.dp_size == 1:
+        if not self.sharded_over_dp:
             return
         self.finish_param_sync()
         self.param_work = dist.all_gather_single(self.param_data, self.param_shard(), group=self.dp_group,
