@@ -183,3 +183,11 @@ def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
                          f"{world} ranks)")
     return ranges
 
+
+def rank_layout(ranges: list | None, dp_rank: int, numel: int) -> tuple[int, int, list | None]:
+    """(lo, hi, ranges): the elements DP rank `dp_rank` holds of a flattened tensor of `numel`
+    elements laid out by `ranges` (from bucket_dp_ranges or dtensor_dp_ranges; None: every DP
+    rank holds all of it)."""
+    if ranges is None:
+        return 0, numel, None
+    return (*ranges[dp_rank], ranges)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.distributed_optimizer import (
-    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, gather_full, sharded_dp_group,
+    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, gather_full, rank_layout,
+    sharded_dp_group,
 )
 from megalite.parallel.fsdp import FSDPChunk
 from megalite.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -257,13 +258,8 @@ class MixedPrecisionOptimizer:
     # --- sharded checkpoints: each rank's own elements, no communication ------------------------
     def _layout(self, chunk, param, entry) -> tuple[int, int, list | None]:
         """(lo, hi) of the elements of flattened `param` this rank holds, and every DP rank's."""
-        if isinstance(chunk, FSDPChunk):
-            ranges = dtensor_dp_ranges(entry.main)
-        else:
-            ranges = bucket_dp_ranges(chunk, param)
-        if ranges is None:
-            return 0, param.numel(), None
-        return (*ranges[self.pstate.dp_rank], ranges)
+        ranges = dtensor_dp_ranges(entry.main) if isinstance(chunk, FSDPChunk) else bucket_dp_ranges(chunk, param)
+        return rank_layout(ranges, self.pstate.dp_rank, param.numel())
 
     def sharded_state_dict(self) -> dict:
         """`state_dict` without gathering: per parameter name and key a FlatShard holding a CPU

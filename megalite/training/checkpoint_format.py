@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megalite.parallel.distributed_optimizer import FlatShard, dtensor_dp_ranges
+from megalite.parallel.distributed_optimizer import FlatShard, dtensor_dp_ranges, rank_layout
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -138,8 +138,7 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
     tp_sharded = getattr(like, "tensor_model_parallel", False) and pstate.tp_size > 1
     is_vocab = name in VOCAB_PARAMS
     if hasattr(local, "to_local"):  # an FSDP2 parameter: this DP rank's rows of the TP-local tensor
-        ranges = dtensor_dp_ranges(local)
-        lo, hi = ranges[pstate.dp_rank] if ranges else (0, local.numel())
+        lo, hi, ranges = rank_layout(dtensor_dp_ranges(local), pstate.dp_rank, local.numel())
         local = FlatShard(local.to_local().reshape(-1), lo, hi, local.shape, ranges)
     if isinstance(local, torch.Tensor):
         if not tp_sharded:
@@ -244,7 +243,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata_file(path: Path):
     """DCP's Metadata from `path`, unpickled through the allowlist; anything else, or a global
     outside the allowlist, is a CheckpointError naming the file."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     try:
         metadata = _MetadataUnpickler(io.BytesIO(Path(path).read_bytes())).load()
@@ -253,9 +253,7 @@ def read_metadata_file(path: Path):
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: not a valid checkpoint metadata file (it holds a {type(metadata).__name__}, "
                               "not DCP Metadata)")
-    tensor_meta = _ALLOWED_GLOBALS[("torch.distributed.checkpoint.metadata", "TensorStorageMetadata")]
-    storage_info = _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
-    for field, kind in (("state_dict_metadata", tensor_meta), ("storage_data", storage_info)):
+    for field, kind in (("state_dict_metadata", TensorStorageMetadata), ("storage_data", _StorageInfo)):
         entries = getattr(metadata, field, None)
         if not isinstance(entries, dict) or not all(isinstance(v, kind) for v in entries.values()):
             raise CheckpointError(f"{path}: not a valid checkpoint metadata file ({field} is not a table of "
