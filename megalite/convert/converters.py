@@ -52,6 +52,15 @@ class Summary:
         self.dtype = self.dtype or tensor.dtype
 
 
+def _meta_getter(spec):
+    """A getter for hf_mapping that returns meta tensors of `spec(name)`'s (shape, dtype): the
+    mapping runs over names, shapes and dtypes without any tensor data being read."""
+    def meta(name: str) -> torch.Tensor:
+        shape, dtype = spec(name)
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return meta
+
+
 def _stream_to_dcp(writer: StreamingDCPWriter, placement: TensorPlacement, tensors, summary: Summary):
     try:
         for key, tensor in tensors:
@@ -85,16 +94,18 @@ def hf_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
     placement = TensorPlacement(source.config, layout)
     final = Path(save_dir).absolute()
     summary = Summary(final)
+    for _ in hf_mapping.hf_to_megalite(_meta_getter(source.spec), source.config):
+        pass  # pass 1: which stored tensors the mapping reads, before anything is written
+    # A stored tensor megalite has no place for is a part of the model it lacks (q/k norms, say):
+    # converting without it would give a model that computes something else.
+    unused = source.unused()
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise ConversionError(f"{source.files[unused[0]]}: tensor {unused[0]} has no place in megalite's "
+                              f"{source.hf_config.get('model_type')} model{more}")
     with staged_output(final) as staging:
         stream = ((f"model/{name}", t) for name, t in hf_mapping.hf_to_megalite(source.get, source.config))
         files = _stream_to_dcp(StreamingDCPWriter(iteration_dir(staging, 0)), placement, stream, summary)
-        # A stored tensor megalite has no place for is a part of the model it lacks (q/k norms, say):
-        # converting without it would give a model that computes something else.
-        unused = source.unused()
-        if unused:
-            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-            raise ConversionError(f"{source.files[unused[0]]}: tensor {unused[0]} has no place in megalite's "
-                                  f"{source.hf_config.get('model_type')} model{more}")
         config = source.config.replace(params_dtype=PARAMS_DTYPES.get(summary.dtype, "float32"))
         tokenizer = copy_hf_tokenizer(source.dir, staging, final)
         flags = training_flags(config, layout, tokenizer, final)
@@ -172,11 +183,7 @@ def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iterati
     with model.safetensors.index.json beyond `max_shard_bytes`) and the tokenizer files."""
     source = MegaliteCheckpoint(load_dir, iteration)
     config = source.config
-
-    def meta(name):  # pass 1: names, shapes and dtypes without reading any data
-        shape, dtype = source.spec(f"model/{name}")
-        return torch.empty(shape, dtype=dtype, device="meta")
-
+    meta = _meta_getter(lambda name: source.spec(f"model/{name}"))  # pass 1: names, shapes and dtypes
     try:
         specs = [(name, tuple(t.shape), t.dtype) for name, t in hf_mapping.megalite_to_hf(meta, config)]
     except ValueError as e:

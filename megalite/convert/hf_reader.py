@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megalite.convert.publish import ConversionError
-from megalite.convert.safetensors_io import read_header, read_tensor
+from megalite.convert.safetensors_io import entry_spec, read_header, read_tensor
 from megalite.model.config import GPTConfig
 from megalite.model.hf_mapping import config_from_hf
 
@@ -114,20 +114,32 @@ class HFCheckpoint:
                 return name[len(prefix):]
         raise ConversionError(f"{self.weights_file}: no tensor {name}")
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` (a Hugging Face parameter name)."""
+    def _locate(self, name: str) -> tuple[str, Path, dict]:
+        """(stored name, file, that file's header or state dict) of tensor `name`, which counts
+        as used."""
         stored = self.resolve(name)
         self.used.add(stored)
         path = self.files[stored]
-        if path.suffix == ".safetensors":
-            header, start = self._header(path)
-            if stored not in header:
-                raise ConversionError(f"{path}: no tensor {stored} (the index says it is there)")
-            return read_tensor(path, stored, header[stored], start)
-        state = self._bin(path)
-        if stored not in state:
+        entries = self._header(path)[0] if path.suffix == ".safetensors" else self._bin(path)
+        if stored not in entries:
             raise ConversionError(f"{path}: no tensor {stored} (the index says it is there)")
-        return state[stored]
+        return stored, path, entries
+
+    def spec(self, name: str) -> tuple[tuple, torch.dtype]:
+        """(stored shape, dtype) of tensor `name`, from the safetensors header or the PyTorch
+        file's memory-mapped state dict: no tensor data is read. (A PyTorch file in the legacy,
+        non-zip format cannot be mapped: it is loaded whole, and when sharded, again by `get`.)"""
+        stored, path, entries = self._locate(name)
+        if path.suffix == ".safetensors":
+            return entry_spec(path, stored, entries[stored])
+        return tuple(entries[stored].shape), entries[stored].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name` (a Hugging Face parameter name)."""
+        stored, path, entries = self._locate(name)
+        if path.suffix == ".safetensors":
+            return read_tensor(path, stored, entries[stored], self._header(path)[1])
+        return entries[stored]
 
     def unused(self) -> list[str]:
         """Stored tensors no `get` asked for, other than those megalite never needs."""

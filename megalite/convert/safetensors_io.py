@@ -42,15 +42,20 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + size
 
 
-def read_tensor(path: Path, name: str, entry: dict, data_start: int) -> torch.Tensor:
-    """One tensor of a safetensors file, read from disk into its own buffer."""
+def entry_spec(path: Path, name: str, entry: dict) -> tuple[tuple, torch.dtype]:
+    """(shape, dtype) of a header entry."""
     if entry.get("dtype") not in DTYPES:
         raise ConversionError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+    return tuple(entry["shape"]), DTYPES[entry["dtype"]]
+
+
+def read_tensor(path: Path, name: str, entry: dict, data_start: int) -> torch.Tensor:
+    """One tensor of a safetensors file, read from disk into its own buffer."""
+    shape, dtype = entry_spec(path, name, entry)
     begin, end = entry["data_offsets"]
-    dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
     expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if end - begin != expected:
-        raise ConversionError(f"{path}: tensor {name} has {end - begin} bytes, its shape {shape} needs {expected}")
+        raise ConversionError(f"{path}: tensor {name} has {end - begin} bytes, its shape {list(shape)} needs {expected}")
     buffer = bytearray(end - begin)
     with open(path, "rb") as f:
         f.seek(data_start + begin)
