@@ -211,7 +211,7 @@ def run_model(spec: ModelSpec, rows: list[Row], device: torch.device, peak: floa
               on_result=None) -> list[Result]:
     """Every row at the model's micro-batch; a row that runs out of memory is rerun at half of it.
     `on_result(results so far)` is called after each row."""
-    clock = getattr(args, "clock", None) or Clock(None)
+    clock = args.clock
     start_batch = args.micro_batch_size.get(spec.name, spec.micro_batch)
     results = []
     for row in rows:
