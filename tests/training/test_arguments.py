@@ -79,7 +79,7 @@ def test_command_line_values_and_types():
     assert (args.num_layers, args.lr, args.rotary_base, args.data_cache_path) == (4, 1e-3, 5e5, "/c")
     assert args.bf16 and args.fused_kernels is True and args.disable_bias_linear and args.no_load_optim
     assert parsed("--no-fused-kernels").fused_kernels is False
-    weighted = parse_args([t for t in BASE if t != "--mock-data"] + "--data-path 0.3 a 0.7 b".split())
+    weighted = parse_args(drop_flags(BASE, "--mock-data") + "--data-path 0.3 a 0.7 b".split())
     assert weighted.data_path == ["0.3", "a", "0.7", "b"]
 
 
@@ -199,7 +199,7 @@ def test_required_and_data_checks():
     assert BASE[-4:] == ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file"):
         validate_args(parse_args(gpt2), 1)
-    without_data = [t for t in BASE if t != "--mock-data"]
+    without_data = drop_flags(BASE, "--mock-data")
     with pytest.raises(ValueError, match="--data-path"):
         validate_args(parse_args(without_data), 1)
     with pytest.raises(ValueError, match="weight/prefix pairs"):
@@ -207,7 +207,7 @@ def test_required_and_data_checks():
     with pytest.raises(ValueError, match="--split"):
         validate_args(parse_args(without_data + "--data-path a --split 9,x".split()), 1)
     with pytest.raises(ValueError, match="--lr is required"):
-        validate_args(parse_args([t for t in BASE if t not in ("--lr", "1e-3")]), 1)
+        validate_args(parse_args(drop_flags(BASE, "--lr")), 1)
 
 
 def test_derived_values_and_no_silent_rewrites():
@@ -224,8 +224,7 @@ def test_derived_values_and_no_silent_rewrites():
     assert Arguments.from_dict(snapshot) == args
     defaults = parsed(world_size=4)
     assert (defaults.global_batch_size, defaults.num_micro_batches, defaults.pipeline_schedule) == (8, 1, "none")
-    samples = parse_args([t for t in BASE if t not in ("--train-iters", "10")] +
-                         ["--train-samples", "101", "--global-batch-size", "4"])
+    samples = parse_args(drop_flags(BASE, "--train-iters") + ["--train-samples", "101", "--global-batch-size", "4"])
     validate_args(samples, 1)
     assert samples.total_train_iters == 25 and samples.train_iters is None
     swiglu = parsed("--swiglu", world_size=1)
@@ -370,7 +369,7 @@ def test_use_flash_attn_is_checked_before_the_first_forward(monkeypatch):
 def test_flags_megalite_refuses_or_needs_less_for():
     assert refused("--timing-log-level 2") == ("--timing-log-level 2 is not implemented in megalite "
                                                "(supported: 0, 1)")
-    evaluate_only = parse_args([t for t in BASE if t not in ("--train-iters", "10", "--lr", "1e-3")] + ["--skip-train"])
+    evaluate_only = parse_args(drop_flags(BASE, "--train-iters", "--lr") + ["--skip-train"])
     validate_args(evaluate_only, 1)
     assert evaluate_only.total_train_iters == 0 and evaluate_only.lr is None
     assert parsed("--exit-reason-file r.txt --timing-log-level 1").exit_reason_file == "r.txt"
