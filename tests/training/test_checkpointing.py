@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.convert.publish import ConversionError
 from megalite.model.gpt import GPTModel
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.pipeline_model import build_model_chunks
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.checkpoint_format import CheckpointError, tp_chunks
+from megalite.training.checkpoint_format import CheckpointError, file_digest, tp_chunks
 from megalite.training.checkpointing import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
@@ -226,7 +227,7 @@ def _plant(directory: Path, payload: bytes) -> None:
     """Replace the checkpoint's metadata, digests updated: only the unpickler stands guard."""
     (directory / ".metadata").write_bytes(payload)
     common = json.loads((directory / "common.json").read_text())
-    common["files"][".metadata"] = {"size": len(payload), "crc32": __import__("zlib").crc32(payload)}
+    common["files"][".metadata"] = file_digest(directory / ".metadata")
     (directory / "common.json").write_text(json.dumps(common))
 
 
@@ -242,9 +243,6 @@ def test_crafted_payloads_are_live(tmp_path):
 @pytest.mark.parametrize("payload", ["os.system via DCP's metadata module", "builtins.eval via torch",
                                      "__reduce__ to os.system", "module-level function", "not metadata"])
 def test_crafted_checkpoint_does_not_run_code(tmp_path, payload):
-    from megalite.convert.megalite_reader import MegaliteCheckpoint
-    from megalite.convert.publish import ConversionError
-
     chunks, state = _single(tmp_path)
     save_checkpoint(tmp_path / "ckpt", 1, chunks=chunks, optimizer=None, pstate=state, common={"model_config": {}})
     (tmp_path / "victim").mkdir()
