@@ -4,18 +4,12 @@ processes because TP=2), 6 iterations with dropout, checkpoints at iterations 4 
 optimizer and RNG state), a final validation and test evaluation, --log-params-norm and
 --timing-log-level 1."""
 
-import shutil
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from megalite.training.checkpointing import TRACKER, iteration_dir
-from tests.training.launch import BASE, REPO, drop_flags, script_env, train_losses
-
-TRAINED_ITERS = 6
-SCRIPT_BASE = drop_flags(BASE, "--distributed-backend")  # the script picks gloo without a GPU
+from tests.training.launch import REPO, SCRIPT_BASE, TRAINED_ITERS, script_env, train_losses
 
 
 @pytest.fixture(scope="session")
@@ -34,11 +28,3 @@ def trained_run(tmp_path_factory):
     assert sorted(losses) == list(range(1, TRAINED_ITERS + 1)), output[-5000:]
     return SimpleNamespace(root=root, ckpt=root / "ckpt", metrics=root / "metrics.jsonl", output=output,
                            reason=root / "reason.txt", argv=argv, losses=losses)
-
-
-def copy_checkpoint(ckpt: Path, iteration: int, target: Path) -> Path:
-    """A --load directory holding only iteration `iteration` of `ckpt`."""
-    target.mkdir(parents=True)
-    shutil.copytree(iteration_dir(ckpt, iteration), iteration_dir(target, iteration))
-    (target / TRACKER).write_text(str(iteration))
-    return target

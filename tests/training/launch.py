@@ -2,12 +2,16 @@
 its own process with RANK / WORLD_SIZE / MASTER_* in its environment), so tests can signal or
 kill individual ranks."""
 
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.training.checkpointing import TRACKER, iteration_dir
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
 
@@ -118,3 +122,24 @@ def script_env(**extra) -> dict:
     launch or Slurm variables inherited from the test's own environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARIABLES}
     return {**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+TRAINED_ITERS = 6  # iterations of the shared `trained_run` (conftest.py)
+SCRIPT_BASE = drop_flags(BASE, "--distributed-backend")  # the script picks gloo without a GPU
+
+
+def copy_checkpoint(ckpt: Path, iteration: int, target: Path) -> Path:
+    """A --load directory holding only iteration `iteration` of `ckpt`."""
+    target.mkdir(parents=True)
+    shutil.copytree(iteration_dir(ckpt, iteration), iteration_dir(target, iteration))
+    (target / TRACKER).write_text(str(iteration))
+    return target
+
+
+def checkpoint_norm(ckpt: Path, iteration: int, prefix: str) -> float:
+    """The L2 norm, summed in float64, of the tensors of checkpoint `iteration` under `ckpt`
+    whose keys start with `prefix` (there must be some)."""
+    checkpoint = MegaliteCheckpoint(ckpt, iteration)
+    keys = [k for k in checkpoint.keys() if k.startswith(prefix)]
+    assert keys, f"no tensor {prefix}* in {ckpt} iteration {iteration}"
+    return math.sqrt(sum(checkpoint.get(k).double().square().sum().item() for k in keys))

@@ -17,11 +17,9 @@ import signal
 
 import pytest
 
-from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.training.checkpointing import iteration_dir, read_tracker
 from megalite.training.metrics import read_metrics
-from tests.training.conftest import copy_checkpoint
-from tests.training.launch import BASE, launch, run, train_losses, wait_for
+from tests.training.launch import BASE, checkpoint_norm, copy_checkpoint, launch, run, train_losses, wait_for
 
 
 def _records(metrics) -> dict:
@@ -91,10 +89,7 @@ def test_fp16_loss_scale_distributed_optimizer_overlap_and_offload(fp16_run):
 def test_params_norm_counts_each_distributed_optimizer_shard_once(fp16_run):
     """Each DP rank holds half of the fp32 main parameters: the norm adds both halves."""
     tmp, _ = fp16_run
-    checkpoint = MegaliteCheckpoint(tmp / "ckpt", FP16_ITERS)
-    mains = [k for k in checkpoint.keys() if k.startswith("optimizer/param/")]
-    assert mains
-    expected = math.sqrt(sum(checkpoint.get(k).double().square().sum().item() for k in mains))
+    expected = checkpoint_norm(tmp / "ckpt", FP16_ITERS, "optimizer/param/")
     logged = _records(tmp / "metrics.jsonl")[FP16_ITERS]["params_norm"]
     assert abs(logged - expected) <= 1e-9 * expected, (logged, expected)
 

@@ -8,19 +8,17 @@ a stand-in `scontrol` (it evaluates the trained checkpoint with --skip-train). T
 script runs with stand-ins for srun and scontrol to check when it requeues itself.
 """
 
-import math
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.training.checkpointing import read_tracker
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
-from tests.training.conftest import SCRIPT_BASE, TRAINED_ITERS
-from tests.training.launch import REPO, drop_flags, eval_losses, script_env
+from tests.training.launch import (REPO, SCRIPT_BASE, TRAINED_ITERS, checkpoint_norm, drop_flags, eval_losses,
+                                   script_env)
 
 SBATCH = sorted((REPO / "scripts" / "slurm").glob("*.sbatch"))
 
@@ -49,10 +47,9 @@ def test_local_torchrun_path(trained_run):
 @pytest.mark.parametrize("iteration", [4, TRAINED_ITERS])
 def test_params_norm_is_the_norm_of_the_checkpointed_weights(trained_run, iteration):
     """At TP=2 the norm and biases are replicated: each must count once."""
-    checkpoint = MegaliteCheckpoint(trained_run.ckpt, iteration)
-    squares = sum(checkpoint.get(k).double().square().sum().item() for k in checkpoint.keys() if k.startswith("model/"))
+    expected = checkpoint_norm(trained_run.ckpt, iteration, "model/")
     logged = read_metrics(str(trained_run.metrics))[0][iteration]["params_norm"]
-    assert abs(logged - math.sqrt(squares)) <= 1e-9 * logged, (logged, math.sqrt(squares))
+    assert abs(logged - expected) <= 1e-9 * logged, (logged, expected)
     assert f"params norm: {logged:.3f} |" in trained_run.output
 
 
