@@ -142,14 +142,14 @@ def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_
 
 
 def bias_gelu_backward_launch(device: torch.device, n_rows: int, f: int, has_bias: bool):
-    """(programs per column block, column blocks, row blocks, BLOCK_M, BLOCK_N, num_warps) of the
-    backward. With a bias each program loops over row blocks pid, pid + programs, ..., summing its
-    dbias partials; without one there is one program per row block."""
+    """(programs per column block, column blocks, BLOCK_M, BLOCK_N, num_warps) of the backward.
+    With a bias each program loops over row blocks pid, pid + programs, ..., summing its dbias
+    partials; without one there is one program per row block."""
     block_m, block_n, num_warps = _tiles(n_rows, f)
     col_blocks = triton.cdiv(f, block_n)
     row_blocks = triton.cdiv(n_rows, block_m)
     programs = max(1, persistent_programs(device, row_blocks, num_warps) // col_blocks) if has_bias else row_blocks
-    return programs, col_blocks, row_blocks, block_m, block_n, num_warps
+    return programs, col_blocks, block_m, block_n, num_warps
 
 
 def _bias_gelu_backward_fake(dy2d, x2d, bias, approximate_tanh):
@@ -162,8 +162,8 @@ def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor
     """Returns (dx [N, f] in x's dtype, dbias fp32 [f] (empty without a bias))."""
     n_rows, f = x2d.shape
     dx = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
-    programs, col_blocks, _, block_m, block_n, num_warps = bias_gelu_backward_launch(x2d.device, n_rows, f,
-                                                                                     bias is not None)
+    programs, col_blocks, block_m, block_n, num_warps = bias_gelu_backward_launch(x2d.device, n_rows, f,
+                                                                                  bias is not None)
     db_part = torch.empty((programs if bias is not None else 0, f), dtype=torch.float32, device=x2d.device)
     _bias_gelu_bwd_kernel[(programs, col_blocks)](
         x2d, bias, dy2d, dx, db_part if bias is not None else None, n_rows, f, x2d.stride(0), dy2d.stride(0),

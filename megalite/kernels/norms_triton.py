@@ -112,14 +112,13 @@ def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y, mean, rstd
 
 
-def backward_launch(device: torch.device, n_rows: int, n_cols: int) -> tuple[int, int, int, int, int]:
-    """(programs, row blocks, BLOCK_M, BLOCK_N, num_warps) of the backward: each program loops over
-    row blocks pid, pid + programs, ..., accumulating its dweight/dbias partial sums."""
+def backward_launch(device: torch.device, n_rows: int, n_cols: int) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_M, BLOCK_N, num_warps) of the backward: each program loops over row
+    blocks pid, pid + programs, ..., accumulating its dweight/dbias partial sums."""
     # The backward holds x, dy, w and the dweight/dbias sums per element: 8 elements per thread
     # keeps h = 4096 at 64 registers (two 16-warp programs per SM) with no spills.
     block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=8)
-    row_blocks = triton.cdiv(n_rows, block_m)
-    return persistent_programs(device, row_blocks, num_warps), row_blocks, block_m, block_n, num_warps
+    return persistent_programs(device, triton.cdiv(n_rows, block_m), num_warps), block_m, block_n, num_warps
 
 
 def _norm_backward_fake(dy2d, x2d, weight, has_bias, mean, rstd, is_rms):
@@ -134,7 +133,7 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, h
     """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] (empty without a bias))."""
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    programs, _, block_m, block_n, num_warps = backward_launch(x2d.device, n_rows, n_cols)
+    programs, block_m, block_n, num_warps = backward_launch(x2d.device, n_rows, n_cols)
     dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
     db_part = torch.empty((programs if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
     _norm_bwd_kernel[(programs,)](

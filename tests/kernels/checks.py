@@ -17,6 +17,7 @@ Inputs are of unit scale (randn-like), so absolute tolerances are meaningful.
 """
 
 import torch
+import triton
 
 BF16_ULP = 2.0 ** -7  # spacing of bf16 numbers in [1, 2)
 
@@ -62,11 +63,11 @@ def grads_fp64(fn, inputs: list[torch.Tensor | None], grad_out: torch.Tensor) ->
 def rows_with_several_blocks_per_program(launch) -> int:
     """A row count (37, 75, 151, ...: odd, so the last row block is partial) at which a backward
     kernel's programs loop over more than one row block: `launch(n_rows)` returns the launcher's
-    (programs, row blocks). The cap on programs is the device's (a few under the interpreter,
+    (programs, BLOCK_M). The cap on programs is the device's (a few under the interpreter,
     a few per SM on a GPU), so the count is found rather than fixed."""
     rows = 37
     while True:
-        programs, row_blocks = launch(rows)
-        if row_blocks > programs:
+        programs, block_m = launch(rows)
+        if triton.cdiv(rows, block_m) > programs:
             return rows
         rows = 2 * rows + 1
