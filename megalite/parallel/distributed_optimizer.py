@@ -10,10 +10,11 @@ Storage is shared wherever possible: an fp32 parameter's main tensor IS (a view 
 parameter, and an fp32 main gradient IS (a view of) the DDP buffer. Copies exist only for 16-bit
 parameters or gradients and for --optimizer-cpu-offload (where they live on the CPU).
 
-The layout-independent state dict gathers each parameter's shards over the DP group one
-parameter at a time, so it is the same with the distributed optimizer on or off. Checkpoints
-do not gather: each rank hands over its own elements as a `FlatShard`, which says where every
-DP rank's elements lie (`bucket_dp_ranges`, `dtensor_dp_ranges`), and DCP writes the shards.
+Checkpoints do not gather: each rank hands over its own elements as a `FlatShard`, which says
+where every DP rank's elements lie (`bucket_dp_ranges`, `dtensor_dp_ranges`), and DCP writes
+the shards. Only the tests' layout-independent oracle, the optimizer's gathered state dict,
+gathers each parameter's shards over the DP group (`gather_full`, `sharded_dp_group`), so it
+is the same with the distributed optimizer on or off.
 """
 
 from dataclasses import dataclass
@@ -125,7 +126,8 @@ def gather_full(param: torch.nn.Parameter, entry: MainParam | None, value: torch
                 dp_group) -> torch.Tensor:
     """`value` (this rank's [lo, hi) piece of a per-element quantity of `param`, or None if this
     rank owns none of it) as a full fp32 CPU tensor of the parameter's shape. A collective over
-    `dp_group` when the parameter is sharded (pieces are summed into zeros: exact)."""
+    `dp_group` when the parameter is sharded (pieces are summed into zeros: exact). For the
+    gathered state dict, the tests' oracle (checkpoints save FlatShards)."""
     if dp_group is None:
         return value.detach().to("cpu", torch.float32, copy=True).view(param.shape)
     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
@@ -142,7 +144,7 @@ def _sharded_bucket(ddp_chunk, param):
 
 
 def sharded_dp_group(ddp_chunk, param):
-    """The DP group over which `param`'s main value is sharded, or None."""
+    """The DP group over which `param`'s main value is sharded, or None (for gather_full)."""
     bucket = _sharded_bucket(ddp_chunk, param)
     return bucket.dp_group if bucket is not None else None
 

@@ -66,7 +66,8 @@ class FSDPChunk(nn.Module):
 
     @staticmethod
     def shard_like(dtensor, full: torch.Tensor):
-        """This rank's shard of `full`, placed like `dtensor` (every rank holds `full`)."""
+        """This rank's shard of `full`, placed like `dtensor` (every rank holds `full`): for the
+        optimizer's gathered load_state_dict, the tests' oracle (checkpoints load FlatShards)."""
         # clone: the shard may view `full`, which the caller still owns
         return distribute_tensor(full.to(dtensor.device, dtensor.dtype), dtensor.device_mesh, dtensor.placements,
                                  src_data_rank=None).clone()

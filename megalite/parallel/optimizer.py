@@ -20,8 +20,7 @@ import torch.distributed as dist
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.distributed_optimizer import (
-    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, gather_full, rank_layout,
-    sharded_dp_group,
+    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, gather_full, rank_layout, sharded_dp_group,
 )
 from megalite.parallel.fsdp import FSDPChunk
 from megalite.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -197,52 +196,76 @@ class MixedPrecisionOptimizer:
             return ()
         return _STATE_KEYS[self.kind]
 
+    def _header(self, params: dict) -> dict:
+        return {"optimizer": self.kind, "step": self.num_steps, "params": params,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    def _values(self, entry) -> dict:
+        """"param" and every optimizer state of one parameter: this rank's tensors (or Nones)."""
+        values = {"param": entry.main if entry else None}
+        for key in self._state_keys():
+            values[key] = self.inner.state[entry.main][key] if entry else None
+        return values
+
+    def _start_load(self, state: dict) -> tuple:
+        """Check the optimizer kind and take the step count; the keys every entry must hold."""
+        if state.get("optimizer") != self.kind:
+            raise ValueError(f"optimizer state is for {state.get('optimizer')!r}, this run uses {self.kind!r}")
+        self.num_steps = int(state["step"])
+        return ("param", *self._state_keys())
+
+    def _saved_entries(self, state: dict, keys: tuple):
+        """_named_params with each parameter's saved entry, checked to hold every key."""
+        for chunk, name, param, entry in self._named_params():
+            saved = state["params"].get(name)
+            if saved is None:
+                raise KeyError(f"optimizer state has no entry for parameter {name}")
+            for key in keys:
+                if saved.get(key) is None:
+                    raise KeyError(f"optimizer state for {name} lacks {key!r}")
+            yield chunk, name, param, entry, saved
+
+    def _set_state(self, main, states: dict) -> None:
+        """The loaded optimizer states of one main parameter (none before the first step)."""
+        if states:
+            self.inner.state[main] = {**states, **self._step_state(main)}
+
     def state_dict(self) -> dict:
         """Per parameter name, the fp32 main value and optimizer states as CPU tensors of this
         rank's TP-shard shape (gathered over DP one parameter at a time under the distributed
-        optimizer), plus the step count and loss-scaler state."""
+        optimizer), plus the step count and loss-scaler state. Checkpoints use the sharded form
+        (sharded_state_dict); this one, with load_state_dict, is the tests' layout-independent
+        oracle: the same tensors whatever the DP size, distributed optimizer or FSDP2."""
         self.finish_param_sync()
         params = {}
         for chunk, name, param, entry in self._named_params():
-            values = {"param": entry.main if entry else None}
-            for key in self._state_keys():
-                values[key] = self.inner.state[entry.main][key] if entry else None
+            values = self._values(entry)
             if isinstance(chunk, FSDPChunk):
                 params[name] = {k: v.full_tensor().to("cpu", torch.float32) for k, v in values.items()}
             else:
                 group = sharded_dp_group(chunk, param)
                 params[name] = {k: gather_full(param, entry, v, group) for k, v in values.items()}
-        return {"optimizer": self.kind, "step": self.num_steps, "params": params,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        return self._header(params)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load the form `state_dict` returns, keeping this rank's DP slice of every tensor."""
-        if state.get("optimizer") != self.kind:
-            raise ValueError(f"optimizer state is for {state.get('optimizer')!r}, this run uses {self.kind!r}")
-        self.num_steps = int(state["step"])
-        keys = self._state_keys()
-        for chunk, name, param, entry in self._named_params():
-            if name not in state["params"]:
-                raise KeyError(f"optimizer state has no entry for parameter {name}")
-            saved = state["params"][name]
-            for key in ("param", *keys):
-                if key not in saved:
-                    raise KeyError(f"optimizer state for {name} lacks {key!r}")
+        """Load the form `state_dict` returns, keeping this rank's DP slice of every tensor (tests)."""
+        keys = self._start_load(state)
+        for chunk, name, param, entry, saved in self._saved_entries(state, keys):
+            for key in keys:
                 if tuple(saved[key].shape) != tuple(param.shape):
                     raise ValueError(f"optimizer state {name}.{key}: shape {tuple(saved[key].shape)}, "
                                      f"this rank's parameter is {tuple(param.shape)}")
             if entry is None:
                 continue
             if isinstance(chunk, FSDPChunk):
-                local = {k: chunk.shard_like(entry.main, saved[k]) for k in ("param", *keys)}
+                local = {k: chunk.shard_like(entry.main, saved[k]) for k in keys}
                 entry.main.to_local().copy_(local.pop("param").to_local())
             else:
                 local = {k: saved[k].reshape(-1)[entry.lo:entry.hi].to(entry.main.device, torch.float32, copy=True)
-                         for k in ("param", *keys)}
+                         for k in keys}
                 entry.main.copy_(local.pop("param"))
-            if keys:
-                self.inner.state[entry.main] = {**local, **self._step_state(entry.main)}
+            self._set_state(entry.main, local)
         self._finish_load(state)
 
     def _finish_load(self, state: dict) -> None:
@@ -270,19 +293,15 @@ class MixedPrecisionOptimizer:
         params = {}
         for chunk, name, param, entry in self._named_params():
             lo, hi, ranges = self._layout(chunk, param, entry)
-            values = {"param": entry.main if entry else None}
-            for key in self._state_keys():
-                values[key] = self.inner.state[entry.main][key] if entry else None
             params[name] = {}
-            for key, value in values.items():
+            for key, value in self._values(entry).items():
                 if value is None:
                     flat = torch.zeros(0)
                 else:
                     local = value.to_local() if hasattr(value, "to_local") else value
                     flat = local.detach().reshape(-1).to("cpu", torch.float32, copy=True)
                 params[name][key] = FlatShard(flat, lo, hi, param.shape, ranges)
-        return {"optimizer": self.kind, "step": self.num_steps, "params": params,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        return self._header(params)
 
     def empty_sharded_state(self, keys) -> dict:
         """Per parameter name and key in `keys`, a zero FlatShard laid out as `sharded_state_dict`
@@ -297,19 +316,11 @@ class MixedPrecisionOptimizer:
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load the form `sharded_state_dict` returns, laid out for this rank (see
         `empty_sharded_state`)."""
-        if state.get("optimizer") != self.kind:
-            raise ValueError(f"optimizer state is for {state.get('optimizer')!r}, this run uses {self.kind!r}")
-        self.num_steps = int(state["step"])
-        keys = ("param", *self._state_keys())
-        for chunk, name, param, entry in self._named_params():
-            saved = state["params"].get(name)
-            if saved is None:
-                raise KeyError(f"optimizer state has no entry for parameter {name}")
+        keys = self._start_load(state)
+        for chunk, name, param, entry, saved in self._saved_entries(state, keys):
             lo, hi, _ = self._layout(chunk, param, entry)
             for key in keys:
-                shard = saved.get(key)
-                if shard is None:
-                    raise KeyError(f"optimizer state for {name} lacks {key!r}")
+                shard = saved[key]
                 mine = (tuple(shard.shape), shard.lo, shard.hi, shard.values.numel())
                 if mine != (tuple(param.shape), lo, hi, hi - lo):
                     raise ValueError(f"optimizer state {name}.{key}: elements [{shard.lo}, {shard.hi}) of shape "
@@ -323,8 +334,7 @@ class MixedPrecisionOptimizer:
                 on_rank.copy_(saved[key].values.view(on_rank.shape))
                 local[key] = target
             local.pop("param")
-            if local:
-                self.inner.state[entry.main] = {**local, **self._step_state(entry.main)}
+            self._set_state(entry.main, local)
         self._finish_load(state)
 
     def _step_state(self, main) -> dict:
