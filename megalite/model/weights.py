@@ -3,11 +3,10 @@
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megalite.model.hf_mapping import hf_to_megalite, megalite_to_hf
 from megalite.parallel import comm
-from megalite.parallel.sharding import full_from_shards, is_sharded, param_shard_of_full
+from megalite.parallel.sharding import gather_tp_full, param_shard_of_full
 
 
 def source_name(model, name: str) -> str:
@@ -34,18 +33,11 @@ def load_full_weights(model, get_full: Callable[[str], torch.Tensor]) -> None:
 def gather_full_weights(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of this chunk's parameters (or of their gradients), gathered over the TP
     group: a collective every TP rank must enter."""
-    group, world = model.tp_group, comm.group_size(model.tp_group)
     out = {}
     for name, param in model.named_parameters():
         value = param.grad if grads else param
-        if value is None:
-            continue
-        if is_sharded(param) and world > 1:
-            shards = [torch.empty_like(value) for _ in range(world)]
-            dist.all_gather(shards, value.contiguous(), group=group)
-            out[source_name(model, name)] = full_from_shards(shards, param.partition_dim, param.partition_stride)
-        else:
-            out[source_name(model, name)] = value.detach().clone()
+        if value is not None:
+            out[source_name(model, name)] = gather_tp_full(param, value, model.tp_group)
     return out
 
 

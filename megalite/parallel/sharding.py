@@ -11,6 +11,7 @@ A parameter replicated over TP whose gradient is partial per rank under sequence
 """
 
 import torch
+import torch.distributed as dist
 
 from megalite.parallel import comm
 
@@ -50,6 +51,18 @@ def full_from_shards(shards: list[torch.Tensor], partition_dim: int, stride: int
         return shards[0]
     per_rank = [s.chunk(stride, dim=partition_dim) for s in shards]
     return torch.cat([per_rank[r][b] for b in range(stride) for r in range(len(shards))], dim=partition_dim)
+
+
+def gather_tp_full(param: torch.Tensor, value: torch.Tensor, tp_group) -> torch.Tensor:
+    """`value` (this rank's shard of `param`, or a tensor laid out like it) as the full tensor,
+    all-gathered over `tp_group` when `param` is sharded (a collective every TP rank enters);
+    always a new tensor."""
+    world = comm.group_size(tp_group)
+    if not is_sharded(param) or world == 1:
+        return value.detach().clone()
+    shards = [torch.empty_like(value) for _ in range(world)]
+    dist.all_gather(shards, value.contiguous(), group=tp_group)
+    return full_from_shards(shards, param.partition_dim, param.partition_stride)
 
 
 def param_shard_of_full(param: torch.Tensor, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:

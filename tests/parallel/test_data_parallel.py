@@ -40,11 +40,10 @@ import torch.distributed as dist
 
 from megalite.model.gpt import GPTModel, masked_mean_loss
 from megalite.model.weights import load_full_weights
-from megalite.parallel import comm
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.fsdp import apply_fsdp2
 from megalite.parallel.optimizer import build_optimizer, no_weight_decay
-from megalite.parallel.sharding import full_from_shards, is_sharded
+from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import VOCAB, make_config
@@ -121,12 +120,7 @@ def full_params(module, tp_group) -> dict:
     out = {}
     for name, param in module.named_parameters():
         value = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
-        value = value.float()
-        if is_sharded(param) and comm.group_size(tp_group) > 1:
-            shards = [torch.empty_like(value) for _ in range(comm.group_size(tp_group))]
-            dist.all_gather(shards, value.contiguous(), group=tp_group)
-            value = full_from_shards(shards, param.partition_dim, param.partition_stride)
-        out[name] = value.clone()
+        out[name] = gather_tp_full(param, value.float(), tp_group)
     return out
 
 

@@ -23,7 +23,7 @@ from megalite.parallel.data_parallel import DistributedDataParallel
 from megalite.parallel.fsdp import apply_fsdp2
 from megalite.parallel.optimizer import build_optimizer
 from megalite.parallel.pipeline_model import build_model_chunks
-from megalite.parallel.sharding import full_from_shards, is_sharded
+from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.training.checkpoint_format import flat_boxes
 from megalite.training.checkpointing import load_checkpoint, load_optimizer_state, save_checkpoint
@@ -54,11 +54,7 @@ def _full_state(chunks, optimizer, pstate) -> dict:
     for chunk in chunks:
         for name, param in chunk.module.named_parameters():
             for key in STATES:
-                value = saved[name][key]
-                if is_sharded(param) and pstate.tp_size > 1:
-                    shards = [torch.empty_like(value) for _ in range(pstate.tp_size)]
-                    dist.all_gather(shards, value.contiguous(), group=pstate.tp_group)
-                    value = full_from_shards(shards, param.partition_dim, param.partition_stride)
+                value = gather_tp_full(param, saved[name][key], pstate.tp_group)
                 out[(name, key)] = value[:vocab] if name.endswith(("word_embeddings.weight", "output_layer.weight")) \
                     else value
     return {"step": optimizer.num_steps, "state": out}
