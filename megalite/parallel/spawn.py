@@ -5,7 +5,9 @@ benchmarks and experiments on one machine; training runs use torchrun or srun).
 
 calls fn(rank, world_size, arg1, arg2) in each process (fn must be a module-level function)
 and returns the per-rank return values. A failure on any rank raises here with that rank's
-traceback; a hang is killed after `timeout` seconds.
+traceback; a hang is killed after `timeout` seconds without a result. The process group's
+timeout is `timeout` too, or gloo's default (30 min) if that is longer, so a rank may wait in
+a collective as long as run_distributed waits for it.
 """
 
 import io
@@ -13,9 +15,14 @@ import os
 import queue
 import socket
 import traceback
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
+
+from megalite.parallel.state import ParallelLayout, ParallelState
 
 
 def free_port() -> int:
@@ -24,14 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
-    import torch.distributed as dist
+def pair_state(rank: int) -> ParallelState:
+    """Ranks {0, 1} and {2, 3} of a world of 4 as two independent DP = 2 runs (a collective:
+    every rank creates both groups)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    return ParallelState(ParallelLayout(2), rank % 2, {"dp": group, "world": group})
 
+
+def _worker(rank, world_size, port, timeout, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=max(timedelta(seconds=timeout), default_pg_timeout))
         out = fn(rank, world_size, *args)
         # Tensors go by value: a queue would share their storage with a process about to exit.
         buffer = io.BytesIO()
@@ -48,7 +62,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

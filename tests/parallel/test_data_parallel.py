@@ -44,6 +44,7 @@ from megalite.parallel.data_parallel import DistributedDataParallel, finalize_mo
 from megalite.parallel.fsdp import apply_fsdp2
 from megalite.parallel.optimizer import build_optimizer, no_weight_decay
 from megalite.parallel.sharding import gather_tp_full
+from megalite.parallel.spawn import pair_state
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import VOCAB, make_config
@@ -155,13 +156,6 @@ def reference_run(family: str, micro: int, steps: int = STEPS):
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["clip_grad"]).item())
         optimizer.step()
     return {"params": {n: p.detach().clone() for n, p in named}, "norms": norms}
-
-
-def pair_state(rank: int) -> ParallelState:
-    """Ranks {0, 1} and {2, 3} of a world of 4 as two independent DP = 2 runs."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    group = groups[rank // 2]
-    return ParallelState(ParallelLayout(2), rank % 2, {"dp": group, "world": group})
 
 
 def assert_replicas_identical(params: dict, pstate) -> None:

@@ -25,12 +25,13 @@ from megalite.parallel.data_parallel import DistributedDataParallel, finalize_mo
 from megalite.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.parallel.memory_report import memory_report
 from megalite.parallel.optimizer import build_optimizer
+from megalite.parallel.spawn import pair_state
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
 from tests.numerics import rel_error
 from tests.parallel.test_data_parallel import (GLOBAL_BATCH, OPTIM, SEQ, TOL, build, full_params, make_model,
-                                               micro_batches, pair_state, reference_run, train_step)
+                                               micro_batches, reference_run, train_step)
 
 SINGLE = ParallelState.single()
 

@@ -41,7 +41,7 @@ from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megalite.parallel.memory_report import memory_report  # noqa: E402
 from megalite.parallel.optimizer import build_optimizer  # noqa: E402
-from megalite.parallel.spawn import run_distributed  # noqa: E402
+from megalite.parallel.spawn import pair_state, run_distributed  # noqa: E402
 from megalite.parallel.state import ParallelLayout, ParallelState  # noqa: E402
 
 DP = 2
@@ -144,8 +144,7 @@ def _worker(rank, world, args):
     """Timing on ranks 0 and 1 (ranks 2 and 3 wait blocked in a barrier, using no CPU), then every
     row of MEMORY_SETUPS on all 4 ranks (d = 1: each alone; d = 2: pairs {0, 1} and {2, 3})."""
     _init(args.nice)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    pair = ParallelState(ParallelLayout(DP), rank % DP, {"dp": pairs[rank // 2], "world": pairs[rank // 2]})
+    pair = pair_state(rank)
     timing = _timing(args, pair) if rank < DP else None
     dist.barrier()
     states = {1: ParallelState.single(), 2: pair, 4: ParallelState.create(ParallelLayout(world))}
