@@ -67,7 +67,8 @@ class GPTConfig:
     fused_kernels: bool | None = None
     """Triton kernels for norms, activations, rotary and cross-entropy; None means on CUDA."""
     use_flash_attn: bool = False
-    """Use the flash_attn package for attention when it is installed (--use-flash-attn)."""
+    """Attention through the flash_attn package (--use-flash-attn; causal attention without a
+    mask): an error when flash_attn is not importable."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
     extra: dict = field(default_factory=dict)
