@@ -25,6 +25,7 @@ from megalite.convert.tokenizer_files import (
     copy_hf_tokenizer, export_tokenizer, relocate_tokenizer, resolved_entry, tokenizer_eod,
 )
 from megalite.model import hf_mapping
+from megalite.training.checkpoint_format import and_more
 from megalite.training.checkpointing import TRACKER, iteration_dir, write_text_atomic
 
 PARAMS_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,9 +101,8 @@ def hf_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
     # converting without it would give a model that computes something else.
     unused = source.unused()
     if unused:
-        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise ConversionError(f"{source.files[unused[0]]}: tensor {unused[0]} has no place in megalite's "
-                              f"{source.hf_config.get('model_type')} model{more}")
+                              f"{source.hf_config.get('model_type')} model{and_more(unused)}")
     with staged_output(final) as staging:
         stream = ((f"model/{name}", t) for name, t in hf_mapping.hf_to_megalite(source.get, source.config))
         files = _stream_to_dcp(StreamingDCPWriter(iteration_dir(staging, 0)), placement, stream, summary)
@@ -193,8 +193,7 @@ def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iterati
     unused = source.unused()
     if unused:
         raise ConversionError(f"{source.path}: model tensor {unused[0].removeprefix('model/')} has no place in the "
-                              f"Hugging Face {hf_mapping.family_of(config)} model"
-                              + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
+                              f"Hugging Face {hf_mapping.family_of(config)} model{and_more(unused)}")
     shards = plan_shards(specs, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from megalite.convert.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.training.checkpoint_format import (
-    CheckpointError, SafeFileSystemReader, read_metadata_file, single_process_dcp, verify_files,
+    CheckpointError, SafeFileSystemReader, and_more, read_metadata_file, single_process_dcp, verify_files,
 )
 from megalite.training.checkpointing import TRACKER, published_iteration_dir, read_tracker
 
@@ -60,7 +60,7 @@ class MegaliteCheckpoint:
         if verify:
             problems = verify_files(self.path, self.common.get("files", {}))
             if problems:
-                raise ConversionError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+                raise ConversionError(problems[0] + and_more(problems))
         try:
             self.metadata = read_metadata_file(self.path / ".metadata")
             self.config = GPTConfig.from_dict(self.common["model_config"])

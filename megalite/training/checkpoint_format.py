@@ -285,6 +285,11 @@ def file_digest(path: Path) -> dict:
     return {"size": path.stat().st_size, "crc32": crc}
 
 
+def and_more(items) -> str:
+    """' (and N more)' after a message about items[0], or '' when it is the only one."""
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
 def verify_files(directory: Path, expected: dict[str, dict], rank: int = 0, world: int = 1) -> list[str]:
     """Problems with the files this rank checks (every `world`-th, from `rank`)."""
     problems = []

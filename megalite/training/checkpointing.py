@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 
 from megalite.model.weights import source_name
 from megalite.training.checkpoint_format import (
-    CheckpointError, SafeFileSystemReader, all_problems, describe, file_digest, global_shape_of,
+    CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
     read_metadata_file, single_process_dcp, verify_files,
 )
 from megalite.training.checkpoint_rng import load_rng_state, rng_file_name, save_rng_state
@@ -243,7 +243,7 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
     world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
     problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
     if problems:
-        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        raise CheckpointError(problems[0] + and_more(problems))
     entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
     _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
     if load_rng:
