@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megalite.convert.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.stage_layout import layer_owners
+from megalite.parallel.pipeline.stage_layout import layer_owners
 from megalite.parallel.state import ParallelLayout
 from megalite.training.checkpoint_format import VOCAB_PARAMS, tp_chunks
 

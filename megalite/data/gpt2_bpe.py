@@ -23,6 +23,7 @@ import numpy as np
 
 from megalite.data.chunk_cache import ChunkCache
 from megalite.data.tiktoken_bpe import TiktokenBPE, encode_split, tiktoken_module
+from megalite.data.tokenizer_support import require_package
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The same pattern for ASCII text, for the re module (2-3x faster than regex's \p classes):
@@ -88,8 +89,6 @@ class GPT2BPE:
     """Byte-level BPE from GPT-2-style vocab.json and merges.txt."""
 
     def __init__(self, vocab_file: str, merge_file: str):
-        from megalite.data.tokenizers import require_package
-
         regex = require_package("regex", "GPT2BPETokenizer")  # for \p{L}/\p{N}, which re lacks
 
         self.encoder = load_vocab(vocab_file)

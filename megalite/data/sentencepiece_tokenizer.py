@@ -24,6 +24,7 @@ import numpy as np
 
 from megalite.data.chunk_cache import ChunkCache
 from megalite.data.tiktoken_bpe import TiktokenBPE, encode_split, tiktoken_module
+from megalite.data.tokenizer_support import require_package
 
 SPACE = "\u2581"  # SentencePiece's visible space
 CHUNK_PATTERNS = {  # applied to " " + text (the space stands for the dummy prefix)
@@ -90,8 +91,6 @@ class SentencePieceTokenizer:
     """Megatron's SentencePieceTokenizer for GPT: eod is the model's </s> (eos) id."""
 
     def __init__(self, model_file: str, use_chunk_cache: bool = True):
-        from megalite.data.tokenizers import require_package
-
         spm = require_package("sentencepiece", "SentencePieceTokenizer")
 
         if not model_file or not os.path.isfile(model_file):

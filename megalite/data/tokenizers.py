@@ -13,6 +13,8 @@ from array import array
 
 import numpy as np
 
+from megalite.data.tokenizer_support import require_package
+
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
                    "TikTokenizer", "NullTokenizer")
 
@@ -45,17 +47,6 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def require_package(module: str, tokenizer_type: str, package: str | None = None):
-    """Import an optional dependency, or say which tokenizer needs which pip package."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs the '{package or module}' package: "
-                         f"pip install {package or module}") from None
 
 
 def _require(flag: str, value, tokenizer_type: str) -> None:

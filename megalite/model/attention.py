@@ -12,8 +12,8 @@ from torch import nn
 from megalite import kernels
 from megalite.model.recompute import checkpointed
 from megalite.parallel import comm
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 from megalite.parallel.random import rng_fork_if
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
 
 def _flash_attn_func():

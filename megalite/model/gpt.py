@@ -21,11 +21,11 @@ from megalite.model.recompute import checkpointed
 from megalite.model.rope import rotary_cos_sin
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel import comm
-from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.sharding import mark_sequence_parallel
 from megalite.parallel.state import ParallelState
+from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 # The word embedding's initialisation name: a last pipeline stage holding a tied copy of it
 # initialises that copy under this name, so both copies start identical.

@@ -5,7 +5,7 @@ from torch import nn
 
 from megalite import kernels
 
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
 
 class MLP(nn.Module):

@@ -6,10 +6,9 @@ arguments_field.arg). `DerivedArgs` holds values validate_args fills in; they ar
 
 from dataclasses import dataclass
 
+from megalite.data.tokenizers import TOKENIZER_TYPES
 from megalite.training.arguments_field import MEGALITE, arg
 from megalite.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
-                   "TikTokenizer", "NullTokenizer")
 
 
 @dataclass

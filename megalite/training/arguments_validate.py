@@ -9,8 +9,8 @@ import importlib.util
 
 import torch
 
-from megalite.parallel.schedules import default_schedule, validate_schedule
-from megalite.parallel.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
+from megalite.parallel.pipeline.schedules import default_schedule, validate_schedule
+from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_field import flag_of
 from megalite.training.lr_schedule import schedule_lengths_from_args

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megalite.parallel.distributed_optimizer import FlatShard, dtensor_dp_ranges, rank_layout
+from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -1,11 +1,12 @@
-"""Model FLOPs, MFU and memory per parameter, counted as shared/docs/formulas.md says.
+"""Model FLOPs, MFU and activation memory, counted as shared/docs/formulas.md says.
 
     F_token = 6 * P_mm + 12 * L * s * h
     P_mm    = L * (h*q + 2*h*d_kv + q*h + k*h*f) + h*V     (q = a * head_dim, = h usually;
                                                              k = 2 GeLU, 3 SwiGLU)
     MFU     = F_token * tokens/s per GPU / peak FLOP/s
 
-Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM).
+Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM). Bytes
+of parameters, gradients and optimizer state per parameter are in megalite.optimizer.memory_report.
 """
 
 import re
@@ -19,15 +20,6 @@ PEAK_BF16_FLOPS = (
     (re.compile(r"\bH200\b(?!.*NVL)"), "H200", 989.4e12),
     (re.compile(r"\bA100\b"), "A100", 312e12),
 )
-
-# Bytes per parameter of weights, main gradients and Adam state (formulas.md):
-# (plain optimizer, replicated part with the distributed optimizer, part sharded over d).
-_BYTES_PER_PARAM = {
-    "bf16": (18, 6, 12),
-    "fp16": (20, 4, 16),
-    "fp32": (16, 8, 8),
-}
-
 
 def matmul_parameters(config: GPTConfig, padded_vocab_size: int) -> int:
     """P_mm: weights that take part in matrix multiplies (QKV, attention output, MLP, output
@@ -67,26 +59,6 @@ def model_flops_utilization(flops_per_token: float, tokens_per_second_per_gpu: f
     if peak is None:
         return None
     return flops_per_token * tokens_per_second_per_gpu / peak
-
-
-def bytes_per_parameter(precision: str, distributed_optimizer: bool = False,
-                        data_parallel_size: int = 1) -> float:
-    """Bytes of model and optimizer state per parameter on one rank: 'bf16' (bf16 weights, fp32
-    main grads), 'fp16' or 'fp32', with Adam; the distributed optimizer shards the fp32 state
-    over `data_parallel_size` ranks."""
-    if precision not in _BYTES_PER_PARAM:
-        raise ValueError(f"precision must be one of {sorted(_BYTES_PER_PARAM)}, got {precision!r}")
-    if data_parallel_size < 1:
-        raise ValueError(f"data-parallel size must be positive, got {data_parallel_size}")
-    plain, replicated, sharded = _BYTES_PER_PARAM[precision]
-    if not distributed_optimizer:
-        return float(plain)
-    return replicated + sharded / data_parallel_size
-
-
-def fsdp_bytes_per_parameter(data_parallel_size: int) -> float:
-    """ZeRO-3 / FSDP with bf16 weights and grads and fp32 Adam state: (2 + 2 + 12) / d."""
-    return 16 / data_parallel_size
 
 
 def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.data_parallel import finalize_model_grads
+from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.setup_run import Run, build_data, data_iterator

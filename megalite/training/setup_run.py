@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
 from megalite.data.tokenizers import build_tokenizer
-from megalite.parallel.data_parallel import DistributedDataParallel
-from megalite.parallel.fsdp import apply_fsdp2
-from megalite.parallel.memory_report import memory_report
-from megalite.parallel.optimizer import build_optimizer
-from megalite.parallel.pipeline_executor import PipelineExecutor, unwrap
-from megalite.parallel.pipeline_model import build_model_chunks
+from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
+from megalite.optimizer.memory_report import memory_report
+from megalite.optimizer.mixed_precision import build_optimizer
+from megalite.parallel.data.ddp import DistributedDataParallel
+from megalite.parallel.data.fsdp import apply_fsdp2
+from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
@@ -131,7 +131,8 @@ def build_run(args) -> Run:
     executor = PipelineExecutor(
         chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
-        sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device)
+        sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
+        forward_step=gpt_forward_step)
     peak = peak_flops() if device.type == "cuda" else None
     run = Run(args, pstate, device, tracker, tokenizer, config, chunks, optimizer, scheduler, executor,
               flops_per_token(config, args.seq_length, config.padded_vocab_size(pstate.tp_size)),

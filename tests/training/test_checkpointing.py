@@ -13,8 +13,8 @@ import torch
 from megalite.convert.megalite_reader import MegaliteCheckpoint
 from megalite.convert.publish import ConversionError
 from megalite.model.gpt import GPTModel
+from megalite.model.pipeline_chunks import build_model_chunks
 from megalite.model.weights import gather_full_weights
-from megalite.parallel.pipeline_model import build_model_chunks
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.training.checkpoint_format import CheckpointError, file_digest, tp_chunks
 from megalite.training.checkpointing import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint

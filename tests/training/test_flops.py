@@ -3,8 +3,8 @@
 import pytest
 
 from megalite.model.config import GPTConfig
-from megalite.training.flops import (activation_bytes_per_layer, bytes_per_parameter,
-                                     flops_per_token, fsdp_bytes_per_parameter, matmul_parameters,
+from megalite.optimizer.memory_report import bytes_per_parameter, fsdp_bytes_per_parameter
+from megalite.training.flops import (activation_bytes_per_layer, flops_per_token, matmul_parameters,
                                      model_flops_utilization, peak_flops)
 
 

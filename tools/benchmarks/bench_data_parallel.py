@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
-from megalite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads  # noqa: E402
-from megalite.parallel.memory_report import memory_report  # noqa: E402
-from megalite.parallel.optimizer import build_optimizer  # noqa: E402
+from megalite.optimizer.memory_report import memory_report  # noqa: E402
+from megalite.optimizer.mixed_precision import build_optimizer  # noqa: E402
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megalite.parallel.spawn import pair_state, run_distributed  # noqa: E402
 from megalite.parallel.state import ParallelLayout, ParallelState  # noqa: E402
 

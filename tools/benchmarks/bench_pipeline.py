@@ -44,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megalite.parallel.pipeline_executor import PipelineExecutor  # noqa: E402
+from megalite.parallel.pipeline.executor import PipelineExecutor  # noqa: E402
 from megalite.parallel.spawn import run_distributed  # noqa: E402
 from megalite.parallel.state import ParallelLayout, ParallelState  # noqa: E402
 

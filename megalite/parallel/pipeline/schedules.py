@@ -1,0 +1,189 @@
+"""Pipeline schedules as data: for (pipeline size p, rank, micro-batches m, virtual stages v)
+each schedule returns that rank's ordered list of `Action`s (see actions.py for the
+vocabulary and the rule an executor follows to run it).
+
+Every schedule is written first as the compute order of the diagram (warm-up forwards, steady
+state one-forward-one-backward, cool-down backwards); the transfers are then placed around it:
+just in time for the one-chunk schedules, between steps for interleaved 1F1B (as Megatron
+does; see actions.py).
+
+    none              p = 1 gradient accumulation:  F0 B0 F1 B1 ...
+    gpipe             all forwards, then all backwards
+    1f1b              PipeDream-flush / Megatron's non-interleaved schedule
+    interleaved_1f1b  Megatron's interleaved schedule, v chunks per rank
+    zb_h1             1F1B with the backward split into input-gradient B and weight-gradient W,
+                      W deferred to fill the cool-down bubble (Qi et al. 2023, "ZB-H1")
+"""
+
+from collections import deque
+
+from megalite.parallel.pipeline.actions import (B, F, W, Action, with_communication,
+                                                with_communication_between_steps)
+
+PIPELINE_FLAG = "--pipeline-model-parallel-size"
+VIRTUAL_FLAG = "--num-virtual-stages-per-pipeline-rank"
+SCHEDULE_FLAG = "--pipeline-schedule"
+MICROBATCH_HINT = (
+    "micro-batches per step (--global-batch-size / (--micro-batch-size x data-parallel size))")
+
+
+def _one_forward_one_backward(forwards: list[Action], backwards: list[Action],
+                              warmup: int) -> list[list[Action]]:
+    """The 1F1B skeleton as steps: `warmup` forwards alone, then forward+backward pairs, then
+    the remaining backwards alone. forwards[i] and backwards[i] are this rank's i-th of each."""
+    steady = len(forwards) - warmup
+    warmup_steps = [[f] for f in forwards[:warmup]]
+    steady_steps = [[forwards[warmup + i], backwards[i]] for i in range(steady)]
+    cooldown_steps = [[b] for b in backwards[steady:]]
+    return warmup_steps + steady_steps + cooldown_steps
+
+
+def _flatten(steps: list[list[Action]]) -> list[Action]:
+    return [action for step in steps for action in step]
+
+
+def no_pipelining(pipeline_size: int, rank: int, num_microbatches: int,
+                  num_chunks: int = 1) -> list[Action]:
+    """Plain gradient accumulation on a single stage: F0 B0 F1 B1 ..."""
+    order = []
+    for k in range(num_microbatches):
+        order += [Action(F, 0, k), Action(B, 0, k)]
+    return order
+
+
+def gpipe(pipeline_size: int, rank: int, num_microbatches: int,
+          num_chunks: int = 1) -> list[Action]:
+    """All m forwards, then all m backwards (in micro-batch order). Holds m activations."""
+    order = [Action(F, 0, k) for k in range(num_microbatches)]
+    order += [Action(B, 0, k) for k in range(num_microbatches)]
+    return with_communication(order, rank, pipeline_size, 1)
+
+
+def one_f_one_b(pipeline_size: int, rank: int, num_microbatches: int,
+                num_chunks: int = 1) -> list[Action]:
+    """1F1B: min(p - rank - 1, m) warm-up forwards, then one forward one backward, then the
+    cool-down backwards. Rank r never holds more than p - r micro-batches."""
+    m = num_microbatches
+    warmup = min(pipeline_size - rank - 1, m)
+    forwards = [Action(F, 0, k) for k in range(m)]
+    backwards = [Action(B, 0, k) for k in range(m)]
+    steps = _one_forward_one_backward(forwards, backwards, warmup)
+    return with_communication(_flatten(steps), rank, pipeline_size, 1)
+
+
+def interleaved_virtual_microbatch(index: int, pipeline_size: int, num_chunks: int,
+                                   forward: bool) -> Action:
+    """The index-th forward (or backward) of a rank in Megatron's interleaved order.
+
+    Micro-batches go through the chunks in groups of p: forwards run mb 0..p-1 on chunk 0,
+    the same p on chunk 1, ..., chunk v-1, then mb p..2p-1 on chunk 0, and so on. Backwards
+    follow the same order with the chunks reversed (the last chunk's backward comes first).
+    """
+    group, position = divmod(index, pipeline_size * num_chunks)
+    chunk, offset = divmod(position, pipeline_size)
+    microbatch = group * pipeline_size + offset
+    if forward:
+        return Action(F, chunk, microbatch)
+    return Action(B, num_chunks - 1 - chunk, microbatch)
+
+
+def interleaved_1f1b(pipeline_size: int, rank: int, num_microbatches: int,
+                     num_chunks: int) -> list[Action]:
+    """Megatron's interleaved 1F1B over v chunks: warm-up (p - rank - 1)*2 + (v - 1)*p forwards
+    (capped at m*v), then 1F1B over the m*v chunk-micro-batches, then cool-down. One transfer
+    batch between steps; rank 0 peaks at p*v + p - 1 chunk-activations."""
+    p, v = pipeline_size, num_chunks
+    total = num_microbatches * v
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    forwards = [interleaved_virtual_microbatch(i, p, v, forward=True) for i in range(total)]
+    backwards = [interleaved_virtual_microbatch(i, p, v, forward=False) for i in range(total)]
+    steps = _one_forward_one_backward(forwards, backwards, warmup)
+    return with_communication_between_steps(steps, rank, p, v)
+
+
+def zb_h1(pipeline_size: int, rank: int, num_microbatches: int,
+          num_chunks: int = 1) -> list[Action]:
+    """ZB-H1: 1F1B whose backward is split into B (input gradient, on the critical path) and
+    W (weight gradient, deferred).
+
+    Rank r keeps up to r weight-gradients pending during the steady state, so a micro-batch
+    stays held from F until W for at most (p - r) + r = p micro-batches: the same peak as
+    1F1B's first stage. In the cool-down each B is followed by the oldest pending W, and the
+    W's still pending at the end run last, filling the bubble 1F1B leaves there.
+    """
+    m = num_microbatches
+    warmup = min(pipeline_size - rank - 1, m)
+    steady = m - warmup
+    pending: deque[int] = deque()
+    order = [Action(F, 0, k) for k in range(warmup)]                 # warm-up
+    for i in range(steady):                                          # steady state
+        order += [Action(F, 0, warmup + i), Action(B, 0, i)]
+        pending.append(i)
+        if len(pending) > rank:
+            order.append(Action(W, 0, pending.popleft()))
+    for i in range(steady, m):                                       # cool-down
+        order.append(Action(B, 0, i))
+        pending.append(i)
+        order.append(Action(W, 0, pending.popleft()))
+    order += [Action(W, 0, k) for k in pending]                      # drain
+    return with_communication(order, rank, pipeline_size, 1)
+
+
+SCHEDULES = {
+    "none": no_pipelining,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zb_h1,
+}
+
+
+def default_schedule(pipeline_size: int, num_chunks: int = 1) -> str:
+    """What Megatron would run: no pipelining at p = 1, interleaved 1F1B with v > 1 chunks,
+    else 1F1B."""
+    if pipeline_size == 1:
+        return "none"
+    return "interleaved_1f1b" if num_chunks > 1 else "1f1b"
+
+
+def validate_schedule(name: str, pipeline_size: int, num_microbatches: int,
+                      num_chunks: int = 1) -> None:
+    """Refuse, with a one-line ValueError naming the flags, a schedule that cannot run this
+    configuration. Meant to run before any process starts."""
+    p, m, v = pipeline_size, num_microbatches, num_chunks
+    if name not in SCHEDULES:
+        raise ValueError(f"{SCHEDULE_FLAG} {name!r} is unknown; expected one of "
+                         f"{sorted(SCHEDULES)}")
+    for flag, value in ((PIPELINE_FLAG, p), (VIRTUAL_FLAG, v), (MICROBATCH_HINT, m)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    if name == "none" and p > 1:
+        raise ValueError(f"{SCHEDULE_FLAG} none runs a single stage but {PIPELINE_FLAG} is {p}; "
+                         f"use {default_schedule(p, v)}")
+    if name == "interleaved_1f1b":
+        if p < 2 or v < 2:
+            raise ValueError(f"{SCHEDULE_FLAG} interleaved_1f1b needs {PIPELINE_FLAG} >= 2 and "
+                             f"{VIRTUAL_FLAG} >= 2, got {p} and {v}")
+        if m % p:
+            raise ValueError(f"{SCHEDULE_FLAG} interleaved_1f1b runs micro-batches in groups of "
+                             f"{PIPELINE_FLAG} {p}, so the number of {MICROBATCH_HINT} must be a "
+                             f"multiple of {p}, got {m}")
+    elif v > 1:
+        raise ValueError(f"{SCHEDULE_FLAG} {name} runs one chunk per rank but {VIRTUAL_FLAG} is "
+                         f"{v}; use interleaved_1f1b")
+
+
+def schedule_actions(name: str, pipeline_size: int, rank: int, num_microbatches: int,
+                     num_chunks: int = 1) -> list[Action]:
+    """The ordered actions of `rank` under schedule `name` (a --pipeline-schedule value)."""
+    validate_schedule(name, pipeline_size, num_microbatches, num_chunks)
+    if not 0 <= rank < pipeline_size:
+        raise ValueError(f"pipeline rank {rank} outside 0..{pipeline_size - 1}")
+    return SCHEDULES[name](pipeline_size, rank, num_microbatches, num_chunks)
+
+
+def all_ranks(name: str, pipeline_size: int, num_microbatches: int,
+              num_chunks: int = 1) -> list[list[Action]]:
+    """schedule_actions for every rank of the pipeline, indexed by rank."""
+    return [schedule_actions(name, pipeline_size, r, num_microbatches, num_chunks)
+            for r in range(pipeline_size)]
