@@ -19,8 +19,10 @@ from dataclasses import asdict, dataclass, fields
 import yaml
 
 from megalite.model.config import GPTConfig
+from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
+from megalite.training.arguments_moe import MoEArgs
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
 from megalite.training.arguments_validate import (default_ffn_hidden_size, layout_from_args,
@@ -31,8 +33,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs, DataArgs,
-                LoggingArgs, CheckpointArgs, DerivedArgs):
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs,
+                DataArgs, LoggingArgs, CheckpointArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -54,6 +56,7 @@ class Arguments(ParallelArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingA
 
 _GROUPS = (
     ("config file", None), ("model", ModelArgs), ("parallelism", ParallelArgs),
+    ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from megalite.training.arguments_field import MEGALITE, arg
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass
@@ -83,6 +84,9 @@ class ModelArgs:
     attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
     hidden_dropout: float = arg(0.1, "Dropout on embeddings and after attention and MLP.")
     use_flash_attn: bool = arg(False, "Attention through the flash_attn package (CUDA).")
+    attention_backend: str = arg(
+        "auto", "Attention implementation; auto: scaled_dot_product_attention picks flash, "
+        "memory-efficient or math.", choices=ATTENTION_BACKENDS, unsupported=ATTENTION_BACKENDS[1:])
     transformer_impl: str = arg(
         "local", "Transformer implementation; megalite has only its own ('local').",
         choices=("local", "transformer_engine"), unsupported=("transformer_engine",))

@@ -12,7 +12,9 @@ import torch
 from megalite.parallel.pipeline.schedules import default_schedule, validate_schedule
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
 from megalite.parallel.state import ParallelLayout
+from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_field import flag_of
+from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
 _POSITIVE = (
@@ -331,6 +333,8 @@ def validate_args(args, world_size: int):
     virtual_pipeline_model_parallel_size, num_micro_batches and total_train_iters. Calling it
     again on its own result is allowed. Returns `args`."""
     _check_unsupported(args)
+    check_context_args(args, _fail)
+    check_moe_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)

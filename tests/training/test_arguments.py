@@ -52,8 +52,10 @@ def test_flags_md_lists_only_known_flags():
     if text is None:
         pytest.skip("shared/docs/flags.md is not beside the repository")
     options = {s for action in build_parser()._actions for s in action.option_strings}
-    named = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", text))
+    named = set(re.findall(r"(--[a-z0-9][a-z0-9-]*[a-z0-9])(?![a-z0-9-]*\*)", text))
+    families = set(re.findall(r"(--[a-z0-9][a-z0-9-]*-)\*", text))  # "the --moe-* family"
     assert named - options == set()
+    assert {f for f in families if not any(o.startswith(f) for o in options)} == set()
 
 
 def test_megatron_defaults():
