@@ -21,6 +21,7 @@ import yaml
 from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
+from megalite.training.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.training.arguments_moe import MoEArgs
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
@@ -33,8 +34,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs,
-                DataArgs, LoggingArgs, CheckpointArgs, DerivedArgs):
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, RecomputeArgs, PrecisionArgs,
+                TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -55,7 +56,8 @@ class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, Pr
 
 
 _GROUPS = (
-    ("config file", None), ("model", ModelArgs), ("parallelism", ParallelArgs),
+    ("config file", None), ("model", ModelArgs), ("Megatron model, fusion and tokenizer flags", MegatronModelArgs),
+    ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
@@ -237,7 +239,8 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required")
-    activation = "swiglu" if args.swiglu else "openai_gelu" if args.openai_gelu else "gelu"
+    activation = ("swiglu" if args.swiglu else "openai_gelu" if args.openai_gelu
+                  else "squared_relu" if args.squared_relu else "gelu")
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     return GPTConfig(
         num_layers=args.num_layers,
@@ -270,4 +273,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         fused_kernels=args.fused_kernels,
         use_flash_attn=args.use_flash_attn,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        **megatron_model_fields(args),
     )

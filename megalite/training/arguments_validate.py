@@ -14,6 +14,7 @@ from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, vi
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_field import flag_of
+from megalite.training.arguments_megatron_model import check_megatron_model_args
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -41,6 +42,8 @@ _FRACTIONS = (  # 0 <= x < 1
 _TOKENIZER_NEEDS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
@@ -309,8 +312,8 @@ def _check_data(args):
     for name in _TOKENIZER_NEEDS[args.tokenizer_type]:
         if getattr(args, name) is None:
             _fail(f"--tokenizer-type {args.tokenizer_type} needs {_flag(name)}")
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
-        _fail(f"--vocab-size applies only to --tokenizer-type NullTokenizer (got "
+    if args.vocab_size is not None and args.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
+        _fail(f"--vocab-size applies only to --tokenizer-type NullTokenizer and TikTokenizer (got "
               f"{args.tokenizer_type}, whose vocabulary comes from its files)")
 
 
@@ -335,6 +338,7 @@ def validate_args(args, world_size: int):
     _check_unsupported(args)
     check_context_args(args, _fail)
     check_moe_args(args, _fail)
+    check_megatron_model_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)

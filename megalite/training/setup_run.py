@@ -22,6 +22,7 @@ from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
 from megalite.training.checkpointing import load_checkpoint, load_optimizer_state
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
@@ -106,7 +107,11 @@ def build_run(args) -> Run:
     pstate, device = init_distributed(args)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                                **tokenizer_options(args))
+    if pstate.rank == 0:
+        for line in start_up_notes(args, device.type):
+            print(line, flush=True)
     config = model_config_from_args(args, tokenizer.vocab_size)
     if args.use_torch_fsdp2:
         config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16

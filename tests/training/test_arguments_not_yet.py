@@ -15,7 +15,6 @@ from tests.training.test_arguments import parsed, refused
     ("--expert-tensor-parallel-size 1", ["--expert-tensor-parallel-size", "--num-experts"]),
     ("--moe-router-topk 4", ["--moe-router-topk", "--num-experts"]),
     ("--moe-token-dispatcher-type alltoall", ["--moe-token-dispatcher-type", "--num-experts"]),
-    ("--attention-backend flash", ["--attention-backend flash", "not implemented", "auto"]),
 ])
 def test_refused_naming_the_flag(extra, words):
     message = refused(extra)
