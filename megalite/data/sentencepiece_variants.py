@@ -48,11 +48,9 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
                              "which this model lacks")
         self._bos_bytes = array("i", [self.bos]).tobytes()
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos] + super().encode(text)
-
     def encode_reference(self, text: str) -> list[int]:
         return [self.bos] + super().encode_reference(text)
 
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
+        # encode() reads these bytes too, so both start with <s>.
         return [self._bos_bytes + ids for ids in super().encode_batch_bytes(texts)]

@@ -1,0 +1,65 @@
+"""Megatron's SentencePiece tokenizer types, --vocab-extra-ids and the TikTokenizer flags.
+
+GPTSentencePieceTokenizer and SentencePieceTokenizer against Megatron-Core's own SentencePiece
+tokenizer (eod, bos, pad, vocabulary, ids) where megatron-core is installed; Llama2Tokenizer
+against Megatron's definition (every text starts with <s>: _Llama2Tokenizer.tokenize(bos=True)).
+"""
+
+import pytest
+import sentencepiece as spm
+
+from megalite.data.tokenizers import TIKTOKEN_PATTERNS, build_tokenizer
+from megalite.training.arguments import parse_args
+from megalite.training.arguments_megatron_model import tokenizer_options
+
+TEXTS = ["def fibonacci(n):\n    return n", "import os, sys", ""]
+
+
+@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer"])
+def test_sentencepiece_types_match_megatron_core(sp_model, kind):
+    tokenizers = pytest.importorskip("megatron.core.tokenizers")
+    reference = tokenizers.MegatronTokenizer.from_pretrained(tokenizer_path=sp_model,
+                                                             metadata_path={"library": "sentencepiece"})
+    ours = build_tokenizer(kind, tokenizer_model=sp_model)
+    assert (ours.eod, ours.bos, ours.pad, ours.vocab_size) == (reference.eod, reference.bos, reference.pad,
+                                                                reference.vocab_size)
+    for text in TEXTS:
+        assert ours.encode(text) == reference.tokenize(text)
+
+
+def test_llama2_tokenizer_starts_every_text_with_bos(sp_model):
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    ours = build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model)
+    assert (ours.eod, ours.bos, ours.pad) == (sp.eos_id(), sp.bos_id(), sp.pad_id())
+    as_bytes = ours.encode_batch_bytes(TEXTS)
+    for text, raw in zip(TEXTS, as_bytes):
+        assert ours.encode(text) == [sp.bos_id()] + sp.encode(text)
+        assert raw == bytes(__import__("array").array("i", ours.encode(text)))
+    assert ours.decode(ours.encode(TEXTS[0])) == TEXTS[0]
+
+
+def test_vocab_extra_ids_extend_the_sentencepiece_vocabulary(sp_model):
+    plain = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    extra = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=3)
+    assert extra.vocab_size == plain.vocab_size + 3
+    ids = plain.encode("import os") + [plain.vocab_size + 2] + plain.encode(" x")
+    assert extra.decode(ids) == "import os<extra_id_2> x"
+    with pytest.raises(ValueError, match="--vocab-extra-ids applies only to --tokenizer-type SentencePieceTokenizer"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=3)
+
+
+def _train_args(extra: str):
+    return parse_args(("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                       "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data " + extra).split())
+
+
+def test_training_flags_reach_the_tokenizer(sp_model, tiktoken_file):
+    args = _train_args(f"--tokenizer-type TikTokenizer --tokenizer-model {tiktoken_file} --tiktoken-pattern v1 "
+                       "--tiktoken-num-special-tokens 500 --tokenizer-special-tokens <unk> <s> </s> <pad>")
+    tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, **tokenizer_options(args))
+    default = build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_file)
+    assert tok.num_special == 500 and tok.special_tokens[3] == "<pad>" and tok.eod == 2
+    assert tok.enc._pat_str == TIKTOKEN_PATTERNS["v1"] and default.enc._pat_str == TIKTOKEN_PATTERNS["v2"]
+    args = _train_args(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {sp_model} --vocab-extra-ids 4")
+    tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, **tokenizer_options(args))
+    assert tok.vocab_size == spm.SentencePieceProcessor(model_file=sp_model).get_piece_size() + 4
