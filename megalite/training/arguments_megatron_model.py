@@ -7,7 +7,7 @@ way, is accepted and explained in one start-up line (`start_up_notes`). Nothing 
 and ignored silently.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megalite.model.attention_backends import how_served
 from megalite.model.config import ATTENTION_BACKENDS
@@ -98,11 +98,14 @@ class MegatronModelArgs:
 
 def check_megatron_model_args(args, fail) -> None:
     """Refuse the FP8 family and contradictions, each in one line naming the flag."""
+    defaults = {f.name: f.default for f in fields(MegatronModelArgs)}
     for name in FP8_FLAGS:
         value = getattr(args, name)
-        if value not in (None, False):
+        if value is not defaults[name]:  # identity: `--fp8-margin 0` is given, unlike the default None
             flag = "--" + name.replace("_", "-")
-            shown = "" if value is True else f" {value}"
+            if value is False:
+                flag = "--no-" + name.replace("_", "-")
+            shown = "" if isinstance(value, bool) else f" {value}"
             fail(f"{flag}{shown}: FP8/FP4 training needs Transformer Engine, which megalite does not use; "
                  "train in --bf16 instead")
     if args.squared_relu and (args.swiglu or args.openai_gelu):
