@@ -22,6 +22,17 @@ from megalite.data.preprocess import PreprocessConfig, Terminated, preprocess  #
 from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 
 
+def tokenizer_options(a) -> dict:
+    """build_tokenizer's options from Megatron's tokenizer flags (those a type does not use
+    stay at their defaults; build_tokenizer refuses --vocab-extra-ids for other types)."""
+    options = {"vocab_extra_ids": a.vocab_extra_ids}
+    if a.tokenizer_type == "TikTokenizer":
+        options.update(tiktoken_pattern=a.tiktoken_pattern or "v2",
+                       tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
+                       tiktoken_special_tokens=a.tokenizer_special_tokens)
+    return options
+
+
 def parse_args(argv=None) -> PreprocessConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("input data")
@@ -37,6 +48,12 @@ def parse_args(argv=None) -> PreprocessConfig:
     g.add_argument("--vocab-file", help="GPT-2 vocab.json")
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size; TikTokenizer cap")
+    g.add_argument("--vocab-extra-ids", type=int, default=0,
+                   help="SentencePieceTokenizer: sentinel tokens <extra_id_i> after the vocabulary")
+    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer pattern (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: special-token ids before the ranks")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", help="TikTokenizer special tokens")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -49,7 +66,8 @@ def parse_args(argv=None) -> PreprocessConfig:
     return PreprocessConfig(
         input=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
         json_keys=a.json_keys, tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
-        merge_file=a.merge_file, vocab_size=a.vocab_size, append_eod=a.append_eod, workers=a.workers,
+        merge_file=a.merge_file, vocab_size=a.vocab_size, tokenizer_options=tokenizer_options(a),
+        append_eod=a.append_eod, workers=a.workers,
         partitions=a.partitions, log_interval=a.log_interval, skip_bad_lines=a.skip_bad_lines,
         text_mode=a.text_mode)
 

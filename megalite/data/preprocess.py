@@ -41,6 +41,7 @@ class PreprocessConfig:
     vocab_file: str | None = None
     merge_file: str | None = None
     vocab_size: int | None = None
+    tokenizer_options: dict = field(default_factory=dict)  # build_tokenizer's vocab_extra_ids, tiktoken_*
     append_eod: bool = False
     workers: int = 1
     partitions: int = 1
@@ -81,7 +82,7 @@ class ShardWorker:
         self.owner = os.getpid()
         self.tokenizer = build_tokenizer(
             config.tokenizer_type, tokenizer_model=config.tokenizer_model, vocab_file=config.vocab_file,
-            merge_file=config.merge_file, vocab_size=config.vocab_size)
+            merge_file=config.merge_file, vocab_size=config.vocab_size, **config.tokenizer_options)
         self.dtype = np.dtype(dtype_for_vocab(self.tokenizer.vocab_size))
         self.eod_bytes = np.array([self.tokenizer.eod], np.int32).tobytes()
 

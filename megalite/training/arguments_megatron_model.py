@@ -80,6 +80,9 @@ class MegatronModelArgs:
     tiktoken_num_special_tokens: int = arg(1000, "Special-token ids before a TikTokenizer's ranks.")
     tokenizer_special_tokens: list[str] | None = arg(
         None, "TikTokenizer special tokens (must include <unk> <s> </s>).")
+    tokenizer_type_from_files: bool = arg(
+        False, "Set by validate_args: --tokenizer-type was absent and GPT2BPETokenizer was taken "
+        "from --vocab-file and --merge-file.", cli=False)
     fp8_format: str | None = arg(
         None, "FP8 training (Transformer Engine): refused, megalite has no FP8 path.",
         choices=("e4m3", "hybrid"))
@@ -97,7 +100,11 @@ class MegatronModelArgs:
 
 
 def check_megatron_model_args(args, fail) -> None:
-    """Refuse the FP8 family and contradictions, each in one line naming the flag."""
+    """Refuse the FP8 family and contradictions, each in one line naming the flag. Fills one
+    unset value: without --tokenizer-type, --vocab-file with --merge-file (Megatron's gpt3
+    example gives only these) mean GPT2BPETokenizer, the only type those two files describe."""
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type, args.tokenizer_type_from_files = "GPT2BPETokenizer", True
     defaults = {f.name: f.default for f in fields(MegatronModelArgs)}
     for name in FP8_FLAGS:
         value = getattr(args, name)
@@ -197,6 +204,8 @@ def start_up_notes(args, device_type: str) -> list[str]:
          "the tokenizer is this command line's (megalite never takes it from a checkpoint)"),
     )
     notes += [line for name, line in explained if getattr(args, name)]
+    if args.tokenizer_type_from_files:
+        notes.append("--tokenizer-type not given: GPT2BPETokenizer, from --vocab-file and --merge-file")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
         notes.append("--cross-entropy-fusion-impl te: megalite's own fused cross-entropy kernel, "
                      "Transformer Engine not used")

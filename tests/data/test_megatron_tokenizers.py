@@ -63,3 +63,28 @@ def test_training_flags_reach_the_tokenizer(sp_model, tiktoken_file):
     args = _train_args(f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {sp_model} --vocab-extra-ids 4")
     tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, **tokenizer_options(args))
     assert tok.vocab_size == spm.SentencePieceProcessor(model_file=sp_model).get_piece_size() + 4
+
+
+def test_preprocess_data_takes_the_megatron_tokenizer_types(sp_model, tmp_path):
+    """tools/preprocess_data.py with Llama2Tokenizer: every document starts with <s>, as
+    Megatron's preprocessing writes it; --vocab-extra-ids reaches its SentencePieceTokenizer."""
+    import json
+
+    import numpy as np
+
+    from megalite.data.indexed_dataset import IndexedDataset
+    from tests.data.conftest import load_tool
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:2]))
+    tool = load_tool("preprocess_data")
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    out = str(tmp_path / "llama2")
+    assert tool.main(["--input", str(corpus), "--output-prefix", out, "--tokenizer-type", "Llama2Tokenizer",
+                      "--tokenizer-model", sp_model, "--append-eod", "--workers", "1"]) == 0
+    docs = IndexedDataset(out + "_text_document")
+    for i, text in enumerate(TEXTS[:2]):
+        assert np.asarray(docs[i]).tolist() == [sp.bos_id()] + sp.encode(text) + [sp.eos_id()]
+    config = tool.parse_args(["--input", str(corpus), "--output-prefix", out, "--tokenizer-type",
+                              "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--vocab-extra-ids", "5"])
+    assert config.tokenizer_options == {"vocab_extra_ids": 5}

@@ -131,6 +131,18 @@ def test_flags_served_another_way_say_how_in_one_line(extra, words):
     assert len(notes) == 1 and words in notes[0] and "\n" not in notes[0], notes
 
 
+def test_gpt2_bpe_files_without_a_tokenizer_type_mean_gpt2_bpe():
+    args = parsed("--vocab-file v.json --merge-file m.txt", None)
+    args.tokenizer_type = args.vocab_size = None
+    args.mock_data = True
+    from megalite.training.arguments import validate_args
+
+    validate_args(args, 1)
+    assert args.tokenizer_type == "GPT2BPETokenizer"
+    assert start_up_notes(args, "cpu") == ["--tokenizer-type not given: GPT2BPETokenizer, from --vocab-file and "
+                                           "--merge-file"]
+
+
 def test_defaults_print_no_notes():
     assert start_up_notes(parsed("", 1), "cpu") == []
     assert start_up_notes(parsed("--transformer-impl local --attention-backend auto", 1), "cuda") == []
