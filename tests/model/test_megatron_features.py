@@ -159,3 +159,21 @@ def test_new_features_tp2_match_tp1():
         assert features.get("qk_layernorm", False) == any("q_layernorm" in n for n in reference["grads"])
         for sp in (False, True):
             compare(result[(name, sp)], reference, f"{name} sp={sp}")
+
+
+@pytest.mark.parametrize("backend, kernels", [
+    ("flash", [torch.nn.attention.SDPBackend.FLASH_ATTENTION]),
+    ("fused", [torch.nn.attention.SDPBackend.CUDNN_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]),
+])
+def test_cuda_backends_restrict_sdpa_to_their_kernels(backend, kernels, monkeypatch):
+    """The CUDA path without a GPU: fake CUDA tensors through core_attention."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+    kernel = attention_backends.sdpa_kernel
+    monkeypatch.setattr(attention_backends, "sdpa_kernel", lambda ks: calls.append(ks) or kernel(ks))
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, heads, 8, 16, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2))
+        out = attention_backends.core_attention(q, k, v, None, backend=backend, dropout=0.0, scale=0.25)
+    assert out.shape == q.shape and calls == [kernels]
+    assert "CUDNN_ATTENTION / EFFICIENT_ATTENTION" in attention_backends.how_served("fused", "cuda")
