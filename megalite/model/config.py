@@ -124,10 +124,10 @@ class GPTConfig:
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
         }
-        self.unfused_kernels = tuple(self.unfused_kernels)
         unknown = set(self.unfused_kernels) - set(UNFUSABLE_OPS)
         if unknown:
             raise ValueError(f"GPTConfig.unfused_kernels: unknown ops {sorted(unknown)} (known: {UNFUSABLE_OPS})")
+        self.unfused_kernels = tuple(op for op in UNFUSABLE_OPS if op in self.unfused_kernels)  # one order
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -63,8 +63,9 @@ class MegatronModelArgs:
     rotary_interleaved: bool = arg(False, "RoPE on adjacent channel pairs instead of the two halves.")
     use_rotary_position_embeddings: bool = arg(
         False, "Deprecated form of --position-embedding-type rope.")
-    rotary_seq_len_interpolation_factor: int | None = arg(
-        None, "Divide positions by this before RoPE (linear position interpolation).")
+    rotary_seq_len_interpolation_factor: float | None = arg(
+        None, "Divide positions by this before RoPE (linear position interpolation; Megatron takes "
+        "integers, megalite any positive number, as Hugging Face's linear rope scaling).")
     use_rope_scaling: bool = arg(False, "Llama 3.1 RoPE frequency scaling.")
     rope_scaling_factor: float = arg(8.0, "Factor of --use-rope-scaling.")
     no_position_embedding: bool = arg(
