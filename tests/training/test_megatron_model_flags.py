@@ -9,7 +9,7 @@ import torch
 from megalite import kernels
 from megalite.model import gpt as gpt_module
 from megalite.model.gpt import GPTModel
-from megalite.training.arguments import model_config_from_args
+from megalite.training.arguments import model_config_from_args, validate_args
 from megalite.training.arguments_megatron_model import start_up_notes
 from tests.training.test_arguments import parsed, refused
 
@@ -135,8 +135,6 @@ def test_gpt2_bpe_files_without_a_tokenizer_type_mean_gpt2_bpe():
     args = parsed("--vocab-file v.json --merge-file m.txt", None)
     args.tokenizer_type = args.vocab_size = None
     args.mock_data = True
-    from megalite.training.arguments import validate_args
-
     validate_args(args, 1)
     assert args.tokenizer_type == "GPT2BPETokenizer"
     assert start_up_notes(args, "cpu") == ["--tokenizer-type not given: GPT2BPETokenizer, from --vocab-file and "
