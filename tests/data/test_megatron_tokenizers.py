@@ -88,3 +88,22 @@ def test_preprocess_data_takes_the_megatron_tokenizer_types(sp_model, tmp_path):
     config = tool.parse_args(["--input", str(corpus), "--output-prefix", out, "--tokenizer-type",
                               "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--vocab-extra-ids", "5"])
     assert config.tokenizer_options == {"vocab_extra_ids": 5}
+    config = tool.parse_args(["--input", str(corpus), "--output-prefix", out, "--tokenizer-type", "TikTokenizer",
+                              "--tokenizer-model", "t.tiktoken", "--tiktoken-pattern", "v1",
+                              "--tiktoken-num-special-tokens", "300"])
+    assert config.tokenizer_options == {"vocab_extra_ids": 0, "tiktoken_pattern": "v1",
+                                        "tiktoken_num_special_tokens": 300, "tiktoken_special_tokens": None}
+
+
+def test_generate_takes_the_tokenizer_options_from_flags_or_the_training_run():
+    from types import SimpleNamespace
+
+    from megalite.inference.cli import _tokenizer_options
+
+    trained = {"vocab_extra_ids": 3, "tiktoken_pattern": "v1", "tiktoken_num_special_tokens": 200}
+    unset = SimpleNamespace(vocab_extra_ids=None, tiktoken_pattern=None, tiktoken_num_special_tokens=None)
+    assert _tokenizer_options(unset, "SentencePieceTokenizer", trained) == {"vocab_extra_ids": 3}
+    given = SimpleNamespace(vocab_extra_ids=0, tiktoken_pattern="v2", tiktoken_num_special_tokens=None)
+    assert _tokenizer_options(given, "TikTokenizer", trained) == {
+        "vocab_extra_ids": 0, "tiktoken_pattern": "v2", "tiktoken_num_special_tokens": 200,
+        "tiktoken_special_tokens": None}
