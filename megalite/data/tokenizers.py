@@ -135,7 +135,8 @@ class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` (a file, or a directory holding one) via `tokenizers`.
 
     The end-of-document token is tokenizer_config.json's eos_token when that file sits beside
-    tokenizer.json, else the first of the usual names present in the vocabulary."""
+    tokenizer.json, else the first of the usual names present in the vocabulary; pad and bos
+    are its pad_token and bos_token (Megatron's HuggingFaceTokenizer reads the same file)."""
 
     def __init__(self, path: str):
         HFTokenizer = require_package("tokenizers", "HuggingFaceTokenizer").Tokenizer
@@ -156,7 +157,10 @@ class HuggingFaceTokenizer(Tokenizer):
             raise ValueError(f"--tokenizer-model {file}: no end-of-document token found "
                              f"(tried {', '.join(candidates)})")
         self.eod = eod
-        self.pad = next((vocab[t] for t in HF_PAD_CANDIDATES if t in vocab), eod)
+        config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        pad, bos = _config_token(config_file, "pad_token"), _config_token(config_file, "bos_token")
+        self.pad = vocab[pad] if pad in vocab else next((vocab[t] for t in HF_PAD_CANDIDATES if t in vocab), eod)
+        self.bos = vocab.get(bos) if bos else None  # as transformers' bos_token_id: None without one
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids

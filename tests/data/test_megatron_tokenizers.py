@@ -107,3 +107,27 @@ def test_generate_takes_the_tokenizer_options_from_flags_or_the_training_run():
     assert _tokenizer_options(given, "TikTokenizer", trained) == {
         "vocab_extra_ids": 0, "tiktoken_pattern": "v2", "tiktoken_num_special_tokens": 200,
         "tiktoken_special_tokens": None}
+
+
+def test_hugging_face_tokenizer_matches_megatron_core(tmp_path):
+    tokenizers = pytest.importorskip("megatron.core.tokenizers")
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([f"def f{i}(x): return {i}" for i in range(200)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<s>", "<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<s>",
+        "pad_token": "<pad>"}))
+    reference = tokenizers.MegatronTokenizer.from_pretrained(tokenizer_path=str(tmp_path),
+                                                             metadata_path={"library": "huggingface"})
+    ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert (ours.eod, ours.bos, ours.pad, ours.vocab_size) == (reference.eod, reference.bos, reference.pad,
+                                                                reference.vocab_size) == (0, 1, 2, 300)
+    for text in TEXTS:
+        assert ours.encode(text) == reference.tokenize(text)
