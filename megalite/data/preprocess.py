@@ -1,7 +1,9 @@
 """Tokenise raw corpora into Megatron indexed datasets, in parallel and in bounded memory.
 
 The input is cut into shards: byte ranges of plain files (aligned to lines by the reader),
-whole gzip files, or groups of whole files in one-document-per-file mode. --workers
+runs of Parquet row groups, whole gzip or zstd files, or groups of whole files in
+one-document-per-file mode. With --partition-index, only one partition's share of the
+input is processed (one task of a cluster job; tools/merge_datasets.py joins the parts). --workers
 processes (the main one and forked workers, see shard_pool.py) tokenise shards into their
 own small indexed datasets; the main process appends them, in input order, to the output
 under a temporary name and deletes them. The output is therefore the same for any number
@@ -26,7 +28,7 @@ import numpy as np
 from megalite.data.corpus import BadInput, expand_inputs
 from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from megalite.data.shard_pool import context, ordered_results
-from megalite.data.shards import Shard, absolute_line, plan_shards, read_shard
+from megalite.data.shards import Shard, absolute_line, partition_pieces, plan_shards, read_shard
 
 
 @dataclass
@@ -44,6 +46,7 @@ class PreprocessConfig:
     append_eod: bool = False
     workers: int = 1
     partitions: int = 1
+    partition_index: int | None = None  # process only this partition of `partitions`
     log_interval: int = 1000
     skip_bad_lines: bool = False
     text_mode: str = "line"  # plain text: one document per "line" or per "file"
@@ -60,11 +63,22 @@ class ShardResult:
     bytes: int = 0
     bad: list = field(default_factory=list)  # (path, first_line_offset, line, reason), first few
     bad_count: int = 0
+    bad_by_reason: dict = field(default_factory=dict)
     error: tuple | None = None  # (path, first_line_offset, line, reason)
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
+
+
+def partition_prefix(output_prefix: str, index: int, partitions: int) -> str:
+    """PREFIX-{index}-of-{partitions}, zero-padded so that the parts sort in order."""
+    return f"{output_prefix}-{index:05d}-of-{partitions:05d}"
+
+
+def reason_kind(reason: str) -> str:
+    """What a skipped line's reason says without its specifics (positions, values)."""
+    return re.sub(r"(?<![\w-])\d+(?![\w-])", "N", reason.split(" (")[0].split(":")[0])
 
 
 class ShardWorker:
@@ -126,6 +140,8 @@ class ShardWorker:
             result.error = where
             return
         result.bad_count += 1
+        kind = reason_kind(where[3])
+        result.bad_by_reason[kind] = result.bad_by_reason.get(kind, 0) + 1
         if len(result.bad) < 5:
             result.bad.append(where)
 
@@ -212,17 +228,29 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
         raise ValueError(f"--text-mode must be 'line' or 'file', got {config.text_mode!r}")
     if config.workers < 1 or config.partitions < 1:
         raise ValueError("--workers and --partitions must be at least 1")
+    base = config.output_prefix
+    if config.partition_index is not None:  # its own names, temporary ones too: tasks share a file system
+        if not 0 <= config.partition_index < config.partitions:
+            raise ValueError(f"--partition-index {config.partition_index} is not in [0, --partitions "
+                             f"{config.partitions})")
+        base = partition_prefix(base, config.partition_index, config.partitions)
+    outputs = [output_prefix_for(base, k) for k in config.json_keys]
     paths = expand_inputs(config.input)
-    prefix = os.path.abspath(config.output_prefix)
+    prefix = os.path.abspath(base)
     if not os.path.isdir(os.path.dirname(prefix)):
         raise ValueError(f"--output-prefix {config.output_prefix}: directory {os.path.dirname(prefix)} "
                          "does not exist")
     progress = Progress(config.log_interval, stream)
-    for leftover in remove_leftovers(prefix, config.json_keys):
+    for leftover in remove_leftovers(prefix, [os.path.abspath(out) for out in outputs]):
         print(f"removed {leftover}, left by a preprocessing run that was killed", file=progress.stream)
-    shards = plan_shards(paths, config.text_mode, config.workers, config.partitions, config.max_shard_bytes)
+    row_group_sizes = {}
+    pieces = partition_pieces(paths, config.text_mode, config.partitions, config.partition_index, row_group_sizes)
+    shards = plan_shards(pieces, config.text_mode, config.workers,
+                         1 if config.partition_index is not None else config.partitions,
+                         config.max_shard_bytes, row_group_sizes)
     tmp_dir = f"{prefix}.tmp-{os.getpid()}-shards"
-    summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
+    summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], bad_by_reason={},
+                   files=len({piece[0] for piece in pieces}))
     writers = []
     with terminate_raises():
         os.makedirs(tmp_dir)
@@ -230,8 +258,7 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
             counters = context().Array("q", 3)  # documents, bytes, tokens done, over all processes
             # built here first, so that tokenizer errors surface before any worker starts
             worker = ShardWorker(config, tmp_dir, counters, progress.update)
-            writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), worker.dtype)
-                       for k in config.json_keys]
+            writers = [IndexedDatasetWriter(out, worker.dtype) for out in outputs]
             # closed (its workers stopped) before tmp_dir is removed, however the loop ends
             with contextlib.closing(ordered_results(
                     worker, shards, config.workers, functools.partial(ShardWorker, config, tmp_dir, counters),
@@ -247,6 +274,8 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
                     for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
                         summary[key] += getattr(result, key)
                     summary["bad"].extend(str(_located(b)) for b in result.bad)
+                    for kind, count in result.bad_by_reason.items():
+                        summary["bad_by_reason"][kind] = summary["bad_by_reason"].get(kind, 0) + count
             for writer in writers:
                 writer.finalize()
         except BaseException:
@@ -256,10 +285,23 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     summary["bad"] = summary["bad"][:5]
-    summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
+    summary["outputs"] = outputs
+    summary["tokens_per_document"] = length_percentiles(outputs[0]) if outputs else {}
     print(progress.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
           file=progress.stream, flush=True)
     return summary
+
+
+def length_percentiles(prefix: str) -> dict:
+    """Tokens per document (of the first key's dataset): min, p10, p50, p90, p99, max."""
+    from megalite.data.indexed_dataset import IndexedDataset
+
+    lengths = IndexedDataset(prefix).sequence_lengths
+    if not len(lengths):
+        return {}
+    points = dict(min=0, p10=10, p50=50, p90=90, p99=99, max=100)
+    values = np.percentile(lengths, list(points.values()), method="nearest")
+    return {name: int(v) for name, v in zip(points, values)}
 
 
 class Terminated(BaseException):
@@ -283,12 +325,13 @@ def terminate_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
-def remove_leftovers(prefix: str, keys: list[str]) -> list[str]:
+def remove_leftovers(prefix: str, outputs: list[str]) -> list[str]:
     """Delete the temporary files and shard directories that earlier runs with this output
-    prefix left when killed (their process no longer exists); return their paths."""
+    prefix (writing `outputs`) left when killed (their process no longer exists); return
+    their paths."""
     patterns = [f"{glob.escape(prefix)}.tmp-*-shards"]
-    for key in keys:
-        out = glob.escape(output_prefix_for(prefix, key))
+    for out in outputs:
+        out = glob.escape(out)
         patterns += [f"{out}.bin.tmp-*", f"{out}.idx.tmp-*"]
     removed = []
     for path in sorted(p for pattern in patterns for p in glob.glob(pattern)):
