@@ -163,32 +163,30 @@ class _ZstdFrames(io.RawIOBase):
     def __init__(self, path: str, zstandard):
         self.file, self.zstandard = open(path, "rb"), zstandard
         self.frame = zstandard.ZstdDecompressor().decompressobj()
-        self.pending, self.pos, self.in_frame = b"", 0, False
+        self.pending, self.pos, self.in_frame, self.unused = b"", 0, False, b""
         self.frame_start = 0  # byte offset in the file of the frame being decompressed
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while self.pos == len(self.pending):
-            self.pending, self.pos = b"", 0
-            chunk = self.file.read(1 << 18)
+        while self.pos == len(self.pending):  # one frame (or 256 KiB of input) at a time, so that
+            self.pending, self.pos = b"", 0    # a damaged frame stops after the lines before it
+            chunk, self.unused = self.unused or self.file.read(1 << 18), b""
             if not chunk:
                 if self.in_frame:
                     raise self.zstandard.ZstdError(f"the file is truncated inside the frame starting at byte "
                                                    f"{self.frame_start}")
                 return 0
-            while chunk:
-                self.in_frame = True
-                try:
-                    self.pending += self.frame.decompress(chunk)
-                except self.zstandard.ZstdError as e:
-                    raise self.zstandard.ZstdError(f"{e}, in the frame starting at byte {self.frame_start}") from None
-                chunk = b""
-                if self.frame.eof:  # the next frame starts in what this one left
-                    chunk, self.in_frame = self.frame.unused_data, False
-                    self.frame_start = self.file.tell() - len(chunk)
-                    self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+            self.in_frame = True
+            try:
+                self.pending = self.frame.decompress(chunk)
+            except self.zstandard.ZstdError as e:
+                raise self.zstandard.ZstdError(f"{e}, in the frame starting at byte {self.frame_start}") from None
+            if self.frame.eof:  # the next frame starts in what this one left
+                self.unused, self.in_frame = self.frame.unused_data, False
+                self.frame_start = self.file.tell() - len(self.unused)
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
         n = min(len(buffer), len(self.pending) - self.pos)
         buffer[:n] = memoryview(self.pending)[self.pos:self.pos + n]
         self.pos += n

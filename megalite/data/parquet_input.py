@@ -32,7 +32,8 @@ def open_parquet(path: str):
 def row_group_sizes(path: str) -> list[int]:
     """Compressed bytes of each row group (what planning splits by)."""
     meta = open_parquet(path).metadata
-    return [meta.row_group(i).total_compressed_size for i in range(meta.num_row_groups)]
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return [sum(g.column(c).total_compressed_size for c in range(g.num_columns)) for g in groups]
 
 
 def read_parquet(path: str, first: int, last: int | None, keys: list[str]):
