@@ -18,15 +18,14 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from megalite.data.corpus import BadInput, expand_inputs
 from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from megalite.data.preprocess_report import Progress, length_percentiles, reason_kind
 from megalite.data.shard_pool import context, ordered_results
 from megalite.data.shards import Shard, absolute_line, partition_pieces, plan_shards, read_shard
 
@@ -52,6 +51,7 @@ class PreprocessConfig:
     text_mode: str = "line"  # plain text: one document per "line" or per "file"
     batch_bytes: int = 1 << 20  # text handed to the tokenizer at once
     max_shard_bytes: int = 64 << 20
+    use_gigatoken: bool = True  # where installed and its ids check out (tests and benchmarks turn it off)
 
 
 @dataclass
@@ -76,16 +76,11 @@ def partition_prefix(output_prefix: str, index: int, partitions: int) -> str:
     return f"{output_prefix}-{index:05d}-of-{partitions:05d}"
 
 
-def reason_kind(reason: str) -> str:
-    """What a skipped line's reason says without its specifics (positions, values)."""
-    return re.sub(r"(?<![\w-])\d+(?![\w-])", "N", reason.split(" (")[0].split(":")[0])
-
-
 class ShardWorker:
     """Tokenises shards; one per process (built once, as the tokenizer is, and inherited by
     forked workers)."""
 
-    def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None):
+    def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None, gigatoken=False):
         from megalite.data.tokenizers import build_tokenizer
 
         self.config = config
@@ -98,6 +93,34 @@ class ShardWorker:
             merge_file=config.merge_file, vocab_size=config.vocab_size)
         self.dtype = np.dtype(dtype_for_vocab(self.tokenizer.vocab_size))
         self.eod_bytes = np.array([self.tokenizer.eod], np.int32).tobytes()
+        self.encoder = self.tokenizer  # what encode_batch_bytes goes through
+        self.gigatoken = False
+        if gigatoken:  # a spawned worker: the caller checked gigatoken's ids already
+            encoder, why = self._gigatoken_encoder([])
+            if encoder is None:
+                raise RuntimeError(f"a preprocessing worker could not use gigatoken as the main process did: {why}")
+            self.encoder, self.gigatoken = encoder, True
+
+    def _gigatoken_encoder(self, sample):
+        from megalite.data.gigatoken_encoder import gigatoken_encoder
+
+        cfg = self.config
+        return gigatoken_encoder(self.tokenizer, cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model,
+                                 vocab_file=cfg.vocab_file, merge_file=cfg.merge_file, sample=sample)
+
+    def choose_encoder(self, sample: list[str]) -> str | None:
+        """Encode through gigatoken if allowed, installed and giving the tokenizer's ids on
+        the probe texts and `sample`; return a line saying which path is used and why (None
+        for the NullTokenizer, which has one path)."""
+        if self.config.tokenizer_type == "NullTokenizer":
+            return None
+        why = "gigatoken is turned off"
+        if self.config.use_gigatoken:
+            encoder, why = self._gigatoken_encoder(sample)
+            if encoder is not None:
+                self.encoder, self.gigatoken = encoder, True
+                return f"tokenising with {why}"
+        return f"tokenising with {self.config.tokenizer_type}'s own library path ({why})"
 
     def shard_prefix(self, index: int, key: str) -> str:
         return os.path.join(self.tmp_dir, f"shard{index:06d}_{key}")
@@ -152,13 +175,13 @@ class ShardWorker:
         as empty documents)."""
         keys = range(len(self.config.json_keys))
         try:
-            return [self.tokenizer.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
+            return [self.encoder.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
         except (ValueError, TypeError):
             pass
         per_doc = []
         for texts, (path, first_line_offset, line) in batch:
             try:
-                per_doc.append([self.tokenizer.encode_batch_bytes([texts[k]])[0] for k in keys])
+                per_doc.append([self.encoder.encode_batch_bytes([texts[k]])[0] for k in keys])
             except (ValueError, TypeError) as e:
                 self._bad(result, (path, first_line_offset, line, f"tokenizer refused the text: {e}"))
                 if result.error is not None:
@@ -196,27 +219,6 @@ class ShardWorker:
                 self.progress[2] += result.tokens - tokens_before
             if self.report is not None and os.getpid() == self.owner:
                 self.report(*self.progress[:])
-
-
-class Progress:
-    """Prints docs/s, MB/s and tokens/s every --log-interval documents (checked twice a second)."""
-
-    def __init__(self, log_interval: int, stream=None):
-        self.log_interval = max(1, log_interval)
-        self.next_report = self.log_interval
-        self.start = time.perf_counter()
-        self.stream = stream or sys.stderr
-
-    def line(self, docs, nbytes, tokens, final=False) -> str:
-        dt = max(time.perf_counter() - self.start, 1e-9)
-        head = "done" if final else "processed"
-        return (f"{head} {docs} documents ({docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s, "
-                f"{tokens / dt:.0f} tokens/s, {dt:.1f} s)")
-
-    def update(self, docs, nbytes, tokens):
-        if docs >= self.next_report:
-            print(self.line(docs, nbytes, tokens), file=self.stream, flush=True)
-            self.next_report = (docs // self.log_interval + 1) * self.log_interval
 
 
 def preprocess(config: PreprocessConfig, stream=None) -> dict:
@@ -258,10 +260,13 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
             counters = context().Array("q", 3)  # documents, bytes, tokens done, over all processes
             # built here first, so that tokenizer errors surface before any worker starts
             worker = ShardWorker(config, tmp_dir, counters, progress.update)
+            if (line := worker.choose_encoder(input_sample(shards, config))) is not None:
+                print(line, file=progress.stream, flush=True)
             writers = [IndexedDatasetWriter(out, worker.dtype) for out in outputs]
             # closed (its workers stopped) before tmp_dir is removed, however the loop ends
             with contextlib.closing(ordered_results(
-                    worker, shards, config.workers, functools.partial(ShardWorker, config, tmp_dir, counters),
+                    worker, shards, config.workers,
+                    functools.partial(ShardWorker, config, tmp_dir, counters, gigatoken=worker.gigatoken),
                     lambda: progress.update(*counters[:]))) as results:
                 for result in results:
                     if result.error is not None:
@@ -292,16 +297,15 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
     return summary
 
 
-def length_percentiles(prefix: str) -> dict:
-    """Tokens per document (of the first key's dataset): min, p10, p50, p90, p99, max."""
-    from megalite.data.indexed_dataset import IndexedDataset
+def input_sample(shards: list[Shard], config: PreprocessConfig) -> list[str]:
+    """The first documents of the input (about 64 KB), for checking gigatoken's ids."""
+    from megalite.data.gigatoken_encoder import sample_documents
 
-    lengths = IndexedDataset(prefix).sequence_lengths
-    if not len(lengths):
-        return {}
-    points = dict(min=0, p10=10, p50=50, p90=90, p99=99, max=100)
-    values = np.percentile(lengths, list(points.values()), method="nearest")
-    return {name: int(v) for name, v in zip(points, values)}
+    if not shards or not config.use_gigatoken or config.tokenizer_type == "NullTokenizer":
+        return []
+    items = read_shard(shards[0], config.json_keys, config.text_mode)
+    with contextlib.closing(items):
+        return sample_documents(item[0] for item in items if not isinstance(item, BadInput))
 
 
 class Terminated(BaseException):
