@@ -28,13 +28,31 @@ SAMPLE_BYTES = 1 << 16
 
 
 class GigatokenEncoder:
-    """encode_batch_bytes(texts) -> int32 id bytes per text, through a gigatoken Tokenizer."""
+    """encode_batch_bytes(texts) -> int32 id bytes per text, through a gigatoken Tokenizer.
 
-    def __init__(self, tokenizer, version: str):
-        self.tokenizer = tokenizer
-        self.version = version
+    gigatoken reads its special tokens (SentencePiece's <s>, </s>, <pad>; tokenizer.json's
+    added special tokens) in text as those tokens, where SentencePiece reads them as text:
+    the rare text that contains one goes through the tokenizer's own path (`library`)."""
+
+    def __init__(self, tokenizer, version: str, library, specials: list[str]):
+        self.tokenizer, self.version, self.library, self.specials = tokenizer, version, library, specials
 
     def encode_batch_bytes(self, texts: list[str]) -> list[bytes]:
+        if not texts:
+            return []
+        special = [i for i, t in enumerate(texts) if any(s in t for s in self.specials)] if self.specials else []
+        if not special:
+            return self._encode(texts)
+        routed = set(special)
+        plain = [i for i in range(len(texts)) if i not in routed]
+        out = [b""] * len(texts)
+        for indices, encoded in ((plain, self._encode([texts[i] for i in plain])),
+                                 (special, self.library.encode_batch_bytes([texts[i] for i in special]))):
+            for i, ids in zip(indices, encoded):
+                out[i] = ids
+        return out
+
+    def _encode(self, texts: list[str]) -> list[bytes]:
         if not texts:
             return []
         layout = self.tokenizer.encode_batch(texts, parallel=False).layout
@@ -94,14 +112,18 @@ def gigatoken_encoder(tokenizer, tokenizer_type: str, *, tokenizer_model=None, v
         return None, f"gigatoken {version} cannot load this {tokenizer_type} ({str(e).splitlines()[0][:200]})"
     if built is None:
         return None, f"gigatoken does not carry {tokenizer_type}'s pre-tokenisation"
-    encoder = GigatokenEncoder(built, version)
-    texts = PROBE_TEXTS + list(sample)
+    special_tokens = getattr(built, "_special_tokens", dict)()
+    specials = sorted(str(t) for t in special_tokens if t)
+    encoder = GigatokenEncoder(built, version, tokenizer, specials)
+    texts = PROBE_TEXTS + [f"a {t} b{t}" for t in specials] + list(sample)
     theirs = encoder.encode_batch_bytes(texts)
     ours = tokenizer.encode_batch_bytes(texts)
     for text, a, b in zip(texts, theirs, ours):
         if a != b:
+            a, b = np.frombuffer(a, np.int32), np.frombuffer(b, np.int32)
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             return None, (f"gigatoken {version} gives other ids than {tokenizer_type} for {text[:40]!r} "
-                          f"({np.frombuffer(a, np.int32)[:8].tolist()} vs {np.frombuffer(b, np.int32)[:8].tolist()})")
+                          f"(from token {at}: {a[at:at + 4].tolist()} vs {b[at:at + 4].tolist()})")
     return encoder, (f"gigatoken {version}, ids checked against {tokenizer_type} on {len(PROBE_TEXTS)} probe "
                      f"texts and {len(sample)} input documents")
 
