@@ -77,8 +77,17 @@ def test_parquet_and_zstd_give_the_jsonl_bytes(tool, capsys, tmp_path, paragraph
         code, err, _ = run(tool, capsys, "--input", tmp_path / name, "--output-prefix", prefix, *sp_args(sp_model),
                            "--skip-bad-lines", "--workers", 2)
         assert code == 0, err
-        assert any(line.startswith("skipped 2 bad lines (") for line in err), err
-        assert any(line.startswith("tokens per document: min ") and " p50 " in line for line in err), err
+        skipped = next(line for line in err if line.startswith("skipped 2 bad lines ("))
+        if name == "in.parquet":
+            assert skipped.startswith("skipped 2 bad lines (1 column 'text' holds bytes that are not UTF-8 text; "
+                                      f"1 column 'text' is null), first: {tmp_path / name}: row 8: "), skipped
+        else:
+            assert skipped.startswith("skipped 2 bad lines (1 key 'text' holds NoneType, expected a string; 1 key "
+                                      f"'text' holds int, expected a string), first: {tmp_path / name}:8: "), skipped
+        lengths = IndexedDataset(f"{prefix}_text_document").sequence_lengths
+        expected = ", ".join(f"{k} {int(np.percentile(lengths, q, method='nearest'))}" for k, q in
+                             (("min", 0), ("p10", 10), ("p50", 50), ("p90", 90), ("p99", 99), ("max", 100)))
+        assert f"tokens per document: {expected}" in err, err
         outputs[name] = files_of(f"{prefix}_text_document")
     assert outputs["in.parquet"] == outputs["in.jsonl"]
     assert outputs["in.jsonl.zst"] == outputs["in.jsonl"]
@@ -105,7 +114,10 @@ def test_parquet_bad_rows_and_columns_stop_naming_file_and_row(tool, capsys, tmp
     assert code == 1 and err == [f"error: {path}: row 1: column 'text' holds int64, expected a string"], err
     code, err, _ = run(tool, capsys, "--input", path, "--output-prefix", tmp_path / "o", *null, "--json-keys", "body")
     assert code == 1 and err == [f"error: {path}: row 1: missing column 'body' (columns present: ['text'])"], err
-    assert sorted(os.listdir(tmp_path)) == ["a.parquet"]
+    (tmp_path / "b.parquet").write_bytes(b'{"text": "not parquet"}\n')
+    code, err, _ = run(tool, capsys, "--input", tmp_path / "b.parquet", "--output-prefix", tmp_path / "o", *null)
+    assert code == 1 and err[0].startswith(f"error: {tmp_path / 'b.parquet'}: row 1: not a readable Parquet file ("), err
+    assert sorted(os.listdir(tmp_path)) == ["a.parquet", "b.parquet"]
 
 
 @pytest.mark.parametrize("checksums", [True, False])
