@@ -114,7 +114,8 @@ def gigatoken_encoder(tokenizer, tokenizer_type: str, *, tokenizer_model=None, v
     special_tokens = getattr(built, "_special_tokens", dict)()
     specials = sorted(str(t) for t in special_tokens if t)
     encoder = GigatokenEncoder(built, version, tokenizer, specials)
-    texts = PROBE_TEXTS + [f"a {t} b{t}" for t in specials] + list(sample)
+    added = _added_tokens(tokenizer_type, tokenizer_model)  # each probed in text, special or not
+    texts = PROBE_TEXTS + [f"a {t} b{t}" for t in sorted(set(specials) | set(added))] + list(sample)
     theirs = encoder.encode_batch_bytes(texts)
     ours = tokenizer.encode_batch_bytes(texts)
     for text, a, b in zip(texts, theirs, ours):
@@ -125,6 +126,14 @@ def gigatoken_encoder(tokenizer, tokenizer_type: str, *, tokenizer_model=None, v
                           f"(from token {at}: {a[at:at + 4].tolist()} vs {b[at:at + 4].tolist()})")
     return encoder, (f"gigatoken {version}, ids checked against {tokenizer_type} on {len(PROBE_TEXTS)} probe "
                      f"texts and {len(sample)} input documents")
+
+
+def _added_tokens(tokenizer_type: str, tokenizer_model) -> list[str]:
+    if tokenizer_type != "HuggingFaceTokenizer":
+        return []
+    file = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
+    with open(file, encoding="utf-8") as f:
+        return [str(t.get("content", "")) for t in json.load(f).get("added_tokens") or [] if t.get("content")]
 
 
 def _dist_version() -> str:
