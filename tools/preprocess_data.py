@@ -15,7 +15,13 @@ On a cluster, one task per partition (e.g. a Slurm array, scripts/slurm/preproce
         --output-prefix data/corpus_text_document
 
 each task writing PREFIX-{i}-of-{n}_{key}_document.bin/.idx from its share of the files and
-rows; merged in order they are byte for byte what one run over all the input writes. Bad input stops
+rows; merged in order they are byte for byte what one run over all the input writes.
+
+Where gigatoken is installed (pip install 'megalite[gigatoken]'), SentencePiece, GPT-2 BPE and
+Hugging Face tokenizers encode through it once a start-up check shows it gives their own ids
+on probe texts and the input's first 64 KB (the first line printed says which path is used
+and why); otherwise, and for TikTokenizer, through their own library path. The ids, and so
+the output, are the same either way. Bad input stops
 with file:line: reason and a non-zero exit unless --skip-bad-lines; nothing is left under the
 output names unless the run succeeds (an interrupted or terminated run removes its temporary
 files; the next run with the same --output-prefix removes those of a killed one).
