@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             else:
                 trainer.say(f"stopping at iteration {run.iteration} ({reason})")
             trainer.finish_pending_save()
-            trainer.logger.close()
+            trainer.close()
         except CheckpointError as error:
             _die(2, f"pretrain_gpt: error: {error}")
         except BaseException:  # noqa: BLE001 - report and leave without tearing down groups
