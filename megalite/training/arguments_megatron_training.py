@@ -81,6 +81,8 @@ class MegatronTrainingArgs:
     profile_step_start: int = arg(10, "First profiled iteration.")
     profile_step_end: int = arg(12, "Profiling stops before this iteration.")
     profile_ranks: list[str] | None = arg(None, "Global ranks to profile (default 0).")
+    global_batch_size_from_schedule: bool = arg(
+        False, "--global-batch-size was filled from --step-batch-size-schedule.", cli=False)
 
 
 def _int_list(name: str, values, fail) -> list[int]:
@@ -173,10 +175,10 @@ def _check_batch_schedule(args, fail) -> None:
             fail(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: expected "
                  "'THRESHOLD:BATCH THRESHOLD:BATCH ...'")
         final = batch_schedule_from_args(args, fail).final
-        if args.global_batch_size not in (None, final):  # a second validation finds it filled
+        if args.global_batch_size is not None and not args.global_batch_size_from_schedule:
             fail("--step-batch-size-schedule and --global-batch-size contradict each other (the "
                  "schedule's last batch size is the global batch size)")
-        args.global_batch_size = final
+        args.global_batch_size, args.global_batch_size_from_schedule = final, True
 
 
 def finish_batch_args(args, fail) -> None:
