@@ -4,9 +4,6 @@ deterministic mode, manual GC, empty-cache levels, bf16 gradient reduction, the 
 check, and the flags megalite serves another way (one start-up line each)."""
 
 import gc
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,10 +21,10 @@ from megalite.training.arguments import model_config_from_args, parse_args, vali
 from megalite.training.batch_schedule import BatchSchedule
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr, scale_main_grads, token_factor
-from megalite.training.run_hooks import RunHooks, check_weight_hash
+from megalite.training.run_hooks import RunHooks, apply_deterministic_mode, check_weight_hash
 from megalite.training.setup_run import _wrap, startup_notes
 from tests.distributed import run_distributed
-from tests.training.launch import REPO, drop_flags
+from tests.training.launch import drop_flags
 from tests.training.test_arguments import BASE, parsed, refused
 
 SAMPLES = drop_flags(BASE, "--train-iters") + ["--train-samples", "40"]
@@ -228,24 +225,19 @@ def test_microbatch_group_size_is_the_pipeline_size_or_refused():
 
 # --- deterministic mode, GC, memory, gradients in bf16 --------------------------------------------
 
-DETERMINISM_PROBE = """
-import os, torch
-from megalite.training.run_hooks import apply_deterministic_mode
-assert not torch.are_deterministic_algorithms_enabled()
-apply_deterministic_mode()
-print(torch.are_deterministic_algorithms_enabled(), os.environ['NCCL_ALGO'], os.environ['CUBLAS_WORKSPACE_CONFIG'])
-"""
-
-
 def test_deterministic_mode_sets_torch_and_the_environment():
-    env = {k: v for k, v in os.environ.items() if k not in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
-    env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", DETERMINISM_PROBE], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.stdout.split() == ["True", "Ring", ":4096:8"], out.stderr
-    out = subprocess.run([sys.executable, "-c", DETERMINISM_PROBE], env={**env, "NCCL_ALGO": "Tree"},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--deterministic-mode: NCCL_ALGO='Tree' is not deterministic" in out.stderr
+    environ = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        apply_deterministic_mode(environ)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = benchmark
+    assert environ == {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    with pytest.raises(ValueError, match="--deterministic-mode: NCCL_ALGO='Tree' is not deterministic"):
+        apply_deterministic_mode({"NCCL_ALGO": "Tree"})
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def _hooks(**overrides):
