@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from megalite.parallel.pipeline.schedules import validate_schedule
 from megalite.training.arguments_field import arg, on_cpu
-from megalite.training.batch_schedule import batch_schedule_from_args
+from megalite.training.batch_schedule import batch_schedule_from_args, parse_threshold
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 
@@ -67,11 +67,11 @@ class MegatronTrainingArgs:
         None, "Every this many iterations, check that every data-parallel replica holds "
         "bit-identical weights; stop naming the differing ranks if not.")
     rerun_mode: str = arg(
-        "disabled", "On a NaN or infinite loss: disabled (count it and go on, megalite's default; "
-        "Megatron's is validate_results), validate_results (re-run the step on the same data and "
-        "stop, reporting whether the fault reproduced: persistent, or not: transient), "
-        "report_stats (run every step twice and report how often results differ).",
-        choices=RERUN_MODES)
+        "validate_results", "validate_results: a step whose loss is NaN or infinite is re-run on the "
+        "same micro-batches with the same random state; reproduced, the run stops (a persistent "
+        "fault), otherwise it goes on with the re-run (a transient fault), each said in one line. "
+        "report_stats: every step runs twice and the differences are reported every --log-interval. "
+        "disabled: a NaN step is only counted.", choices=RERUN_MODES)
     profile: bool = arg(
         False, "Profile iterations --profile-step-start to --profile-step-end with torch.profiler "
         "(a Chrome trace per profiled rank in --tensorboard-dir, else <save>/profile).")
@@ -90,18 +90,6 @@ def _int_list(name: str, values, fail) -> list[int]:
         return [int(v) for v in values]
     except ValueError:
         fail(f"--{name.replace('_', '-')} expects integers, got {' '.join(values)!r}")
-
-
-def parse_threshold(text: str, fail) -> int:
-    """'250B' -> 250_000_000_000; suffixes K M B T as Megatron reads them."""
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
-    text = text.strip().upper()
-    factor = scale.get(text[-1:], 1)
-    number = text[:-1] if factor > 1 else text
-    try:
-        return int(float(number) * factor)
-    except ValueError:
-        fail(f"--step-batch-size-schedule: {text!r} is not a number (suffixes K, M, B, T)")
 
 
 def check_megatron_training_args(args, world_size: int, fail) -> None:

@@ -13,6 +13,18 @@ num-microbatches calculators:
 """
 
 
+def parse_threshold(text: str, fail) -> int:
+    """'250B' -> 250_000_000_000; suffixes K M B T as Megatron reads them."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+    text = text.strip().upper()
+    factor = scale.get(text[-1:], 1)
+    number = text[:-1] if factor > 1 else text
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        fail(f"--step-batch-size-schedule: {text!r} is not a number (suffixes K, M, B, T)")
+
+
 class BatchSchedule:
     def __init__(self, final: int, *, rampup: tuple[int, int, int] | None = None,
                  steps: list[tuple[int, int]] | None = None):
@@ -78,8 +90,6 @@ def parse_step_schedule(text: str, seq_length: int, parse_threshold) -> list[tup
 
 
 def batch_schedule_from_args(args, fail=None) -> BatchSchedule:
-    from megalite.training.arguments_megatron_training import parse_threshold
-
     def default_fail(message):
         raise ValueError(message)
 

@@ -19,6 +19,7 @@ from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
+from megalite.training.rerun import RerunState
 from megalite.training.run_hooks import RunHooks
 from megalite.training.setup_run import Run, build_data, data_iterator
 from megalite.training.straggler import report_stragglers
@@ -86,6 +87,7 @@ class Trainer:
         self.hooks = RunHooks(self.args, run.pstate, run.device,
                               flops_per_sample=run.flops_per_token * self.args.seq_length)
         self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
+        self.rerun = RerunState(self.args.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
         # Only the first and last pipeline stages build datasets; every rank must agree on which
         # splits exist, or the others would wait in the pipeline for a split that has no data.
@@ -175,22 +177,39 @@ class Trainer:
         return (loss * factor if loss is not None else None), factor
 
     # --- training ------------------------------------------------------------------------------
+    def _forward_backward(self, executor, microbatches, rng: dict | None = None):
+        """Gradients of one step left in the DDP buffers (after restoring `rng`, for a re-run);
+        returns the step's loss."""
+        run = self.run
+        if rng is not None:
+            self.rerun.restore_rng(rng)
+        run.optimizer.zero_grad()
+        executor.loss_scale = run.optimizer.loss_scale
+        started = time.perf_counter()
+        with self.timers("forward-backward"):
+            loss, factor = self.step_loss(executor, microbatches)
+        self.forward_backward_seconds += time.perf_counter() - started
+        with self.timers("grads-sync"):
+            finalize_model_grads(run.chunks, run.pstate)
+            if factor is not None:
+                scale_main_grads(run.chunks, factor)
+        return loss
+
     def train_step(self, iterator):
         """One iteration: (loss, update ok, grad norm, zeros in the gradients, batch size)."""
         run = self.run
         batch = self.batch_schedule.at(run.consumed_train_samples)
         executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
         self.hooks.before_iteration(run.iteration)
-        run.optimizer.zero_grad()
-        executor.loss_scale = run.optimizer.loss_scale
-        started = time.perf_counter()
-        with self.timers("forward-backward"):
-            loss, factor = self.step_loss(executor, iterator)
-        self.forward_backward_seconds += time.perf_counter() - started
-        with self.timers("grads-sync"):
-            finalize_model_grads(run.chunks, run.pstate)
-            if factor is not None:
-                scale_main_grads(run.chunks, factor)
+        if self.rerun.active:  # keep the micro-batches and random state for a re-run
+            batches = [next(iterator) for _ in range(executor.num_microbatches)] if iterator is not None else None
+            rng = self.rerun.save_rng()
+            loss = self._forward_backward(executor, iter(batches) if batches is not None else None)
+            again = self.rerun.check(run.iteration + 1, loss, lambda: (self._forward_backward(
+                executor, iter(batches) if batches is not None else None, rng),))
+            loss = loss if again is None else again[0]
+        else:
+            loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
         if ok:
@@ -234,6 +253,9 @@ class Trainer:
         if run.writes_logs:
             self.tensorboard.log_timers(run.iteration, elapsed / max(iters, 1), self.timers.last_max_ms)
             self.tensorboard.log_params_norm(run.iteration, run.consumed_train_samples, norm_of_params)
+        rerun_stats = self.rerun.report()
+        if rerun_stats:
+            self.say(rerun_stats)
         if self.args.log_straggler:
             line = report_stragglers(self.forward_backward_seconds / max(iters, 1), run.pstate, run.device)
             if run.pstate.rank == 0:
