@@ -50,19 +50,22 @@ def check_megatron_logging_args(args, fail) -> None:
     for name in ("tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.log_progress and not args.save:
-        fail("--log-progress writes <save>/progress.txt: it needs --save")
     if args.wandb_entity and not args.wandb_project:
         fail("--wandb-entity needs --wandb-project")
+
+
+def megatron_logging_notes(args) -> list[str]:
+    """Megatron writes nothing for these without --save / --tensorboard-dir; neither does megalite,
+    but it says so."""
+    notes = []
+    if args.log_progress and not args.save:
+        notes.append("--log-progress: no --save, so no progress.txt is written (as in Megatron)")
     tensorboard_only = [f for f in ("log_validation_ppl_to_tensorboard", "log_timers_to_tensorboard",
                                     "log_memory_to_tensorboard", "log_world_size_to_tensorboard",
                                     "log_batch_size_to_tensorboard") if getattr(args, f)]
     if tensorboard_only and not args.tensorboard_dir:
-        fail(f"--{tensorboard_only[0].replace('_', '-')} needs --tensorboard-dir")
-
-
-def megatron_logging_notes(args) -> list[str]:
-    notes = []
+        notes.append(f"--{tensorboard_only[0].replace('_', '-')}: no --tensorboard-dir, so no TensorBoard "
+                     "scalars are written (as in Megatron)")
     if args.log_memory_to_tensorboard and on_cpu(args):
         notes.append("--log-memory-to-tensorboard: on CPU megalite writes the process's peak RSS "
                      "as 'mem-max-rss-bytes' (the CUDA allocator statistics need a GPU)")

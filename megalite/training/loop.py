@@ -85,7 +85,8 @@ class Trainer:
         self.tensorboard = MegatronTensorboard(self.args, run.writes_logs)
         self.batch_schedule = batch_schedule_from_args(self.args)
         self.hooks = RunHooks(self.args, run.pstate, run.device,
-                              flops_per_sample=run.flops_per_token * self.args.seq_length)
+                              flops_per_sample=run.flops_per_token * self.args.seq_length,
+                              resume_iteration=run.iteration if run.loaded_from and not self.args.finetune else None)
         self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
         self.rerun = RerunState(self.args.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)

@@ -99,9 +99,27 @@ def progress_start(save_dir: str, world_size: int) -> tuple[datetime, float]:
     return start, start_flops
 
 
+def saved_flops(save_dir: str, iteration: int) -> float:
+    """The floating-point operations progress.txt records for the checkpoint of `iteration`."""
+    path, flops = os.path.join(save_dir, "progress.txt"), 0.0
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                tokens = line.rstrip("\n").split("\t")
+                if len(tokens) > 7 and tokens[3] == "Saved checkpoint" and tokens[4] == f"Iteration: {iteration}":
+                    flops = float(tokens[7].split(": ")[1])
+    return flops
+
+
 class RunHooks:
-    def __init__(self, args, pstate, device, *, flops_per_sample: float = 0.0, start_flops: float = 0.0):
+    def __init__(self, args, pstate, device, *, flops_per_sample: float = 0.0, resume_iteration: int | None = None):
+        """`resume_iteration`: the loaded checkpoint's iteration; the floating-point operations
+        progress.txt recorded for it are where this job's count starts (Megatron keeps the count
+        in its checkpoints)."""
         self.args, self.pstate, self.device = args, pstate, device
+        start_flops = 0.0
+        if args.log_progress and args.save and resume_iteration:
+            start_flops = saved_flops(args.save, resume_iteration)
         self.flops_per_sample, self.job_start_flops = flops_per_sample, start_flops
         self.total_flops = start_flops
         self.job_start = datetime.now()
@@ -111,7 +129,7 @@ class RunHooks:
         if args.manual_gc:
             gc.disable()
             gc.collect()
-        if args.log_progress and pstate.rank == 0:
+        if args.log_progress and args.save and pstate.rank == 0:
             append_progress(args.save, pstate.world_size, "Starting job")
 
     # --- around iterations ------------------------------------------------------------------
@@ -151,7 +169,7 @@ class RunHooks:
     def after_save(self, iteration: int, consumed_samples: int) -> None:
         """Megatron's progress line for a saved checkpoint (rank 0)."""
         args = self.args
-        if not args.log_progress or self.pstate.rank != 0:
+        if not args.log_progress or not args.save or self.pstate.rank != 0:
             return
         world = self.pstate.world_size
         seconds = max((datetime.now() - self.job_start).total_seconds(), 1e-9)

@@ -22,6 +22,7 @@ import torch
 
 from megalite.training.checkpointing import iteration_dir
 from megalite.training.metrics import MetricsLogger, read_metrics
+from megalite.training.run_hooks import RunHooks
 from megalite.training.tensorboard_log import MegatronTensorboard
 from megalite.training.timers import Timers
 from tests.training.launch import BASE, drop_flags, run
@@ -196,3 +197,31 @@ def test_timing_log_option_formats(option, header):
                 "minmax": "    optimizer ......................................: (250.00, 250.00)",
                 "all": "  optimizer:\n     rank  0: 250.00"}[option]
     assert text == f"{header}\n{expected}" and timers.last_max_ms["optimizer"] == 250.0
+
+
+def test_progress_floating_point_operations_continue_after_a_resume(tmp_path):
+    args = SimpleNamespace(log_progress=True, save=str(tmp_path), manual_gc=False, profile=False, profile_ranks=None,
+                           seq_length=16, empty_unused_memory_level=0,
+                           check_weight_hash_across_dp_replicas_interval=None)
+    state = SimpleNamespace(rank=0, world_size=1)
+    first = RunHooks(args, state, torch.device("cpu"), flops_per_sample=1e6)
+    for iteration in (1, 2):
+        first.after_iteration(iteration, [], 4)
+    first.after_save(2, 8)
+    resumed = RunHooks(args, state, torch.device("cpu"), flops_per_sample=1e6, resume_iteration=2)
+    resumed.after_iteration(3, [], 4)
+    resumed.after_save(3, 12)
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [line.split("\t")[3] for line in lines] == ["Starting job", "Saved checkpoint", "Starting job",
+                                                       "Saved checkpoint"]
+    assert lines[1].split("\t")[7] == "Floating-point operations: 8.00e+06"
+    assert lines[3].split("\t")[7] == "Floating-point operations: 1.20e+07"
+
+
+def test_tensorboard_and_progress_flags_without_their_directory_say_so():
+    from megalite.training.setup_run import startup_notes
+    from tests.training.test_arguments import parsed
+
+    notes = startup_notes(parsed("--log-progress --log-timers-to-tensorboard", 1))
+    assert "--log-progress: no --save, so no progress.txt is written (as in Megatron)" in notes
+    assert any(n.startswith("--log-timers-to-tensorboard: no --tensorboard-dir") for n in notes)
