@@ -68,6 +68,18 @@ def _dp_mean(run: Run, loss: torch.Tensor | None) -> float | None:
     return loss.item()
 
 
+def _take(iterator, count: int) -> list | None:
+    """The next `count` micro-batches (None for a rank without data)."""
+    if iterator is None:
+        return None
+    batches = []
+    for batch in iterator:
+        batches.append(batch)
+        if len(batches) == count:
+            return batches
+    raise ValueError(f"the micro-batch iterator ended after {len(batches)} of {count} micro-batches")
+
+
 def common_state(run: Run) -> dict:
     return {"consumed_train_samples": run.consumed_train_samples, "consumed_valid_samples": run.consumed_valid_samples,
             "lr_scheduler": run.scheduler.state_dict(), "args": run.args.to_dict(), "model_config": run.config.to_dict(),
@@ -203,7 +215,7 @@ class Trainer:
         executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
         self.hooks.before_iteration(run.iteration)
         if self.rerun.active:  # keep the micro-batches and random state for a re-run
-            batches = [next(iterator) for _ in range(executor.num_microbatches)] if iterator is not None else None
+            batches = _take(iterator, executor.num_microbatches)
             rng = self.rerun.save_rng()
             loss = self._forward_backward(executor, iter(batches) if batches is not None else None)
             again = self.rerun.check(run.iteration + 1, loss, lambda: (self._forward_backward(

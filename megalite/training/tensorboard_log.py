@@ -9,8 +9,8 @@
         'mem-reserved-bytes', 'mem-allocated-bytes', 'mem-max-allocated-bytes', 'mem-allocated-count'
                                (--log-memory-to-tensorboard; on CPU 'mem-max-rss-bytes')
       each also as '<tag> vs samples' over consumed samples;
-    every --log-interval: 'params-norm' (--log-params-norm); with --log-timers-to-tensorboard 'iteration-time' (s) and '<timer>-time'
-      (ms per iteration, maximum over ranks);
+    every --log-interval: 'params-norm' (--log-params-norm); with --log-timers-to-tensorboard
+      'iteration-time' (s) and '<timer>-time' (ms per iteration, maximum over ranks);
     each evaluation: 'lm loss validation' ('lm loss test'), and its ' ppl' with
       --log-validation-ppl-to-tensorboard.
 

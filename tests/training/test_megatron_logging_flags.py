@@ -37,7 +37,8 @@ LOGGING = [
     "--timing-log-level", "1", "--timing-log-option", "max", "--log-straggler", "--log-interval", "2",
 ]
 TRAINING = [
-    "--rampup-batch-size", "4", "4", "8", "--train-samples", "32", "--lr-warmup-samples", "8", "--eval-global-batch-size", "4",
+    "--rampup-batch-size", "4", "4", "8", "--train-samples", "32", "--lr-warmup-samples", "8",
+    "--eval-global-batch-size", "4",
     "--eval-iters", "1", "--eval-interval", "4", "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
     "--profile-ranks", "0", "--check-weight-hash-across-dp-replicas-interval", "2", "--manual-gc",
     "--manual-gc-interval", "2", "--sequence-parallel", "--ddp-average-in-collective",
