@@ -149,7 +149,7 @@ def test_expert_bias_moves_load_toward_balance():
         assert float(layer.router.tokens_per_expert.sum()) == 0
     assert imbalance[0] > 3.5 and max(imbalance[-10:]) < 1.8, imbalance
     assert layer.router.expert_bias[0] < 0 < layer.router.expert_bias[5]
-    assert "expert_bias" in layer.state_dict()
+    assert "router.expert_bias" in layer.state_dict()
 
 
 def test_layer_freq_patterns():
