@@ -47,7 +47,7 @@ def reference_choice(logit_row, moe, bias=None):
 
 def reference_kept(choices, moe, num_tokens):
     """{(token, expert)} kept under the capacity rule."""
-    pairs = {(t, e): float(w) for t, (experts, weights) in enumerate(choices) for e, w in zip(experts, weights)}
+    pairs = {(t, e): float(w.detach()) for t, (experts, weights) in enumerate(choices) for e, w in zip(experts, weights)}
     if moe.capacity_factor is None:
         return set(pairs)
     capacity = math.ceil(num_tokens * moe.router_topk / moe.num_experts * moe.capacity_factor)
