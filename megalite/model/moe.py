@@ -171,3 +171,28 @@ def pop_logged_losses(chunks) -> dict[str, dict[int, float]]:
                     out.setdefault(loss, {})[layer_number] = total / calls
                 module.router.logged = {}
     return out
+
+
+LOGGED_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
+def reduce_logged_losses(chunks, num_layers: int, group) -> dict[str, float]:
+    """The auxiliary losses (unscaled by their coefficients) since the last call, averaged over
+    the ranks holding each layer: {name: mean over MoE layers, 'name/layer_N': layer N's}.
+    A collective over `group` (the world: layers live on different pipeline stages)."""
+    logged = pop_logged_losses(chunks)
+    sums = torch.zeros(len(LOGGED_LOSSES), num_layers, dtype=torch.float64)
+    counts = torch.zeros_like(sums)
+    for i, name in enumerate(LOGGED_LOSSES):
+        for layer_number, value in logged.get(name, {}).items():
+            sums[i, layer_number], counts[i, layer_number] = value, 1
+    device = next(p for c in chunks for p in c.parameters()).device
+    both = comm.all_reduce(torch.stack([sums, counts]).to(device), group).cpu()
+    out = {}
+    for i, name in enumerate(LOGGED_LOSSES):
+        seen = both[1, i] > 0
+        if seen.any():
+            per_layer = both[0, i][seen] / both[1, i][seen]
+            out[name] = float(per_layer.mean())
+            out.update({f"{name}/layer_{n}": float(v) for n, v in zip(seen.nonzero().flatten().tolist(), per_layer)})
+    return out

@@ -98,6 +98,15 @@ def expert_parallel(pstate) -> bool:
     return pstate.expert is not None and pstate.expert.ep_size > 1
 
 
+def reduction_rank(pstate, param) -> tuple[int, callable]:
+    """(this rank's index in the group `param`'s gradients are reduced over, and the DP rank of
+    each index): the DP group, or for expert parameters the expert-data-parallel group."""
+    expert = pstate.expert
+    if expert is not None and getattr(param, "expert_parallel", False):
+        return expert.edp_rank, expert.dp_rank_of
+    return pstate.dp_rank, lambda d: d
+
+
 def fsdp_main_params(fsdp_chunk, tp_rank: int) -> list[MainParam]:
     """An FSDPChunk's main parameters: its sharded fp32 parameters themselves."""
     return [MainParam(name, p, p, 0, p.numel(), counts_in_norm(p, tp_rank, fsdp_chunk.module))

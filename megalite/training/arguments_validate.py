@@ -334,7 +334,7 @@ def validate_args(args, world_size: int):
     again on its own result is allowed. Returns `args`."""
     _check_unsupported(args)
     check_context_args(args, _fail)
-    check_moe_args(args, _fail)
+    check_moe_args(args, _fail, world_size)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)

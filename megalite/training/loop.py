@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
@@ -145,19 +146,21 @@ class Trainer:
         run = self.run
         run.optimizer.zero_grad()
         run.executor.loss_scale = run.optimizer.loss_scale
+        set_loss_backward_scale(run.models, run.optimizer.loss_scale / run.executor.num_microbatches)
         with self.timers("forward-backward"):
             loss = run.executor.run(iterator)
         with self.timers("grads-sync"):
             finalize_model_grads(run.chunks, run.pstate)
         with self.timers("optimizer"):
             ok, grad_norm, _ = run.optimizer.step(iteration=run.iteration + 1)
+            update_expert_bias(run.models, run.pstate.dp_group)
         if ok:
             run.scheduler.step(self.args.global_batch_size)
         run.iteration += 1
         run.consumed_train_samples += self.args.global_batch_size
         return _dp_mean(run, loss), ok, grad_norm
 
-    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters):
+    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, moe_losses=None):
         run, args = self.run, self.args
         seconds = elapsed / max(iters, 1)
         rates = throughput(run.flops_per_token, args.global_batch_size * args.seq_length, seconds,
@@ -168,15 +171,18 @@ class Trainer:
             elapsed_ms_per_iteration=seconds * 1000, learning_rate=run.optimizer.param_groups[0]["lr"],
             global_batch_size=args.global_batch_size, lm_loss=sum(losses) / len(losses) if losses else math.nan,
             loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
-            nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params, **rates)
+            nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params,
+            moe_losses=moe_losses, **rates)
         self.logger.log_training(record)
 
     def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters):
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
         norm_of_params = run.optimizer.params_norm() if self.args.log_params_norm else None
+        moe_losses = (reduce_logged_losses(run.models, self.args.num_layers, run.pstate.world_group)
+                      if self.args.num_experts else None)
         if run.writes_logs:
-            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters)
+            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, moe_losses)
         timing = self.timers.report(run.pstate.world_group, iters)
         if timing and run.writes_logs:
             self.logger.print_fn(timing)

@@ -18,6 +18,7 @@ from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
+from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
@@ -104,6 +105,9 @@ def _wrap(models, args, pstate):
 
 def build_run(args) -> Run:
     pstate, device = init_distributed(args)
+    if args.num_experts is not None:
+        pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
+                                           args.distributed_timeout_minutes)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                                 vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)

@@ -99,5 +99,9 @@ class ExpertState:
         edp = groups["edp"] if layout.expert_data > 1 else None
         return cls(layout, pstate.rank, ep, edp)
 
+    def dp_rank_of(self, edp_rank: int) -> int:
+        """The data-parallel rank of this rank's EDP-group member `edp_rank`."""
+        return edp_rank * self.ep_size + self.ep_rank
+
     def __repr__(self) -> str:
         return f"ExpertState(ep={self.ep_rank}/{self.ep_size}, edp={self.edp_rank}/{self.edp_size})"
