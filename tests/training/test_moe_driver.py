@@ -33,7 +33,7 @@ def test_moe_driver_resume_at_another_ep_size(tmp_path):
                       "--metrics-file", str(original / "metrics.jsonl")], 4, original / "logs")
     a = train_losses(original / "metrics.jsonl")
     assert sorted(a) == list(range(1, ITERS + 1))
-    records = [r for r in read_metrics(original / "metrics.jsonl") if "lm_loss" in r and "iteration" in r]
+    records = list(read_metrics(original / "metrics.jsonl")[0].values())
     assert all(0.5 < r["load_balancing_loss"] < 4 and r["z_loss"] > 0 for r in records)
     assert {"load_balancing_loss/layer_0", "load_balancing_loss/layer_2"} <= set(records[0])
     assert "load_balancing_loss/layer_1" not in records[0]
