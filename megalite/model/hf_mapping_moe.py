@@ -1,10 +1,11 @@
 """Map Hugging Face MixtralForCausalLM / Qwen2MoeForCausalLM weights to megalite's and back.
 
-Attention and norms are Llama's (Qwen2-MoE adds q/k/v biases); each MoE layer's router is
-`mlp.gate`, its experts transformers' fused `mlp.experts.gate_up_proj` [E, 2f, h] ([gate; up]
-rows, megalite's linear_fc1 layout) and `mlp.experts.down_proj` [E, h, f], one megalite tensor
-per expert (`mlp.local_experts.e`); Qwen2-MoE's shared expert and its sigmoid gate map to
-`mlp.shared_experts`. Mixtral renormalises its top-k softmax probabilities (megalite's
+Names are those of the Hugging Face files (per expert: Mixtral's block_sparse_moe.gate and
+experts.e.w1 / w3 / w2, Qwen2-MoE's mlp.gate and experts.e.gate_proj / up_proj / down_proj);
+split_fused_experts renames a transformers >= 5 in-memory state dict (fused 3-D experts) to
+them. Attention and norms are Llama's (Qwen2-MoE adds q/k/v biases); expert e is megalite's
+`mlp.local_experts.e` (linear_fc1 = [gate; up]); Qwen2-MoE's shared expert and its sigmoid
+gate map to `mlp.shared_experts`. Mixtral renormalises its top-k softmax probabilities (megalite's
 softmax after top-k); Qwen2-MoE does so only with norm_topk_prob (else softmax before top-k).
 """
 
@@ -114,6 +115,36 @@ def hf_config_dict_moe(config: GPTConfig) -> dict:
             "use_sliding_window": False}
 
 
+def _expert_names(family: str, hf: str, e: int) -> tuple[str, str, str, str]:
+    """(router, gate, up, down) tensor names of expert e as the Hugging Face files store them."""
+    if family == "mixtral":
+        base = f"{hf}block_sparse_moe."
+        return (base + "gate.weight", *(f"{base}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")))
+    return (f"{hf}mlp.gate.weight", *(f"{hf}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")))
+
+
+def split_fused_experts(state_dict: dict, config: GPTConfig) -> dict:
+    """A transformers (>= 5) in-memory state dict, whose experts are fused 3-D tensors
+    (mlp.experts.gate_up_proj [E, 2f, h], mlp.experts.down_proj [E, h, f]), renamed to the
+    per-expert tensors Hugging Face files hold (what the mappings read and write)."""
+    family, out = moe_family_of(config), {}
+    for name, tensor in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            hf = name[:-len("mlp.experts.gate_up_proj")]
+            for e, fused in enumerate(tensor):
+                _, gate, up, _ = _expert_names(family, hf, e)
+                out[gate], out[up] = fused.chunk(2)
+        elif name.endswith("mlp.experts.down_proj"):
+            hf = name[:-len("mlp.experts.down_proj")]
+            for e, down in enumerate(tensor):
+                out[_expert_names(family, hf, e)[3]] = down
+        elif family == "mixtral" and name.endswith("mlp.gate.weight"):
+            out[_expert_names(family, name[:-len("mlp.gate.weight")], 0)[0]] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
 def moe_mlp_to_megalite(get, config: GPTConfig, hf: str, ml: str) -> Iterator[tuple[str, torch.Tensor]]:
     """One layer's MLP tensors (hf / ml: the layer's name prefixes), MoE or dense."""
     moe = config.moe
@@ -121,11 +152,12 @@ def moe_mlp_to_megalite(get, config: GPTConfig, hf: str, ml: str) -> Iterator[tu
         yield ml + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
         yield ml + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
         return
-    yield ml + "mlp.router.weight", get(hf + "mlp.gate.weight")
-    gate_up, down = get(hf + "mlp.experts.gate_up_proj"), get(hf + "mlp.experts.down_proj")
+    family = moe_family_of(config)
+    yield ml + "mlp.router.weight", get(_expert_names(family, hf, 0)[0])
     for e in range(moe.num_experts):
-        yield ml + f"mlp.local_experts.{e}.linear_fc1.weight", gate_up[e]
-        yield ml + f"mlp.local_experts.{e}.linear_fc2.weight", down[e]
+        _, gate, up, down = _expert_names(family, hf, e)
+        yield ml + f"mlp.local_experts.{e}.linear_fc1.weight", torch.cat([get(gate), get(up)])
+        yield ml + f"mlp.local_experts.{e}.linear_fc2.weight", get(down)
     if moe.shared_expert_intermediate_size:
         sh = hf + "mlp.shared_expert."
         yield ml + "mlp.shared_experts.linear_fc1.weight", torch.cat([get(sh + "gate_proj.weight"),
@@ -142,12 +174,14 @@ def moe_mlp_to_hf(get, config: GPTConfig, hf: str, ml: str) -> Iterator[tuple[st
         yield hf + "mlp.up_proj.weight", up.contiguous()
         yield hf + "mlp.down_proj.weight", get(ml + "mlp.linear_fc2.weight")
         return
-    yield hf + "mlp.gate.weight", get(ml + "mlp.router.weight")
-    experts = range(moe.num_experts)
-    yield hf + "mlp.experts.gate_up_proj", torch.stack([get(ml + f"mlp.local_experts.{e}.linear_fc1.weight")
-                                                        for e in experts])
-    yield hf + "mlp.experts.down_proj", torch.stack([get(ml + f"mlp.local_experts.{e}.linear_fc2.weight")
-                                                     for e in experts])
+    family = moe_family_of(config)
+    yield _expert_names(family, hf, 0)[0], get(ml + "mlp.router.weight")
+    for e in range(moe.num_experts):
+        _, gate_name, up_name, down_name = _expert_names(family, hf, e)
+        gate, up = get(ml + f"mlp.local_experts.{e}.linear_fc1.weight").chunk(2)
+        yield gate_name, gate.contiguous()
+        yield up_name, up.contiguous()
+        yield down_name, get(ml + f"mlp.local_experts.{e}.linear_fc2.weight")
     if moe.shared_expert_intermediate_size:
         sh = hf + "mlp.shared_expert."
         gate, up = get(ml + "mlp.shared_experts.linear_fc1.weight").chunk(2)
