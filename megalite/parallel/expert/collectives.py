@@ -1,5 +1,7 @@
 """Differentiable collectives with a different number of rows on each rank."""
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -12,24 +14,34 @@ def _all_to_all(x, output_splits, input_splits, group):
     return out
 
 
+def _count(traffic, x, splits, group):
+    if traffic is not None:
+        remote_rows = sum(splits) - splits[comm.group_rank(group)]
+        traffic[0] += remote_rows * math.prod(x.shape[1:]) * x.element_size()
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
+    def forward(ctx, x, output_splits, input_splits, group, traffic):
+        ctx.splits, ctx.group, ctx.traffic = (output_splits, input_splits), group, traffic
+        _count(traffic, x, input_splits, group)
         return _all_to_all(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+        _count(ctx.traffic, grad, output_splits, ctx.group)
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+               traffic: list | None = None) -> torch.Tensor:
     """Rows input_splits[r] of `x` go to rank r; rows output_splits[r] arrive from rank r, in
-    rank order. The backward sends the gradients back the same way."""
+    rank order. The backward sends the gradients back the same way. `traffic` ([bytes]) counts
+    the bytes this rank sends to other ranks, forward and backward."""
     if comm.group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group, traffic)
 
 
 def _gather_rows(x, sizes, group):

@@ -47,8 +47,8 @@ class _Dispatcher:
             raise ValueError(f"--num-experts {num_experts} is not divisible by the EP size {self.ep_size}")
         self.num_experts, self.num_local = num_experts, num_experts // self.ep_size
         self.local_start = self.ep_rank * self.num_local
-        self.remote_rows_sent = 0
-        """Rows this rank sent to other ranks in its last dispatch (for traffic accounting)."""
+        self.traffic = [0]
+        """Bytes of tokens this rank has sent to other ranks by all-to-all, forward and backward."""
 
 
 class AllToAllDispatcher(_Dispatcher):
@@ -58,7 +58,6 @@ class AllToAllDispatcher(_Dispatcher):
         rows, self.token_ids, counts = permute(tokens, routing_map)
         self.row_probs = routed_probs(probs, routing_map)
         if ep == 1:
-            self.remote_rows_sent = 0
             return rows, counts.tolist()
         counts = counts.view(ep, local)
         received = torch.empty_like(counts)
@@ -66,8 +65,7 @@ class AllToAllDispatcher(_Dispatcher):
         self.input_splits = counts.sum(1).tolist()
         self.output_splits = received.sum(1).tolist()
         self.received = received.tolist()  # [source rank][local expert]
-        self.remote_rows_sent = sum(self.input_splits) - self.input_splits[self.ep_rank]
-        x = all_to_all(rows, self.output_splits, self.input_splits, self.ep_group)
+        x = all_to_all(rows, self.output_splits, self.input_splits, self.ep_group, self.traffic)
         by_source = x.split([n for per_rank in self.received for n in per_rank])
         x = torch.cat([by_source[r * local + e] for e in range(local) for r in range(ep)])
         return x, received.sum(0).tolist()
@@ -77,7 +75,7 @@ class AllToAllDispatcher(_Dispatcher):
         if ep > 1:
             by_expert = expert_output.split([self.received[r][e] for e in range(local) for r in range(ep)])
             y = torch.cat([by_expert[e * ep + r] for r in range(ep) for e in range(local)])
-            expert_output = all_to_all(y, self.input_splits, self.output_splits, self.ep_group)
+            expert_output = all_to_all(y, self.input_splits, self.output_splits, self.ep_group, self.traffic)
         return unpermute(expert_output, self.token_ids, self.row_probs, self.num_tokens)
 
 
@@ -87,7 +85,6 @@ class AllGatherDispatcher(_Dispatcher):
         tokens = gather_rows(tokens, self.sizes, self.ep_group)
         probs = gather_rows(probs, self.sizes, self.ep_group)
         routing_map = gather_rows(routing_map.to(torch.uint8), self.sizes, self.ep_group).bool()
-        self.remote_rows_sent = 0  # an all-gather of whole tokens, accounted for by the caller
         local = slice(self.local_start, self.local_start + self.num_local)
         rows, self.token_ids, counts = permute(tokens, routing_map[:, local])
         self.row_probs = routed_probs(probs[:, local], routing_map[:, local])
