@@ -119,3 +119,39 @@ def reference(config: GPTConfig) -> dict:
     pstate = ParallelState.single()
     pstate.expert = ExpertState.single()
     return train(pstate, config)
+
+
+def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
+    """One MoE layer at this EP size against the EP = 1 layer on the same tokens, a different
+    number of tokens on each rank (3 + rank sequences positions): relative errors of the output,
+    the input gradient, the router gradient and each local expert's gradient (the EP = 1
+    gradients summed over the EP group, as every rank's tokens reach the expert)."""
+    from megalite.model.moe import MoELayer
+    from tests.model.moe_reference import tiny_config
+    from tests.numerics import rel_error
+
+    config = tiny_config(token_dispatcher_type=dispatcher, **moe)
+    reference, layer = MoELayer(config), MoELayer(config, expert_state=pstate.expert)
+    for model in (reference, layer):
+        for name, module in model.named_modules():
+            if hasattr(module, "reset_parameters") and module is not model:
+                module.reset_parameters(torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name))))
+    g = torch.Generator().manual_seed(pstate.rank)
+    x = torch.randn(3 + pstate.rank, 2, HIDDEN, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    outs, grads = [], []
+    for model in (reference, layer):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.backward(grad)
+        outs.append(out.detach())
+        grads.append(xi.grad)
+    errors = {"output": rel_error(outs[1], outs[0]), "input grad": rel_error(grads[1], grads[0])}
+    wanted = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    for name, grad in wanted.items():  # every expert, in the same order on every rank
+        if name.startswith("local_experts."):
+            comm.all_reduce(grad, pstate.expert.ep_group)
+    for name, param in layer.named_parameters():
+        errors[name] = rel_error(param.grad, wanted[name])
+    errors["counts"] = layer.last_tokens_per_expert
+    return errors
