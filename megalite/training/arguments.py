@@ -21,6 +21,9 @@ import yaml
 from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
+from megalite.training.arguments_megatron_data import MegatronDataArgs
+from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
+from megalite.training.arguments_megatron_training import MegatronTrainingArgs
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.training.arguments_moe import MoEArgs, moe_config_from_args
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
@@ -34,7 +37,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs,
-                DataArgs, LoggingArgs, CheckpointArgs, DerivedArgs):
+                DataArgs, LoggingArgs, CheckpointArgs, MegatronTrainingArgs, MegatronDataArgs,
+                MegatronLoggingArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -60,6 +64,8 @@ _GROUPS = (
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
+    ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
+    ("Megatron logging", MegatronLoggingArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -261,7 +267,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
         recompute_granularity=granularity,
         recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers,

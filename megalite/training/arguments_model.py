@@ -32,7 +32,7 @@ class ParallelArgs:
         "virtual stages.", choices=PIPELINE_SCHEDULES, origin=MEGALITE)
     sequence_parallel: bool = arg(
         False, "Sequence parallelism: split norms, dropouts and residuals along the sequence "
-        "over the tensor-parallel group (needs t > 1).")
+        "over the tensor-parallel group (at t = 1 it has no effect: the run goes on without it and says so).")
     use_distributed_optimizer: bool = arg(
         False, "Shard the optimizer state and fp32 main parameters over the data-parallel group.")
     overlap_grad_reduce: bool = arg(False, "Overlap the gradient reduction with the backward pass.")

@@ -91,6 +91,9 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         fail(f"--moe-router-topk {k} is more than --num-experts {e}")
     if not args.disable_bias_linear:
         fail("--num-experts needs --disable-bias-linear (megalite's experts have no biases)")
+    if getattr(args, "calculate_per_token_loss", False):
+        fail("--calculate-per-token-loss with --num-experts is not supported (the auxiliary losses are "
+             "scaled per micro-batch)")
     if args.use_torch_fsdp2:
         fail("--use-torch-fsdp2 with --num-experts is not supported (use the distributed optimizer)")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size

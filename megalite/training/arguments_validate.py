@@ -14,6 +14,10 @@ from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, vi
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_field import flag_of
+from megalite.training.arguments_megatron_data import apply_megatron_data_args
+from megalite.training.arguments_megatron_logging import check_megatron_logging_args
+from megalite.training.arguments_megatron_training import (apply_pipeline_split_accounting,
+                                                            check_megatron_training_args, finish_batch_args)
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -116,8 +120,6 @@ def _check_unsupported(args):
             supported = [c for c in f.metadata["choices"] if c not in f.metadata["unsupported"]]
             _fail(f"{flag_of(f)} {getattr(args, f.name)} is not implemented in megalite "
                   f"(supported: {', '.join(map(str, supported))})")
-    if args.rampup_batch_size is not None:
-        _fail("--rampup-batch-size is not implemented in megalite; use a fixed --global-batch-size")
 
 
 def _check_model(args):
@@ -183,9 +185,6 @@ def _check_pipeline(args, layout: ParallelLayout) -> int:
 
 def _check_parallel(args, layout: ParallelLayout):
     tp = layout.tensor
-    if args.sequence_parallel and tp == 1:
-        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (megalite does not turn "
-              "it off silently)")
     if args.sequence_parallel and args.seq_length % tp:
         _fail(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
               f"{tp} (needed by --sequence-parallel)")
@@ -339,12 +338,17 @@ def validate_args(args, world_size: int):
                     "micro_batch_size"))
     _check_ranges(args)
     _check_model(args)
+    apply_pipeline_split_accounting(args, _fail)
     layout = layout_from_args(args, world_size)
     layers_per_chunk = _check_pipeline(args, layout)
     _check_recompute(args, layers_per_chunk)
     _check_parallel(args, layout)
+    check_megatron_training_args(args, world_size, _fail)
     _check_batch(args, layout)
     _check_schedule(args)
+    finish_batch_args(args, _fail)
+    apply_megatron_data_args(args, _fail)
     _check_data(args)
     _check_checkpointing(args)
+    check_megatron_logging_args(args, _fail)
     return args

@@ -143,7 +143,6 @@ def test_missing_config_file_is_named(tmp_path):
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--num-virtual-stages-per-pipeline-rank 2", 2,
      ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"]),
-    ("--sequence-parallel", 1, ["--sequence-parallel", "--tensor-model-parallel-size"]),
     ("--global-batch-size 6", 4, ["--global-batch-size 6", "--micro-batch-size 2", "4"]),
     ("--group-query-attention", 1, ["--group-query-attention", "--num-query-groups"]),
     ("--num-query-groups 2", 1, ["--num-query-groups", "--group-query-attention"]),

@@ -60,6 +60,7 @@ def test_every_flag_reaches_the_config():
     (MOE + " --moe-router-load-balancing-type sinkhorn", 1, ["--moe-router-load-balancing-type"]),
     (MOE + " --moe-aux-loss-coeff -1", 1, ["--moe-aux-loss-coeff"]),
     (MOE + " --use-torch-fsdp2", 1, ["--use-torch-fsdp2"]),
+    (MOE + " --calculate-per-token-loss", 1, ["--calculate-per-token-loss"]),
 ])
 def test_refused_naming_the_flag(extra, world, words):
     message = refused(extra, world)
