@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field, fields, replace
 
+from megalite.model.moe_config import MoEConfig
 from megalite.parallel.state import ParallelLayout
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -101,6 +102,8 @@ class GPTConfig:
     --no-rope-fusion, no --cross-entropy-loss-fusion)."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
+    moe: MoEConfig | None = None
+    """Mixture of experts in place of the dense MLP of some layers (--num-experts); None: dense."""
     extra: dict = field(default_factory=dict)
     """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
 
@@ -115,6 +118,10 @@ class GPTConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        if self.moe is not None:
+            self.moe.layer_pattern(self.num_layers)
         choices = {
             "position_embedding_type": ("learned_absolute", "rope", "none"),
             "normalization": ("LayerNorm", "RMSNorm"),
@@ -146,7 +153,9 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["moe"] = self.moe.to_dict() if self.moe is not None else None
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> "GPTConfig":

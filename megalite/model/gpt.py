@@ -100,7 +100,8 @@ class GPTModel(nn.Module):
 
         self.embedding = (Embedding(config, self.padded_vocab, self.tp_group, rng_tracker, device)
                           if self.pre_process else None)
-        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device)
+        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device,
+                                                                    pstate.expert)
                                      for n in layer_numbers})
         self.final_layernorm = build_norm(config, device=device) if self.post_process else None
         self.output_layer = None

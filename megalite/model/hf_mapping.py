@@ -1,5 +1,6 @@
 """Map Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM weights to megalite's
-and back (Qwen3 is Llama with a per-head RMSNorm on queries and keys: --qk-layernorm).
+and back (Qwen3 is Llama with a per-head RMSNorm on queries and keys: --qk-layernorm; and,
+through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM).
 
 Tensors are full (unsharded) on both sides; sharding to a TP rank is `param_shard_of_full`.
 The mappings are generators over names fetched one at a time through a `get(name)` callable,
@@ -11,6 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megalite.model.config import GPTConfig
+from megalite.model.hf_mapping_moe import (MOE_MODEL_TYPES, config_from_hf_moe, hf_config_dict_moe, moe_family_of,
+                                           moe_mlp_to_hf, moe_mlp_to_megalite)
 from megalite.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 
 Get = Callable[[str], torch.Tensor]
@@ -28,7 +31,10 @@ def _refuse(field: str, value, expected: str):
 
 
 def family_of(config: GPTConfig) -> str:
-    """'gpt2', 'llama' or 'qwen3': the Hugging Face architecture that can hold this model."""
+    """'gpt2', 'llama', 'qwen3', 'mixtral' or 'qwen2_moe': the Hugging Face architecture that can
+    hold this model."""
+    if config.moe is not None:
+        return moe_family_of(config)
     if config.apply_layernorm_1p or config.rotary_interleaved or config.position_embedding_type == "none":
         _refuse("apply_layernorm_1p/rotary_interleaved/position_embedding_type",
                 (config.apply_layernorm_1p, config.rotary_interleaved, config.position_embedding_type),
@@ -88,6 +94,8 @@ def _rope_scaling_to_hf(config: GPTConfig) -> dict | None:
 def config_from_hf(hf_config) -> GPTConfig:
     """A GPTConfig from a transformers config object or its config.json dict."""
     model_type = _cfg(hf_config, "model_type")
+    if model_type in MOE_MODEL_TYPES:
+        return config_from_hf_moe(hf_config)
     if model_type == "gpt2":
         act = _cfg(hf_config, "activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
@@ -135,11 +143,13 @@ def config_from_hf(hf_config) -> GPTConfig:
             attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
             qk_layernorm=model_type == "qwen3", **scaling,
         )
-    _refuse("model_type", model_type, "'gpt2', 'llama' and 'qwen3'")
+    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', 'mixtral' and 'qwen2_moe'")
 
 
 def hf_config_dict(config: GPTConfig) -> dict:
     """config.json contents for the Hugging Face model holding `config`."""
+    if config.moe is not None:
+        return hf_config_dict_moe(config)
     if family_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
@@ -229,8 +239,14 @@ def hf_to_megalite(get: Get, config: GPTConfig, padded_vocab: int | None = None,
             q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
             yield ml + f"self_attention.linear_qkv.{kind}", _qkv_to_megalite(q, k, v, config)
             yield ml + f"self_attention.linear_proj.{kind}", get(f"{hf}self_attn.o_proj.{kind}")
-            yield ml + f"mlp.linear_fc1.{kind}", torch.cat([get(f"{hf}mlp.gate_proj.{kind}"), get(f"{hf}mlp.up_proj.{kind}")])
-            yield ml + f"mlp.linear_fc2.{kind}", get(f"{hf}mlp.down_proj.{kind}")
+            if family == "llama":
+                yield ml + f"mlp.linear_fc1.{kind}", torch.cat([get(f"{hf}mlp.gate_proj.{kind}"), get(f"{hf}mlp.up_proj.{kind}")])
+                yield ml + f"mlp.linear_fc2.{kind}", get(f"{hf}mlp.down_proj.{kind}")
+        if family != "llama":
+            if config.add_qkv_bias:
+                q, k, v = (get(f"{hf}self_attn.{n}_proj.bias") for n in "qkv")
+                yield ml + "self_attention.linear_qkv.bias", _qkv_to_megalite(q, k, v, config)
+            yield from moe_mlp_to_megalite(get, config, hf, ml)
     if post_process:
         yield "final_layernorm.weight", get("model.norm.weight")
         if config.untie_embeddings_and_output_weights:
@@ -278,10 +294,16 @@ def megalite_to_hf(get: Get, config: GPTConfig, layers=None, pre_process: bool =
             yield hf + f"self_attn.k_proj.{kind}", k.contiguous()
             yield hf + f"self_attn.v_proj.{kind}", v.contiguous()
             yield hf + f"self_attn.o_proj.{kind}", get(ml + f"self_attention.linear_proj.{kind}")
-            gate, up = get(ml + f"mlp.linear_fc1.{kind}").chunk(2)
-            yield hf + f"mlp.gate_proj.{kind}", gate.contiguous()
-            yield hf + f"mlp.up_proj.{kind}", up.contiguous()
-            yield hf + f"mlp.down_proj.{kind}", get(ml + f"mlp.linear_fc2.{kind}")
+            if family == "llama":
+                gate, up = get(ml + f"mlp.linear_fc1.{kind}").chunk(2)
+                yield hf + f"mlp.gate_proj.{kind}", gate.contiguous()
+                yield hf + f"mlp.up_proj.{kind}", up.contiguous()
+                yield hf + f"mlp.down_proj.{kind}", get(ml + f"mlp.linear_fc2.{kind}")
+        if family != "llama":
+            if config.add_qkv_bias:
+                for name, value in zip("qkv", _qkv_from_megalite(get(ml + "self_attention.linear_qkv.bias"), config)):
+                    yield hf + f"self_attn.{name}_proj.bias", value.contiguous()
+            yield from moe_mlp_to_hf(get, config, hf, ml)
     if post_process:
         yield "model.norm.weight", get("final_layernorm.weight")
         if config.untie_embeddings_and_output_weights:

@@ -21,12 +21,12 @@ import yaml
 from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
-from megalite.training.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
 from megalite.training.arguments_megatron_data import MegatronDataArgs
 from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
+from megalite.training.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
 from megalite.training.arguments_megatron_training import MegatronTrainingArgs
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
-from megalite.training.arguments_moe import MoEArgs
+from megalite.training.arguments_moe import MoEArgs, moe_config_from_args
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
 from megalite.training.arguments_validate import (default_ffn_hidden_size, layout_from_args,
@@ -280,4 +280,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         use_flash_attn=args.use_flash_attn,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         **megatron_model_fields(args),
+        moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
     )

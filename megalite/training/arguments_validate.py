@@ -18,7 +18,7 @@ from megalite.training.arguments_megatron_data import apply_megatron_data_args
 from megalite.training.arguments_megatron_logging import check_megatron_logging_args
 from megalite.training.arguments_megatron_model import check_megatron_model_args
 from megalite.training.arguments_megatron_training import (apply_pipeline_split_accounting,
-                                                            check_megatron_training_args, finish_batch_args)
+                                                           check_megatron_training_args, finish_batch_args)
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -336,7 +336,7 @@ def validate_args(args, world_size: int):
     again on its own result is allowed. Returns `args`."""
     _check_unsupported(args)
     check_context_args(args, _fail)
-    check_moe_args(args, _fail)
+    check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))

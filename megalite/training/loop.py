@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.checkpointing import save_checkpoint
@@ -198,6 +199,7 @@ class Trainer:
             self.rerun.restore_rng(rng)
         run.optimizer.zero_grad()
         executor.loss_scale = run.optimizer.loss_scale
+        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches)
         started = time.perf_counter()
         with self.timers("forward-backward"):
             loss, factor = self.step_loss(executor, microbatches)
@@ -225,6 +227,7 @@ class Trainer:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
+            update_expert_bias(run.models, run.pstate.dp_group)
         if ok:
             run.scheduler.step(batch)
         run.iteration += 1
@@ -238,7 +241,8 @@ class Trainer:
                 world_size=run.pstate.world_size, device=run.device)
         return loss, ok, grad_norm, num_zeros, batch
 
-    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros=None, batch=None):
+    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros=None, batch=None,
+             moe_losses=None):
         run, args = self.run, self.args
         seconds = elapsed / max(iters, 1)
         batch = batch or args.global_batch_size
@@ -251,15 +255,18 @@ class Trainer:
             global_batch_size=batch, lm_loss=sum(losses) / len(losses) if losses else math.nan,
             loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
             nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params,
-            num_zeros=num_zeros, **rates)
+            num_zeros=num_zeros, moe_losses=moe_losses, **rates)
         self.logger.log_training(record)
 
     def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters, num_zeros=None, batch=None):
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
         norm_of_params = run.optimizer.params_norm() if self.args.log_params_norm else None
+        moe_losses = (reduce_logged_losses(run.models, self.args.num_layers, run.pstate.world_group)
+                      if self.args.num_experts else None)
         if run.writes_logs:
-            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros, batch)
+            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros, batch,
+                      moe_losses)
         timing = self.timers.report(run.pstate.world_group, iters)
         if timing and run.writes_logs:
             self.logger.print_fn(timing)

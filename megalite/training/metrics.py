@@ -44,6 +44,8 @@ class TrainingRecord:
     params_norm: float | None = None
     num_zeros: int | None = None
     """Zero gradient elements of the last step (--log-num-zeros-in-grad)."""
+    moe_losses: dict | None = None
+    """MoE auxiliary losses: {name: mean over MoE layers, 'name/layer_N': per layer}."""
 
 
 def throughput(flops_per_token: float, tokens_per_iteration: int, seconds_per_iteration: float,
@@ -98,6 +100,9 @@ def format_training_line(record: TrainingRecord, now: datetime | None = None) ->
         parts.append(f" num zeros: {float(r.num_zeros):.1f} |")
     if r.params_norm is not None:
         parts.append(f" params norm: {r.params_norm:.3f} |")
+    for name, value in (r.moe_losses or {}).items():
+        if "/" not in name:
+            parts.append(f" {name}: {value:.6E} |")
     parts += [f" number of skipped iterations: {r.skipped_iterations:3d} |",
               f" number of nan iterations: {r.nan_iterations:3d} |"]
     if r.memory_mb is not None:
@@ -229,9 +234,10 @@ class MetricsLogger:
         if not self.should_write:
             return None
         values = {k: _plain(v) for k, v in asdict(record).items()}
-        line = format_training_line(TrainingRecord(**values))
+        moe_losses = values.pop("moe_losses") or {}
+        line = format_training_line(TrainingRecord(**values, moe_losses=moe_losses))
         self.print_fn(line)
-        self._write({**values, "time": time.time()}, values["iteration"], "train")
+        self._write({**values, **moe_losses, "time": time.time()}, values["iteration"], "train")
         return line
 
     def log_evaluation(self, split: str, iteration: int, lm_loss: float) -> str | None:

@@ -18,6 +18,7 @@ from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
+from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
@@ -136,6 +137,9 @@ def build_run(args) -> Run:
     if args.deterministic_mode:
         apply_deterministic_mode()
     pstate, device = init_distributed(args)
+    if args.num_experts is not None:
+        pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
+                                           args.distributed_timeout_minutes)
     if pstate.rank == 0:
         for note in startup_notes(args, device.type):
             print(note, flush=True)
