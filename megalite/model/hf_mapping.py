@@ -18,6 +18,7 @@ from megalite.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
 
 Get = Callable[[str], torch.Tensor]
 
+DENSE_ROPE_FAMILIES = ("llama", "qwen3")  # rotary, dense MLP; the MoE families map their MLP in hf_mapping_moe
 _GPT2_ACTIVATIONS = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}
 
 
@@ -239,10 +240,10 @@ def hf_to_megalite(get: Get, config: GPTConfig, padded_vocab: int | None = None,
             q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
             yield ml + f"self_attention.linear_qkv.{kind}", _qkv_to_megalite(q, k, v, config)
             yield ml + f"self_attention.linear_proj.{kind}", get(f"{hf}self_attn.o_proj.{kind}")
-            if family == "llama":
+            if family in DENSE_ROPE_FAMILIES:
                 yield ml + f"mlp.linear_fc1.{kind}", torch.cat([get(f"{hf}mlp.gate_proj.{kind}"), get(f"{hf}mlp.up_proj.{kind}")])
                 yield ml + f"mlp.linear_fc2.{kind}", get(f"{hf}mlp.down_proj.{kind}")
-        if family != "llama":
+        if family not in DENSE_ROPE_FAMILIES:
             if config.add_qkv_bias:
                 q, k, v = (get(f"{hf}self_attn.{n}_proj.bias") for n in "qkv")
                 yield ml + "self_attention.linear_qkv.bias", _qkv_to_megalite(q, k, v, config)
@@ -294,12 +295,12 @@ def megalite_to_hf(get: Get, config: GPTConfig, layers=None, pre_process: bool =
             yield hf + f"self_attn.k_proj.{kind}", k.contiguous()
             yield hf + f"self_attn.v_proj.{kind}", v.contiguous()
             yield hf + f"self_attn.o_proj.{kind}", get(ml + f"self_attention.linear_proj.{kind}")
-            if family == "llama":
+            if family in DENSE_ROPE_FAMILIES:
                 gate, up = get(ml + f"mlp.linear_fc1.{kind}").chunk(2)
                 yield hf + f"mlp.gate_proj.{kind}", gate.contiguous()
                 yield hf + f"mlp.up_proj.{kind}", up.contiguous()
                 yield hf + f"mlp.down_proj.{kind}", get(ml + f"mlp.linear_fc2.{kind}")
-        if family != "llama":
+        if family not in DENSE_ROPE_FAMILIES:
             if config.add_qkv_bias:
                 for name, value in zip("qkv", _qkv_from_megalite(get(ml + "self_attention.linear_qkv.bias"), config)):
                     yield hf + f"self_attn.{name}_proj.bias", value.contiguous()
