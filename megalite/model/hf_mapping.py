@@ -1,6 +1,6 @@
 """Map Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM weights to megalite's
 and back (Qwen3 is Llama with a per-head RMSNorm on queries and keys: --qk-layernorm; and,
-through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM).
+through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM).
 
 Tensors are full (unsharded) on both sides; sharding to a TP rank is `param_shard_of_full`.
 The mappings are generators over names fetched one at a time through a `get(name)` callable,
@@ -32,8 +32,8 @@ def _refuse(field: str, value, expected: str):
 
 
 def family_of(config: GPTConfig) -> str:
-    """'gpt2', 'llama', 'qwen3', 'mixtral' or 'qwen2_moe': the Hugging Face architecture that can
-    hold this model."""
+    """'gpt2', 'llama', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe': the Hugging Face
+    architecture that can hold this model."""
     if config.moe is not None:
         return moe_family_of(config)
     if config.apply_layernorm_1p or config.rotary_interleaved or config.position_embedding_type == "none":
@@ -144,7 +144,7 @@ def config_from_hf(hf_config) -> GPTConfig:
             attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
             qk_layernorm=model_type == "qwen3", **scaling,
         )
-    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', 'mixtral' and 'qwen2_moe'")
+    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', " + ", ".join(map(repr, MOE_MODEL_TYPES)))
 
 
 def hf_config_dict(config: GPTConfig) -> dict:

@@ -1,12 +1,17 @@
-"""Map Hugging Face MixtralForCausalLM / Qwen2MoeForCausalLM weights to megalite's and back.
+"""Map Hugging Face MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM weights to
+megalite's and back.
 
 Names are those of the Hugging Face files (per expert: Mixtral's block_sparse_moe.gate and
-experts.e.w1 / w3 / w2, Qwen2-MoE's mlp.gate and experts.e.gate_proj / up_proj / down_proj);
+experts.e.w1 / w3 / w2, Qwen2-MoE's and Qwen3-MoE's mlp.gate and experts.e.gate_proj / up_proj /
+down_proj);
 split_fused_experts renames a transformers >= 5 in-memory state dict (fused 3-D experts) to
 them. Attention and norms are Llama's (Qwen2-MoE adds q/k/v biases); expert e is megalite's
 `mlp.local_experts.e` (linear_fc1 = [gate; up]); Qwen2-MoE's shared expert and its sigmoid
-gate map to `mlp.shared_experts`. Mixtral renormalises its top-k softmax probabilities (megalite's
-softmax after top-k); Qwen2-MoE does so only with norm_topk_prob (else softmax before top-k).
+gate map to `mlp.shared_experts`. Qwen3-MoE has no shared expert and no QKV biases but a per-head
+RMSNorm on queries and keys (q_norm / k_norm: megalite's qk_layernorm). Mixtral renormalises its
+top-k softmax probabilities (megalite's softmax after top-k); Qwen2-MoE and Qwen3-MoE do so only
+with norm_topk_prob (else softmax before top-k). Qwen's dense layers (mlp_only_layers, or not a
+multiple of decoder_sparse_step counting from 1) are megalite's --moe-layer-freq zeros.
 """
 
 from collections.abc import Iterator
@@ -16,7 +21,7 @@ import torch
 from megalite.model.config import GPTConfig
 from megalite.model.moe_config import MoEConfig
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _cfg(hf_config, name, default=None):
@@ -29,8 +34,8 @@ def _refuse(field: str, value, expected: str):
 
 
 def moe_family_of(config: GPTConfig) -> str | None:
-    """'mixtral' or 'qwen2_moe' for a model with experts ('qwen2_moe' when it has QKV biases or a
-    shared expert), None for a dense one."""
+    """'mixtral', 'qwen2_moe' or 'qwen3_moe' for a model with experts ('qwen3_moe' when it has
+    qk-norm, 'qwen2_moe' when it has QKV biases or a shared expert), None for a dense one."""
     moe = config.moe
     if moe is None:
         return None
@@ -41,6 +46,10 @@ def moe_family_of(config: GPTConfig) -> str | None:
     routing = (moe.score_function, moe.topk_scaling_factor, moe.group_topk, moe.router_dtype, moe.capacity_factor)
     if routing != ("softmax", None, None, None, None) or moe.enable_expert_bias:
         _refuse("router", routing, "softmax top-k routing without scaling, groups, bias or dropping")
+    if config.qk_layernorm:
+        if config.add_qkv_bias or moe.shared_expert_intermediate_size is not None:
+            _refuse("qk_layernorm", True, "qk-norm only without QKV biases and shared experts (Qwen3-MoE)")
+        return "qwen3_moe"
     qwen = config.add_qkv_bias or moe.shared_expert_intermediate_size is not None
     if not qwen and (moe.pre_softmax or moe.layer_pattern(config.num_layers) != [1] * config.num_layers):
         _refuse("pre_softmax/layer_freq", (moe.pre_softmax, moe.layer_freq), "top-k then softmax on every layer "
@@ -68,16 +77,23 @@ def config_from_hf_moe(hf_config) -> GPTConfig:
                         router_topk=_cfg(hf_config, "num_experts_per_tok"))
         qkv_bias = False
     else:
+        qwen3 = model_type == "qwen3_moe"
         step, dense = _cfg(hf_config, "decoder_sparse_step", 1), set(_cfg(hf_config, "mlp_only_layers", []))
-        moe = MoEConfig(num_experts=_cfg(hf_config, "num_experts"), ffn_hidden_size=_cfg(hf_config, "moe_intermediate_size"),
+        # Qwen3MoeConfig maps num_experts to num_local_experts, the name its to_dict writes.
+        experts = _cfg(hf_config, "num_experts", _cfg(hf_config, "num_local_experts"))
+        if not experts:
+            _refuse("num_experts", experts, f"at least 1 for {model_type} (a dense model is 'qwen3' / 'llama')")
+        moe = MoEConfig(num_experts=experts, ffn_hidden_size=_cfg(hf_config, "moe_intermediate_size"),
                         router_topk=_cfg(hf_config, "num_experts_per_tok"),
                         pre_softmax=not _cfg(hf_config, "norm_topk_prob", False),
                         layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(layers)],
-                        shared_expert_intermediate_size=_cfg(hf_config, "shared_expert_intermediate_size"),
-                        shared_expert_gate=True)
-        if not _cfg(hf_config, "qkv_bias", True):
+                        shared_expert_intermediate_size=None if qwen3 else _cfg(hf_config, "shared_expert_intermediate_size"),
+                        shared_expert_gate=not qwen3)
+        if qwen3 and _cfg(hf_config, "attention_bias", False):
+            _refuse("attention_bias", True, "False for Qwen3-MoE")
+        if not qwen3 and not _cfg(hf_config, "qkv_bias", True):
             _refuse("qkv_bias", False, "True for Qwen2-MoE")
-        qkv_bias = True
+        qkv_bias = not qwen3
     return GPTConfig(
         num_layers=layers, hidden_size=_cfg(hf_config, "hidden_size"), num_attention_heads=heads,
         num_query_groups=_cfg(hf_config, "num_key_value_heads", heads), kv_channels=_cfg(hf_config, "head_dim"),
@@ -87,7 +103,8 @@ def config_from_hf_moe(hf_config) -> GPTConfig:
         activation="swiglu", add_bias_linear=False, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
         init_method_std=_cfg(hf_config, "initializer_range", 0.02),
-        attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0, moe=moe)
+        attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0, moe=moe,
+        qk_layernorm=model_type == "qwen3_moe")
 
 
 def hf_config_dict_moe(config: GPTConfig) -> dict:
@@ -108,11 +125,12 @@ def hf_config_dict_moe(config: GPTConfig) -> dict:
         return {**out, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": moe.num_experts}
     pattern = moe.layer_pattern(config.num_layers)
-    return {**out, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": moe.num_experts,
-            "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": not moe.pre_softmax,
-            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size, "qkv_bias": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [i for i, v in enumerate(pattern) if not v],
-            "use_sliding_window": False}
+    out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size, norm_topk_prob=not moe.pre_softmax,
+               decoder_sparse_step=1, mlp_only_layers=[i for i, v in enumerate(pattern) if not v], use_sliding_window=False)
+    if family == "qwen3_moe":
+        return {**out, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False}
+    return {**out, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "qkv_bias": True,
+            "shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
 
 
 def _expert_names(family: str, hf: str, e: int) -> tuple[str, str, str, str]:

@@ -1,13 +1,15 @@
-"""Tiny random transformers MoE models (nothing downloaded): Mixtral and Qwen2-MoE (with its
-gated shared expert, QKV biases and a dense first layer)."""
+"""Tiny random transformers MoE models (nothing downloaded): Mixtral, Qwen2-MoE (with its
+gated shared expert, QKV biases and a dense first layer) and Qwen3-MoE (qk-norm with norm weights
+away from 1, head_dim 16 != hidden / heads, renormalised top-k, a dense third layer)."""
 
 import torch
 
 VOCAB, POSITIONS = 96, 32
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def hf_moe_model(family: str, seed: int = 0, num_layers: int = 4):
+def hf_moe_model(family: str, seed: int = 0, num_layers: int = 4, **changes):
+    """`changes` override fields of the family's config."""
     import transformers
 
     torch.manual_seed(seed)
@@ -16,13 +18,22 @@ def hf_moe_model(family: str, seed: int = 0, num_layers: int = 4):
                   rms_norm_eps=1e-5, rope_theta=500.0, num_experts_per_tok=2, tie_word_embeddings=False,
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=40, num_local_experts=4, sliding_window=None, **common)
-        model = transformers.MixtralForCausalLM(config)
+        fields = dict(intermediate_size=40, num_local_experts=4, sliding_window=None)
+        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
+    elif family == "qwen2_moe":
+        fields = dict(intermediate_size=48, moe_intermediate_size=20, num_experts=4, shared_expert_intermediate_size=36,
+                      mlp_only_layers=[0], norm_topk_prob=False)
+        config_class, model_class = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
     else:
-        config = transformers.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=20, num_experts=4,
-                                             shared_expert_intermediate_size=36, mlp_only_layers=[0],
-                                             norm_topk_prob=False, **common)
-        model = transformers.Qwen2MoeForCausalLM(config)
+        fields = dict(intermediate_size=48, moe_intermediate_size=20, num_experts=4, head_dim=16, mlp_only_layers=[2],
+                      norm_topk_prob=True)
+        config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    model = model_class(config_class(**{**common, **fields, **changes}))
+    if family == "qwen3_moe":
+        with torch.no_grad():  # norms start at 1: make the qk-norm (and every norm) weights matter
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
     return model.eval()
 
 

@@ -1,7 +1,11 @@
-"""Hugging Face Mixtral and Qwen2-MoE (random small configs) against megalite: logits within
-1e-4 at EP = 1 and at EP = 2 (two gloo processes); Hugging Face -> megalite at EP = 2, PP = 2
+"""Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE (random small configs) against megalite: logits
+within 1e-4 at EP = 1 and at EP = 2 (two gloo processes); Hugging Face -> megalite at EP = 2, PP = 2
 (four processes, experts gathered over EP, layers over PP) -> Hugging Face is bit-identical,
-as is the converter's hf -> megalite (PP = 2) -> hf."""
+as is the converter's hf -> megalite (PP = 2) -> hf. Qwen3-MoE's routing (norm_topk_prob) and
+dense-layer choice (decoder_sparse_step, mlp_only_layers) are checked against transformers in
+both settings."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -38,6 +42,44 @@ def test_logits_match_transformers_ep1(family):
     assert config.moe.num_experts == 4 and config_from_hf(hf_config_dict(config)) == config
     if family == "qwen2_moe":
         assert config.moe.layer_pattern(4) == [0, 1, 1, 1] and config.moe.pre_softmax
+    if family == "qwen3_moe":
+        assert config.qk_layernorm and config.kv_channels == 16 and not config.moe.pre_softmax
+        assert config.moe.layer_pattern(4) == [1, 1, 0, 1] and config.moe.shared_expert_intermediate_size is None
+        import transformers
+
+        # config.json as megalite writes it builds the same transformers config (num_experts alias included)
+        assert config_from_hf(transformers.Qwen3MoeConfig(**hf_config_dict(config))) == config
+
+
+def test_qwen3_moe_routing_and_sparse_step_match_transformers():
+    """norm_topk_prob off (softmax before top-k, no renormalisation) and decoder_sparse_step 2 with
+    mlp_only_layers: megalite matches transformers, and each setting changes the logits."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hf = hf_moe_model("qwen3_moe", num_layers=6, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3])
+    config = config_from_hf(hf.config)
+    assert config.moe.layer_pattern(6) == [int(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)) for layer in hf.model.layers]
+    assert config.moe.layer_pattern(6) == [0, 1, 0, 0, 0, 1] and config.moe.pre_softmax
+    assert config_from_hf(hf_config_dict(config)) == config
+    model = GPTModel(config, ParallelState.single()).eval()
+    load_hf_weights(model, hf.state_dict())
+    flipped = GPTModel(config.replace(moe=dataclasses.replace(config.moe, pre_softmax=False))).eval()
+    load_hf_weights(flipped, hf.state_dict())
+    with torch.no_grad():
+        theirs, ours, other = hf(tokens()).logits, model(tokens())[..., :VOCAB], flipped(tokens())[..., :VOCAB]
+    assert rel_error(ours, theirs) < 1e-4
+    assert rel_error(other, theirs) > 1e-2
+
+
+def test_qwen3_moe_refusals():
+    config = config_from_hf(hf_moe_model("qwen3_moe", num_layers=2).config)
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf({**hf_config_dict(config), "attention_bias": True})
+    with pytest.raises(ValueError, match="num_experts"):
+        config_from_hf({**hf_config_dict(config), "num_experts": 0})
+    shared = dataclasses.replace(config.moe, shared_expert_intermediate_size=8, shared_expert_gate=True)
+    with pytest.raises(ValueError, match="qk_layernorm"):
+        hf_config_dict(config.replace(moe=shared))
 
 
 def _worker(rank, world, pp):
