@@ -69,6 +69,9 @@ class GPTConfig:
     use_flash_attn: bool = False
     """Attention through the flash_attn package (--use-flash-attn; causal attention without a
     mask): an error when flash_attn is not importable."""
+    cp_comm_type: str = "p2p"
+    """Attention across the context-parallel group (--cp-comm-type): 'p2p' (ring),
+    'all_gather' or 'a2a'; unused without context parallelism."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
     extra: dict = field(default_factory=dict)
@@ -92,6 +95,7 @@ class GPTConfig:
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
+            "cp_comm_type": ("p2p", "all_gather", "a2a"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

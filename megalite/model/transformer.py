@@ -10,11 +10,11 @@ from megalite.parallel.random import rng_fork_if
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None):
+    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None, cp_group=None):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         self.mlp = MLP(config, tp_group, device)
 

@@ -1,5 +1,6 @@
 """Data parallelism for one model chunk: gradients accumulate into bucketed main-gradient
-buffers (grad_buffer.py) and are averaged over the data-parallel group, bucket by bucket.
+buffers (grad_buffer.py) and are averaged over the data-parallel group, bucket by bucket
+(summed over the context-parallel group first).
 
 Per training step the loop (or the pipeline executor) does, for every chunk:
 
@@ -35,7 +36,7 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model chunk.
-        pstate: parallel state (its dp_group is used).
+        pstate: parallel state (its dp_group and cp_group are used).
         bucket_size: elements per gradient bucket (--ddp-bucket-size); None picks Megatron's
             default with overlap and a single bucket per dtype without.
         overlap_grad_reduce: start each bucket's collective as soon as its gradients are ready.
@@ -70,7 +71,8 @@ class DistributedDataParallel(nn.Module):
             return use_distributed_optimizer and getattr(param, "shared_embedding", False)
 
         self.buffers_ = [GradBuffer(params, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_group=self.dp_group,
-                                    sharded=use_distributed_optimizer, own_bucket=own_bucket)
+                                    sharded=use_distributed_optimizer, own_bucket=own_bucket,
+                                    cp_group=pstate.cp_group)
                          for params in by_dtype.values()]
         self._bucket_of = {p: b for buffer in self.buffers_ for p, b in buffer.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
