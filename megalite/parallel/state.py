@@ -113,6 +113,11 @@ class ParallelLayout:
     def pp_groups(self) -> list[list[int]]:
         return self._groups("p")
 
+    def cp_slice_groups(self) -> list[list[int]]:
+        """Every TP, DP and PP rank of one CP rank: each holds a distinct part of the model and
+        optimizer state, which the CP ranks replicate (norms over sharded state count it once)."""
+        return self._groups("t", "d", "p")
+
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups: every TP x PP rank holding one replica of the model."""
         return self._groups("t", "p")
@@ -189,6 +194,7 @@ class ParallelState:
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
+        self.cp_slice_group = groups.get("cp_slice", self.world_group) if layout.context > 1 else self.world_group
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -211,7 +217,8 @@ class ParallelState:
         groups = {"world": dist.group.WORLD}
         for name, ranks in (
             ("tp", layout.tp_groups()),
-            *([("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups())] if layout.context > 1 else []),
+            *([("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups()),
+               ("cp_slice", layout.cp_slice_groups())] if layout.context > 1 else []),
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
             ("mp", layout.mp_groups()),

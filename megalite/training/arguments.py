@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 import yaml
 
 from megalite.model.config import GPTConfig
-from megalite.training.arguments_context import ContextArgs
+from megalite.training.arguments_context import ContextArgs, cp_comm_type_of
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.training.arguments_moe import MoEArgs
@@ -270,4 +270,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         fused_kernels=args.fused_kernels,
         use_flash_attn=args.use_flash_attn,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        cp_comm_type=cp_comm_type_of(args),
     )
