@@ -124,8 +124,7 @@ class MixedPrecisionOptimizer:
         return [g for m in self.mains if (m.counted or not counted_only) and (g := m.grad()) is not None]
 
     def _norm_group(self):
-        """Ranks holding distinct gradients: every rank of one CP slice when sharded over DP, else
-        one replica."""
+        """Ranks holding distinct gradients: one CP slice when sharded over DP, else one replica."""
         return self.pstate.cp_slice_group if self.sharded_over_dp else self.pstate.mp_group
 
     def _unscale_and_find_inf(self) -> bool:
