@@ -54,7 +54,8 @@ class SelfAttention(nn.Module):
             if attention_mask is not None or dropout > 0:
                 raise ValueError("context parallelism supports causal attention without attention "
                                  "dropout only (--attention-dropout 0, no --reset-attention-mask)")
-            return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale)
+            return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
+                                              overlap=self.config.cp_ring_overlap)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses

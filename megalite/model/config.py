@@ -72,6 +72,9 @@ class GPTConfig:
     cp_comm_type: str = "p2p"
     """Attention across the context-parallel group (--cp-comm-type): 'p2p' (ring),
     'all_gather' or 'a2a'; unused without context parallelism."""
+    cp_ring_overlap: bool = True
+    """With 'p2p': compute each key/value block while the next one travels (False waits for
+    each transfer first; tools/benchmarks/bench_context_parallel.py measures the difference)."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
     extra: dict = field(default_factory=dict)
