@@ -14,10 +14,9 @@ def context_parallel_attention(q, k, v, group, comm_type: str, scale: float, ove
     if s % 2:
         raise ValueError(f"context-parallel attention: local sequence length {s} is not two equal chunks")
     if comm_type == "p2p":
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = ring_attention(q, k, v, group, scale, overlap)
+        out = ring_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), group, scale, overlap)
     elif comm_type == "all_gather":
-        out = all_gather_attention(q, k, v, group, scale)
+        out = all_gather_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), group, scale)
     elif comm_type == "a2a":
         out = a2a_attention(q, k, v, group, scale)
     else:
