@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import comm
-from megalite.parallel.context.blocks import SKIP, CAUSAL, block_backward, block_forward, merge, relation
+from megalite.parallel.context.blocks import CAUSAL, SKIP, block_backward, block_forward, merge, relation
 from megalite.parallel.context.split import chunk_ids
 
 _KV_TAG, _GRAD_TAG = 0, 1
