@@ -195,6 +195,7 @@ class ParallelState:
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
         self.cp_slice_group = groups.get("cp_slice", self.world_group) if layout.context > 1 else self.world_group
+        self.expert = None  # megalite.parallel.expert.groups.ExpertState when the model has experts
 
     @classmethod
     def single(cls) -> "ParallelState":

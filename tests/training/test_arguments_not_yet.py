@@ -13,12 +13,7 @@ from tests.training.test_arguments import parsed, refused
     ("--context-parallel-size 2", ["--context-parallel-size 2", "--attention-dropout 0"]),
     ("--context-parallel-size 2 --attention-dropout 0 --reset-attention-mask", ["--reset-attention-mask", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --use-torch-fsdp2", ["--use-torch-fsdp2", "not implemented"]),
-    ("--num-experts 8", ["--num-experts 8", "not implemented"]),
-    ("--expert-model-parallel-size 2", ["--expert-model-parallel-size 2", "--num-experts"]),
-    ("--expert-tensor-parallel-size 1", ["--expert-tensor-parallel-size", "--num-experts"]),
-    ("--moe-router-topk 4", ["--moe-router-topk", "--num-experts"]),
-    ("--moe-token-dispatcher-type alltoall", ["--moe-token-dispatcher-type", "--num-experts"]),
-    ("--attention-backend flash", ["--attention-backend flash", "not implemented", "auto"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
 def test_refused_naming_the_flag(extra, words):
     message = refused(extra)
