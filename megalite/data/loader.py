@@ -7,11 +7,15 @@ from consumed_samples continues the stream exactly where a previous run stopped.
 
 Only the first and last pipeline stages need data (tokens in, labels and loss mask out).
 Within a tensor-parallel group only TP rank 0 reads; it broadcasts every tensor to the group.
+With context parallelism every CP rank reads the same samples and keeps its two chunks of
+each sequence (megalite.parallel.context.split), position ids included.
 """
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+
+from megalite.parallel.context import split_sequence
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 BATCH_DTYPES = (torch.int64, torch.int64, torch.float32, torch.int64, torch.bool)
@@ -73,9 +77,19 @@ def build_data_iterator(dataset, *, consumed_samples: int, micro_batch_size: int
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False,
                             persistent_workers=num_workers > 0, generator=generator)
         loader_iter = iter(loader)
+        if pstate.cp_size > 1:
+            loader_iter = _cp_split_iterator(loader_iter, pstate)
     if pstate.tp_group is None or pstate.tp_size == 1:
         return loader_iter
     return _tp_broadcast_iterator(loader_iter, pstate, device)
+
+
+def _cp_split_iterator(loader_iter, pstate):
+    """This CP rank's chunks of every [batch, seq] tensor of each micro-batch."""
+    for batch in loader_iter:
+        if "attention_mask" in batch:
+            raise ValueError("--reset-attention-mask with context parallelism is not implemented")
+        yield {key: split_sequence(value, 1, pstate.cp_size, pstate.cp_rank) for key, value in batch.items()}
 
 
 def _broadcast_device(group, device):

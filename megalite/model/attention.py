@@ -14,6 +14,7 @@ from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
 from megalite.model.rope import apply_rotary_interleaved
 from megalite.parallel import comm
+from megalite.parallel.context import context_parallel_attention
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
@@ -27,10 +28,10 @@ def _flash_attn_func():
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, tp_group=None, rng_tracker=None, device=None):
+    def __init__(self, config, tp_group=None, rng_tracker=None, device=None, cp_group=None):
         super().__init__()
         tp = comm.group_size(tp_group)
-        self.config, self.rng_tracker = config, rng_tracker
+        self.config, self.rng_tracker, self.cp_group = config, rng_tracker, cp_group
         self.head_dim = config.kv_channels
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
@@ -57,6 +58,12 @@ class SelfAttention(nn.Module):
         s, b = q.shape[:2]
         dropout = self.config.attention_dropout if self.training else 0.0
         scale = self.head_dim ** -0.5
+        if comm.group_size(self.cp_group) > 1:
+            if attention_mask is not None or dropout > 0:
+                raise ValueError("context parallelism supports causal attention without attention "
+                                 "dropout only (--attention-dropout 0, no --reset-attention-mask)")
+            return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
+                                              overlap=self.config.cp_ring_overlap)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses

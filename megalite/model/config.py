@@ -92,6 +92,12 @@ class GPTConfig:
     use_flash_attn: bool = False
     """Attention through the flash_attn package (--use-flash-attn; causal attention without a
     mask): an error when flash_attn is not importable."""
+    cp_comm_type: str = "p2p"
+    """Attention across the context-parallel group (--cp-comm-type): 'p2p' (ring),
+    'all_gather' or 'a2a'; unused without context parallelism."""
+    cp_ring_overlap: bool = True
+    """With 'p2p': compute each key/value block while the next one travels (False waits for
+    each transfer first; tools/benchmarks/bench_context_parallel.py measures the difference)."""
     attention_backend: str = "auto"
     """scaled_dot_product_attention's choice ('auto'), its flash kernel ('flash'), its cuDNN /
     memory-efficient kernels ('fused'), or megalite's explicit math path ('unfused', 'local')
@@ -130,6 +136,7 @@ class GPTConfig:
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
+            "cp_comm_type": ("p2p", "all_gather", "a2a"),
         }
         unknown = set(self.unfused_kernels) - set(UNFUSABLE_OPS)
         if unknown:

@@ -21,6 +21,7 @@ from megalite.model.recompute import checkpointed
 from megalite.model.rope import rotary_cos_sin_for
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel import comm
+from megalite.parallel.context import local_positions
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.sharding import mark_sequence_parallel
 from megalite.parallel.state import ParallelState
@@ -101,7 +102,7 @@ class GPTModel(nn.Module):
         self.embedding = (Embedding(config, self.padded_vocab, self.tp_group, rng_tracker, device)
                           if self.pre_process else None)
         self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device,
-                                                                    pstate.expert)
+                                                              pstate.expert, pstate.cp_group)
                                      for n in layer_numbers})
         self.final_layernorm = build_norm(config, device=device) if self.post_process else None
         self.output_layer = None
@@ -186,9 +187,19 @@ class GPTModel(nn.Module):
         cache.offset after the call."""
         if inference_cache is not None:
             return self._forward_cached(tokens, hidden_states, inference_cache)
-        x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
+        cp = self.pstate.cp_size
+        if self.pre_process:
+            if position_ids is None and cp > 1:
+                position_ids = local_positions(tokens.shape[1] * cp, cp, self.pstate.cp_rank, tokens.device)[None]
+            x = self.embedding(tokens, position_ids)
+        else:
+            x = hidden_states
         seq_len = x.shape[0] * (self.pstate.tp_size if self.config.sequence_parallel else 1)
-        x = self._run_layers(x, self._rotary(seq_len, x.device), attention_mask)
+        rotary = self._rotary(seq_len * cp, x.device)
+        if rotary is not None and cp > 1:  # the rotations of this CP rank's tokens' positions
+            held = local_positions(seq_len * cp, cp, self.pstate.cp_rank, x.device)
+            rotary = tuple(t.index_select(0, held) for t in rotary)
+        x = self._run_layers(x, rotary, attention_mask)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

@@ -14,6 +14,7 @@ import torch
 
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, masked_mean_loss
+from megalite.parallel.context.loss import cp_masked_mean
 from megalite.parallel.pipeline.executor import unwrap
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, stage_layers
 from megalite.parallel.state import ParallelState
@@ -56,4 +57,8 @@ def gpt_forward_step(chunk, batch: dict | None, hidden_states: torch.Tensor | No
                 position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"),
                 labels=batch.get("labels") if model.post_process else None,
                 hidden_states=hidden_states)
-    return masked_mean_loss(out, batch.get("loss_mask")) if model.post_process else out
+    if not model.post_process:
+        return out
+    if model.pstate.cp_size > 1:
+        return cp_masked_mean(out, batch.get("loss_mask"), model.pstate.cp_group)
+    return masked_mean_loss(out, batch.get("loss_mask"))

@@ -11,11 +11,12 @@ from megalite.parallel.random import rng_fork_if
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None, expert_state=None):
+    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None, expert_state=None,
+                 cp_group=None):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
             self.mlp = MoELayer(config, tp_group, expert_state, device)

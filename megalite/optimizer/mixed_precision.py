@@ -124,8 +124,8 @@ class MixedPrecisionOptimizer:
         return [g for m in self.mains if (m.counted or not counted_only) and (g := m.grad()) is not None]
 
     def _norm_group(self):
-        """Ranks holding distinct gradients: everything when sharded over DP, else one replica."""
-        return self.pstate.world_group if self.sharded_over_dp or expert_parallel(self.pstate) else self.pstate.mp_group
+        """Ranks holding distinct gradients: one CP slice when sharded over DP, else one replica."""
+        return self.pstate.cp_slice_group if self.sharded_over_dp or expert_parallel(self.pstate) else self.pstate.mp_group
 
     def _unscale_and_find_inf(self) -> bool:
         grads = self._grads()

@@ -1,15 +1,20 @@
 """Parallel layout and process groups, as an explicit object (no module-level globals).
 
-Ranks are ordered as Megatron orders them: tensor-parallel innermost, then data-parallel,
-then pipeline-parallel:
+Ranks are ordered as Megatron orders them: tensor-parallel innermost, then context-parallel,
+then data-parallel, then pipeline-parallel:
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+or, with `tp_pp_dp_mapping` (Megatron's --use-tp-pp-dp-mapping), pipeline before data:
+
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
 
 `ParallelLayout` is pure arithmetic and validates itself when constructed, so an impossible
 layout is refused before any process group exists. `ParallelState` is one rank's view of a
 layout: its coordinates, its neighbours and the process groups it belongs to.
 """
 
+import itertools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,6 +35,8 @@ class ParallelLayout:
     tensor: int = 1
     pipeline: int = 1
     virtual_pipeline: int = 1
+    context: int = 1
+    tp_pp_dp_mapping: bool = False
 
     def __post_init__(self):
         _require_positive(
@@ -37,12 +44,14 @@ class ParallelLayout:
             ("--tensor-model-parallel-size", self.tensor),
             ("--pipeline-model-parallel-size", self.pipeline),
             ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
+            ("--context-parallel-size", self.context),
         )
-        if self.world_size % (self.tensor * self.pipeline):
+        if self.world_size % (self.tensor * self.context * self.pipeline):
+            cp = f" x --context-parallel-size {self.context}" if self.context > 1 else ""
             raise ValueError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                f"{self.tensor} x --pipeline-model-parallel-size {self.pipeline} = "
-                f"{self.tensor * self.pipeline}"
+                f"{self.tensor}{cp} x --pipeline-model-parallel-size {self.pipeline} = "
+                f"{self.tensor * self.context * self.pipeline}"
             )
         if self.virtual_pipeline > 1 and self.pipeline == 1:
             raise ValueError(
@@ -52,42 +61,66 @@ class ParallelLayout:
 
     @property
     def data(self) -> int:
-        return self.world_size // (self.tensor * self.pipeline)
+        return self.world_size // (self.tensor * self.context * self.pipeline)
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return (pp_rank * self.data + dp_rank) * self.tensor + tp_rank
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        if self.tp_pp_dp_mapping:
+            outer = dp_rank * self.pipeline + pp_rank
+        else:
+            outer = pp_rank * self.data + dp_rank
+        return (outer * self.context + cp_rank) * self.tensor + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tensor, (rank // self.tensor) % self.data, rank // (self.tensor * self.data)
+        """(tp_rank, dp_rank, pp_rank) of a global rank (its CP rank: `cp_rank_of`)."""
+        outer = rank // (self.tensor * self.context)
+        if self.tp_pp_dp_mapping:
+            return rank % self.tensor, outer // self.pipeline, outer % self.pipeline
+        return rank % self.tensor, outer % self.data, outer // self.data
+
+    def cp_rank_of(self, rank: int) -> int:
+        return (rank // self.tensor) % self.context
+
+    def _groups(self, inner: str, *more_inner: str) -> list[list[int]]:
+        """Rank lists varying the named dimensions (`inner` fastest), the others fixed."""
+        sizes = {"t": self.tensor, "c": self.context, "d": self.data, "p": self.pipeline}
+        varying = (inner, *more_inner)
+        fixed = [d for d in "pdct" if d not in varying]
+        groups = []
+        for fixed_coords in itertools.product(*[range(sizes[d]) for d in fixed]):
+            at = dict(zip(fixed, fixed_coords))
+            group = []
+            for coords in itertools.product(*[range(sizes[d]) for d in reversed(varying)]):
+                at.update(zip(reversed(varying), coords))
+                group.append(self.rank_of(at["t"], at["d"], at["p"], at["c"]))
+            groups.append(group)
+        return groups
 
     def tp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, d, p) for t in range(self.tensor)]
-            for p in range(self.pipeline)
-            for d in range(self.data)
-        ]
+        return self._groups("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Context-parallel groups: the ranks each sequence is split over."""
+        return self._groups("c")
 
     def dp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, d, p) for d in range(self.data)]
-            for p in range(self.pipeline)
-            for t in range(self.tensor)
-        ]
+        return self._groups("d")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """DP x CP: the ranks over which gradients of parameters are reduced (every CP rank
+        holds the same parameters and a different part of each sequence)."""
+        return self._groups("c", "d")
 
     def pp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, d, p) for p in range(self.pipeline)]
-            for d in range(self.data)
-            for t in range(self.tensor)
-        ]
+        return self._groups("p")
+
+    def cp_slice_groups(self) -> list[list[int]]:
+        """Every TP, DP and PP rank of one CP rank: each holds a distinct part of the model and
+        optimizer state, which the CP ranks replicate (norms over sharded state count it once)."""
+        return self._groups("t", "d", "p")
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups: every TP x PP rank holding one replica of the model."""
-        return [
-            [self.rank_of(t, d, p) for p in range(self.pipeline) for t in range(self.tensor)]
-            for d in range(self.data)
-        ]
+        return self._groups("t", "p")
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (they hold the tied embeddings)."""
@@ -150,13 +183,18 @@ class ParallelState:
         self.layout = layout
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
+        self.cp_rank = layout.cp_rank_of(rank)
         groups = groups or {}
         self.tp_group = groups.get("tp")
+        self.cp_group = groups.get("cp")
         self.dp_group = groups.get("dp")
+        # Gradients are reduced over DP x CP; without CP that is the DP group itself.
+        self.dp_cp_group = groups.get("dp_cp", self.dp_group) if layout.context > 1 else self.dp_group
         self.pp_group = groups.get("pp")
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
+        self.cp_slice_group = groups.get("cp_slice", self.world_group) if layout.context > 1 else self.world_group
         self.expert = None  # megalite.parallel.expert.groups.ExpertState when the model has experts
 
     @classmethod
@@ -180,6 +218,8 @@ class ParallelState:
         groups = {"world": dist.group.WORLD}
         for name, ranks in (
             ("tp", layout.tp_groups()),
+            *([("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups()),
+               ("cp_slice", layout.cp_slice_groups())] if layout.context > 1 else []),
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
             ("mp", layout.mp_groups()),
@@ -198,6 +238,10 @@ class ParallelState:
     @property
     def tp_size(self) -> int:
         return self.layout.tensor
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.context
 
     @property
     def dp_size(self) -> int:
@@ -227,7 +271,7 @@ class ParallelState:
     @property
     def pp_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline, stage 0 first."""
-        return [self.layout.rank_of(self.tp_rank, self.dp_rank, p) for p in range(self.pp_size)]
+        return [self.layout.rank_of(self.tp_rank, self.dp_rank, p, self.cp_rank) for p in range(self.pp_size)]
 
     @property
     def next_rank(self) -> int:
@@ -241,10 +285,10 @@ class ParallelState:
     @property
     def tp_src_rank(self) -> int:
         """Global rank of tensor-parallel rank 0 in this rank's TP group."""
-        return self.layout.rank_of(0, self.dp_rank, self.pp_rank)
+        return self.layout.rank_of(0, self.dp_rank, self.pp_rank, self.cp_rank)
 
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
-            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vp={self.vp_size})"
+            f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vp={self.vp_size})"
         )

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 import yaml
 
 from megalite.model.config import GPTConfig
-from megalite.training.arguments_context import ContextArgs
+from megalite.training.arguments_context import ContextArgs, cp_comm_type_of
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_megatron_data import MegatronDataArgs
 from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
@@ -281,4 +281,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         **megatron_model_fields(args),
         moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
+        cp_comm_type=cp_comm_type_of(args),
     )

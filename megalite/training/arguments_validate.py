@@ -87,7 +87,8 @@ def layout_from_args(args, world_size: int) -> ParallelLayout:
     _require(args, ("num_layers", "hidden_size", "num_attention_heads"))
     layout = ParallelLayout(world_size, tensor=args.tensor_model_parallel_size,
                             pipeline=args.pipeline_model_parallel_size,
-                            virtual_pipeline=virtual_stages(args))
+                            virtual_pipeline=virtual_stages(args), context=args.context_parallel_size,
+                            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping)
     layout.check_model(args.num_layers, args.hidden_size, args.num_attention_heads,
                        args.num_query_groups if args.group_query_attention else None,
                        args.kv_channels)
@@ -212,7 +213,8 @@ def _check_batch(args, layout: ParallelLayout):
         _fail(f"--global-batch-size {args.global_batch_size} is not divisible by "
               f"--micro-batch-size {mbs} x data-parallel size {dp} = {mbs * dp} (world size "
               f"{layout.world_size} / (--tensor-model-parallel-size {layout.tensor} x "
-              f"--pipeline-model-parallel-size {layout.pipeline}))")
+              + (f"--context-parallel-size {layout.context} x " if layout.context > 1 else "")
+              + f"--pipeline-model-parallel-size {layout.pipeline}))")
     args.world_size = layout.world_size
     args.data_parallel_size = dp
     args.virtual_pipeline_model_parallel_size = layout.virtual_pipeline

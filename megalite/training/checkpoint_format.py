@@ -176,7 +176,9 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
         for _, sizes in boxes:
             starts.append(starts[-1] + math.prod(sizes))
         for t in holders_tp:
-            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank)}/{device_str}"
+            # Context-parallel ranks hold identical replicas: each describes its own CP slice
+            # (DCP writes one copy of each shard).
+            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank, pstate.cp_rank)}/{device_str}"
             for offsets, sizes, i, shift in _full_boxes(boxes, chunks[t], dim):
                 meta = ShardMetadata(offsets, sizes, placement)
                 metas.append(meta)

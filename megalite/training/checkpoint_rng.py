@@ -15,7 +15,17 @@ log = logging.getLogger(__name__)
 
 
 def rng_file_name(pstate) -> str:
-    return f"rng_tp{pstate.tp_rank}_pp{pstate.pp_rank}_dp{pstate.dp_rank}.json"
+    cp = f"_cp{pstate.cp_rank}" if pstate.cp_size > 1 else ""
+    return f"rng_tp{pstate.tp_rank}_pp{pstate.pp_rank}_dp{pstate.dp_rank}{cp}.json"
+
+
+def layout_record(pstate) -> dict:
+    """The parallel layout a checkpoint's RNG states belong to (cp only when > 1, so
+    checkpoints without context parallelism keep their record)."""
+    layout = {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}
+    if pstate.cp_size > 1:
+        layout["cp"] = pstate.cp_size
+    return layout
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -41,7 +51,7 @@ def save_rng_state(path, rng_tracker=None) -> None:
 
 
 def load_rng_state(checkpoint_dir, pstate, rng_tracker, saved_layout: dict | None) -> bool:
-    layout = {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}
+    layout = layout_record(pstate)
     if saved_layout != layout:
         if pstate.rank == 0:
             log.warning("checkpoint layout %s differs from this run's %s: RNG states not restored",

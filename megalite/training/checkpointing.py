@@ -34,7 +34,7 @@ from megalite.training.checkpoint_format import (
     CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
     read_metadata_file, single_process_dcp, verify_files,
 )
-from megalite.training.checkpoint_rng import load_rng_state, rng_file_name, save_rng_state
+from megalite.training.checkpoint_rng import layout_record, load_rng_state, rng_file_name, save_rng_state
 
 log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -190,7 +190,7 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     rng_file = rng_file_name(pstate)
     save_rng_state(tmp / rng_file, rng_tracker)
     common = {**common, "iteration": iteration, "optimizer": optimizer_state,
-              "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "vp": pstate.vp_size}}
+              "layout": layout_record(pstate)}
     writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
     no_dist = not _distributed()
     with single_process_dcp():

@@ -72,9 +72,9 @@ class Run:
 
     @property
     def writes_logs(self) -> bool:
-        """The last pipeline stage's first TP and DP rank reports (it holds the loss)."""
+        """The last pipeline stage's first TP, CP and DP rank reports (it holds the loss)."""
         ps = self.pstate
-        return ps.is_last_stage and ps.tp_rank == 0 and ps.dp_rank == 0
+        return ps.is_last_stage and ps.tp_rank == 0 and ps.cp_rank == 0 and ps.dp_rank == 0
 
 
 def _free_port() -> int:

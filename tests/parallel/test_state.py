@@ -93,3 +93,26 @@ def test_process_groups_match_layout():
         assert r["next"] == r["prev"] == layout.rank_of(tp, dp, 1 - pp)
         assert r["src"] == layout.rank_of(0, dp, pp)
         assert (r["first"], r["last"]) == (pp == 0, pp == 1)
+
+
+def test_context_parallel_rank_order():
+    """Megatron's tp-cp-dp-pp order, and tp-cp-pp-dp with --use-tp-pp-dp-mapping."""
+    layout = ParallelLayout(16, tensor=2, pipeline=2, context=2)
+    assert layout.data == 2
+    assert layout.tp_groups()[:2] == [[0, 1], [2, 3]]
+    assert layout.cp_groups()[:2] == [[0, 2], [1, 3]]
+    assert layout.dp_groups()[:2] == [[0, 4], [1, 5]]
+    assert layout.dp_cp_groups()[0] == [0, 2, 4, 6]
+    assert layout.pp_groups()[0] == [0, 8]
+    assert layout.mp_groups()[0] == [0, 1, 8, 9]
+    assert layout.cp_slice_groups()[0] == [0, 1, 4, 5, 8, 9, 12, 13]
+    mapped = ParallelLayout(16, tensor=2, pipeline=2, context=2, tp_pp_dp_mapping=True)
+    assert mapped.cp_groups()[0] == [0, 2] and mapped.pp_groups()[0] == [0, 4] and mapped.dp_groups()[0] == [0, 8]
+    for lay in (layout, mapped):
+        for rank in range(16):
+            tp, dp, pp = lay.coords(rank)
+            assert lay.rank_of(tp, dp, pp, lay.cp_rank_of(rank)) == rank
+        for groups in (lay.tp_groups(), lay.cp_groups(), lay.dp_groups(), lay.pp_groups(), lay.cp_slice_groups()):
+            assert sorted(r for g in groups for r in g) == list(range(16))
+    with pytest.raises(ValueError, match="x --context-parallel-size 4 x"):
+        ParallelLayout(8, tensor=1, context=4, pipeline=4)

@@ -7,9 +7,13 @@ from tests.training.test_arguments import parsed, refused
 
 
 @pytest.mark.parametrize("extra, words", [
-    ("--context-parallel-size 2", ["--context-parallel-size 2", "not implemented"]),
-    ("--cp-comm-type p2p", ["--cp-comm-type", "context parallelism"]),
-    ("--hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type a2a+p2p", ["--cp-comm-type a2a+p2p", "not implemented"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a", ["--cp-comm-type p2p a2a", "per layer"]),
+    ("--hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes", "not implemented"]),
+    ("--context-parallel-size 2", ["--context-parallel-size 2", "--attention-dropout 0"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --reset-attention-mask", ["--reset-attention-mask", "not implemented"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --use-torch-fsdp2", ["--use-torch-fsdp2", "not implemented"]),
+    ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
 def test_refused_naming_the_flag(extra, words):
     message = refused(extra)
@@ -19,3 +23,26 @@ def test_refused_naming_the_flag(extra, words):
 def test_defaults_run():
     args = parsed("--context-parallel-size 1 --expert-model-parallel-size 1 --attention-backend auto", 1)
     assert (args.context_parallel_size, args.num_experts, args.attention_backend) == (1, None, "auto")
+
+
+def test_context_parallel_options_reach_the_layout_and_model():
+    from megalite.training.arguments import layout_from_args, model_config_from_args
+
+    args = parsed("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type a2a --tensor-model-parallel-size 2", 8)
+    layout = layout_from_args(args, 8)
+    assert (layout.context, layout.data, args.data_parallel_size) == (2, 2, 2)
+    assert layout.cp_groups()[0] == [0, 2]  # TP innermost, then CP
+    assert model_config_from_args(args, 100).cp_comm_type == "a2a"
+    mapped = layout_from_args(parsed("--context-parallel-size 2 --attention-dropout 0 "
+                                     "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", 8), 8)
+    assert mapped.pp_groups()[0] == [0, 2] and mapped.dp_groups()[0] == [0, 4]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--context-parallel-size 2 --attention-dropout 0 --seq-length 30", ["--seq-length 30", "2 x --context-parallel-size", "= 4"]),
+    ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a --num-attention-heads 2 --hidden-size 64",
+     ["--cp-comm-type a2a", "--num-attention-heads 2"]),
+])
+def test_context_parallel_shapes_refused(extra, words):
+    message = refused(extra, 8)
+    assert "\n" not in message and all(w in message for w in words), message

@@ -1,5 +1,6 @@
 """Data parallelism for one model chunk: gradients accumulate into bucketed main-gradient
-buffers (grad_buffer.py) and are averaged over the data-parallel group, bucket by bucket.
+buffers (grad_buffer.py) and are averaged over the data-parallel group, bucket by bucket
+(summed over the context-parallel group first).
 
 Per training step the loop (or the pipeline executor) does, for every chunk:
 
@@ -35,7 +36,7 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model chunk.
-        pstate: parallel state (its dp_group is used).
+        pstate: parallel state (its dp_group and cp_group are used).
         bucket_size: elements per gradient bucket (--ddp-bucket-size); None picks Megatron's
             default with overlap and a single bucket per dtype without.
         overlap_grad_reduce: start each bucket's collective as soon as its gradients are ready.
@@ -70,7 +71,7 @@ class DistributedDataParallel(nn.Module):
         def reduction(is_expert):
             if is_expert and expert is not None:
                 return {"dp_group": expert.edp_group, "grad_scale": 1.0 / expert.ep_size}
-            return {"dp_group": self.dp_group}
+            return {"dp_group": self.dp_group, "cp_group": pstate.cp_group}
 
         def own_bucket(param):
             # A tied embedding copy must be laid out identically on the first and last stage so

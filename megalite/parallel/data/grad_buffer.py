@@ -37,13 +37,14 @@ class Bucket:
     """Parameters whose gradients are reduced together, and their slice of the buffers."""
 
     def __init__(self, index: int, param_ranges: dict, grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0):
+                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0,
+                 cp_group=None):
         self.index = index
         self.param_ranges = param_ranges  # param -> (start, end) within this bucket
         self.params = list(param_ranges)
         self.grad_data, self.param_data = grad_data, param_data
         self.numel = grad_data.numel()
-        self.dp_group, self.sharded, self.grad_scale = dp_group, sharded, grad_scale
+        self.dp_group, self.sharded, self.grad_scale, self.cp_group = dp_group, sharded, grad_scale, cp_group
         self.dp_size = comm.group_size(dp_group)
         shards = self.dp_size if sharded else 1
         self.shard_size = self.numel // shards
@@ -79,10 +80,14 @@ class Bucket:
 
     def start_grad_sync(self, async_op: bool) -> None:
         """Average the bucket's gradients over the DP group (all-reduce, or reduce-scatter into
-        this rank's shard); a no-op if already started."""
+        this rank's shard); a no-op if already started. With a CP group they are first summed
+        over it (each CP rank's gradient is that of its part of every sequence), so the result
+        is reduced over DP x CP; the optimizer state stays sharded over DP alone."""
         if self.grad_started:
             return
         self.grad_started = True
+        if comm.group_size(self.cp_group) > 1:
+            dist.all_reduce(self.grad_data, group=self.cp_group)
         if self.grad_scale != 1.0:
             self.grad_data.mul_(self.grad_scale)
         if self.dp_size == 1:
@@ -130,6 +135,7 @@ class GradBuffer:
         grad_dtype: dtype of the main gradients (fp32 by default, whatever the params are).
         bucket_size: elements per bucket (None: one bucket).
         dp_group: data-parallel process group (None: one rank).
+        cp_group: context-parallel process group gradients are summed over first (None: none).
         sharded: lay out for the distributed optimizer (padded buckets, a parameter buffer).
         own_bucket: predicate for parameters that must sit alone in a bucket.
         grad_scale: factor applied before averaging (expert gradients: 1 / EP size, so that
@@ -137,7 +143,7 @@ class GradBuffer:
     """
 
     def __init__(self, params, *, grad_dtype, bucket_size, dp_group, sharded, own_bucket=lambda p: False,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, cp_group=None):
         params = list(params)
         if not params:
             raise ValueError("GradBuffer: no parameters")
@@ -172,7 +178,8 @@ class GradBuffer:
         self.bucket_of: dict = {}
         for index, (start, end, ranges) in enumerate(layouts):
             param_data = self.param_data[start:end] if sharded else None
-            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale)
+            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale,
+                            cp_group)
             self.buckets.append(bucket)
             for param, (lo, hi) in ranges.items():
                 self.bucket_of[param] = bucket

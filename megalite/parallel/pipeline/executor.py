@@ -152,7 +152,8 @@ class PipelineExecutor:
             "zb_h1").
         num_microbatches: m, micro-batches per step and pipeline.
         seq_length, micro_batch_size, hidden_size: the activation shape sent between stages,
-            [seq_length / tp (with sequence_parallel), micro_batch_size, hidden_size].
+            [seq_length / cp / tp (with sequence_parallel), micro_batch_size, hidden_size]
+            (seq_length is the full sequence; each context-parallel rank holds 1/cp of it).
         dtype, device: of those activations.
         forward_step: forward_step(chunk, batch, hidden_states) -> hidden states, or the
             micro-batch loss on the last virtual stage (GPTModel chunks:
@@ -179,12 +180,13 @@ class PipelineExecutor:
         self.actions = schedule_actions(schedule, self.p, self.rank, num_microbatches, self.v)
         self._check_chunk_roles()
         tp = pstate.tp_size if sequence_parallel else 1
-        if seq_length % tp:
-            raise ValueError(f"--seq-length {seq_length} is not divisible by "
+        if seq_length % (tp * pstate.cp_size):
+            cp = f"--context-parallel-size {pstate.cp_size} x " if pstate.cp_size > 1 else ""
+            raise ValueError(f"--seq-length {seq_length} is not divisible by {cp}"
                              f"--tensor-model-parallel-size {tp} (sequence parallelism)")
         device = torch.device(device) if device is not None else next(
             unwrap(self.chunks[0]).parameters()).device
-        self.p2p = (PipelineP2P(pstate, self.v, (seq_length // tp, micro_batch_size, hidden_size),
+        self.p2p = (PipelineP2P(pstate, self.v, (seq_length // (tp * pstate.cp_size), micro_batch_size, hidden_size),
                                 dtype, device) if self.p > 1 else None)
         self.forward_step, self.loss_scale = forward_step, loss_scale
         self.deallocate_outputs = deallocate_outputs

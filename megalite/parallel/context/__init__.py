@@ -1,0 +1,17 @@
+"""Context parallelism: each sequence split over the ranks of a CP group.
+
+What lives here: the load-balanced split of a sequence into 2N chunks (rank i holds chunks i
+and 2N-1-i, so causal attention costs every rank the same), and causal self-attention across
+the CP group in three ways: `p2p` (ring attention, key/value blocks passed around a ring,
+partial results merged by their log-sum-exp, the backward pass a ring too), `all_gather`
+(keys and values gathered) and `a2a` (Ulysses: heads scattered, sequence gathered).
+
+Imports: torch and megalite.parallel's shared modules (comm, state) only; never
+megalite.model, megalite.training or megalite.optimizer.
+"""
+
+from megalite.parallel.context.attention import CP_COMM_TYPES, context_parallel_attention
+from megalite.parallel.context.split import gather_sequence, local_positions, split_sequence
+
+__all__ = ["CP_COMM_TYPES", "context_parallel_attention", "gather_sequence", "local_positions",
+           "split_sequence"]

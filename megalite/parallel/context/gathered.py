@@ -1,0 +1,140 @@
+"""Context-parallel attention by collectives: `all_gather` (every rank gathers all keys and
+values, its queries attend to those before them, blockwise) and `a2a` (Ulysses: an all-to-all trades
+the sequence split for a head split, each rank attends over the whole sequence for its
+share of the heads, and a second all-to-all trades back).
+
+Layouts: see each function; s is this rank's two chunks (split.py).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.parallel import comm
+from megalite.parallel.context.blocks import block_backward, block_forward, merge
+from megalite.parallel.context.split import chunk_ids, natural_order
+
+
+def _chunk_place(chunk: int, cp_size: int) -> tuple[int, int]:
+    """(owning CP rank, which of its two halves) of sequence chunk `chunk`."""
+    return (chunk, 0) if chunk < cp_size else (2 * cp_size - 1 - chunk, 1)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Keys and values gathered from every CP rank; each local query chunk attends to the
+    chunks before it and, causally, its own (blocks.py, merged by log-sum-exp, so nothing of
+    size seq x seq is kept for backward). Backward gathers them again and reduce-scatters
+    their gradients home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        n, rank = comm.group_size(group), comm.group_rank(group)
+        c = q.shape[2] // 2
+        kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)  # [n, 2, b, hg, s, d]
+        outs, lses = [], []
+        for qa, q_id in enumerate(chunk_ids(n, rank)):
+            acc = None
+            for kv_id in range(q_id + 1):
+                owner, half = _chunk_place(kv_id, n)
+                block = kv[owner, :, :, :, half * c:(half + 1) * c]
+                acc = merge(acc, *block_forward(q[:, :, qa * c:(qa + 1) * c], block[0], block[1], scale,
+                                                causal=kv_id == q_id))
+            outs.append(acc[0])
+            lses.append(acc[1])
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, rank = comm.group_size(group), comm.group_rank(group)
+        c = q.shape[2] // 2
+        kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for qa, q_id in enumerate(chunk_ids(n, rank)):
+            rows = slice(qa * c, (qa + 1) * c)
+            for kv_id in range(q_id + 1):
+                owner, half = _chunk_place(kv_id, n)
+                cols = slice(half * c, (half + 1) * c)
+                dq_part, dk_part, dv_part = block_backward(
+                    q[:, :, rows], kv[owner, 0, :, :, cols], kv[owner, 1, :, :, cols], dout[:, :, rows],
+                    delta[:, :, rows], lse[:, :, rows], scale, causal=kv_id == q_id)
+                dq[:, :, rows] += dq_part
+                dkv[owner, 0, :, :, cols] += dk_part
+                dkv[owner, 1, :, :, cols] += dv_part
+        dkv = comm.reduce_scatter_dim0(dkv, group)[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def all_gather_attention(q, k, v, group, scale: float) -> torch.Tensor:
+    """q [b, hq, s, d], k and v [b, hg, s, d] -> [b, hq, s, d]."""
+    return AllGatherAttention.apply(q, k, v, group, scale)
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)  # (empty_like of a permuted view would keep its strides)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[s, b, h, d] split over the sequence -> [n*s, b, h/n, d] split over heads (rank order
+    of the sequence parts); backward the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def _seq_to_heads(x, group):
+    n = comm.group_size(group)
+    s, b, h, d = x.shape
+    parts = x.reshape(s, b, n, h // n, d).permute(2, 0, 1, 3, 4)  # [n, s, b, h/n, d]
+    return _all_to_all(parts, group).reshape(n * s, b, h // n, d)
+
+
+def _heads_to_seq(x, group):
+    n = comm.group_size(group)
+    ns, b, hn, d = x.shape
+    parts = _all_to_all(x.reshape(n, ns // n, b, hn, d), group)  # [n (heads), s, b, h/n, d]
+    return parts.permute(1, 2, 0, 3, 4).reshape(ns // n, b, n * hn, d)
+
+
+def a2a_attention(q, k, v, group, scale: float) -> torch.Tensor:
+    """q [s, b, hq, d], k and v [s, b, hg, d] -> [b, hq, s, d]."""
+    n = comm.group_size(group)
+    s, b, hq, d = q.shape
+    if hq % n:
+        raise ValueError(f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({hq}) "
+                         f"divisible by --context-parallel-size {n}")
+    if k.shape[2] % n:  # too few key/value heads to split: give every query head its own copy
+        k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
+    order = natural_order(s, n, q.device)
+    q, k, v = (_SeqToHeads.apply(t, group).index_select(0, order).permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # [b, hq/n, n*s, d]
+    out = out.permute(2, 0, 1, 3).index_select(0, torch.argsort(order))
+    return _HeadsToSeq.apply(out, group).permute(1, 2, 0, 3)  # [b, hq, s, d]

@@ -1,0 +1,85 @@
+"""The GPT model at CP = 2 and 4 (and CP = 2 with TP = 2 and sequence parallelism) against the
+CP = 1 model, both families, every --cp-comm-type: loss, logits and every parameter's
+gradient (reduced by megalite.parallel.data over DP x CP), fp32, within 1e-5 relative; and
+with position ids that restart mid-sequence (--reset-position-ids)."""
+
+import pytest
+import torch
+
+from megalite.model.gpt import GPTModel, masked_mean_loss
+from megalite.model.pipeline_chunks import gpt_forward_step
+from megalite.model.weights import gather_full_weights
+from megalite.parallel import comm
+from megalite.parallel.context import gather_sequence, split_sequence
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.state import ParallelLayout, ParallelState
+from tests.distributed import run_distributed
+from tests.model.test_gpt_tp import SEQ, batch, compare, make_config, run_model
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def reset_positions():
+    """Position ids restarting where documents begin (--reset-position-ids), a document
+    crossing the chunk boundaries."""
+    return torch.tensor([list(range(5)) + list(range(SEQ - 5)), list(range(11)) + list(range(SEQ - 11))])
+
+
+def run_reference_with_positions(config):
+    model = GPTModel(config, ParallelState.single(), init_seed=7)
+    tokens, labels, mask = batch()
+    loss = masked_mean_loss(model(tokens, position_ids=reset_positions(), labels=labels), mask)
+    loss.backward()
+    with torch.no_grad():
+        logits = model(tokens, position_ids=reset_positions())[..., :config.vocab_size]
+    return {"loss": loss.detach(), "logits": logits, "grads": gather_full_weights(model, grads=True)}
+
+
+def run_cp_model(config, state, position_ids=None):
+    """Loss, gathered logits and full gradients of one CP forward/backward through
+    gpt_forward_step and the DDP gradient buffers."""
+    model = GPTModel(config, state, init_seed=7)
+    ddp = DistributedDataParallel(model, state)
+    tokens, labels, mask = (split_sequence(t, 1, state.cp_size, state.cp_rank) for t in batch())
+    if position_ids is not None:
+        position_ids = split_sequence(position_ids, 1, state.cp_size, state.cp_rank)
+    loss = gpt_forward_step(ddp, {"tokens": tokens, "labels": labels, "loss_mask": mask,
+                                  "position_ids": position_ids}, None)
+    loss.backward()
+    finalize_model_grads([ddp], state)
+    for param in model.parameters():
+        param.grad = param.main_grad.view_as(param)
+    with torch.no_grad():
+        logits = comm.gather_dim(model(tokens, position_ids=position_ids), -1, state.tp_group)[..., :config.vocab_size]
+        logits = gather_sequence(logits, 1, state.cp_group)
+    return {"loss": loss.detach(), "logits": logits, "grads": gather_full_weights(model, grads=True)}
+
+
+def _cp_worker(rank, world_size):
+    layouts = [ParallelLayout(world_size, context=world_size)]
+    if world_size == 4:
+        layouts.append(ParallelLayout(4, tensor=2, context=2))
+    states = [ParallelState.create(layout) for layout in layouts]
+    failures = []
+    for family in ("gpt2", "llama"):
+        reference = run_model(make_config(family), ParallelState.single())
+        for state in states:
+            for comm_type in COMM_TYPES:
+                config = make_config(family, cp_comm_type=comm_type, sequence_parallel=state.tp_size > 1)
+                what = f"{family} {comm_type} cp={state.cp_size} tp={state.tp_size}"
+                try:
+                    compare(run_cp_model(config, state), reference, what)
+                except AssertionError as e:
+                    failures.append(str(e))
+    try:  # learned positions read the data's position ids (--reset-position-ids), split like the tokens
+        compare(run_cp_model(make_config("gpt2"), states[0], reset_positions()),
+                run_reference_with_positions(make_config("gpt2")), f"reset positions cp={world_size}")
+    except AssertionError as e:
+        failures.append(str(e))
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_model_matches_cp1(world_size):
+    for failures in run_distributed(_cp_worker, world_size):
+        assert not failures, failures

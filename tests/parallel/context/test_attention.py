@@ -1,0 +1,65 @@
+"""Context-parallel attention against unsharded causal attention: every comm type, grouped-
+query and multi-head, forward and gradients, at CP = 2 and 4 (one spawn per world size)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.parallel.context import context_parallel_attention, gather_sequence, local_positions, split_sequence
+from megalite.parallel.context.split import natural_order
+from tests.distributed import run_distributed
+from tests.numerics import rel_error
+
+# (query heads, key/value heads): multi-head, grouped-query, and GQA with fewer kv heads
+# than CP ranks (a2a then copies kv heads).
+HEAD_SHAPES = ((4, 4), (4, 2), (8, 1))
+SEQ, BATCH, DIM = 32, 2, 8
+
+
+def test_load_balanced_split():
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_positions(16, 4, 3).tolist() == [6, 7, 8, 9]
+    x = torch.arange(16)
+    parts = torch.cat([split_sequence(x, 0, 4, r) for r in range(4)])
+    assert torch.equal(parts[natural_order(4, 4)], x)
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2 x --context-parallel-size 4"):
+        local_positions(12, 4, 0)
+
+
+def _reference(q, k, v, scale):
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+def _check_all(rank, world_size):
+    """Max relative error of output and each gradient, per (comm type, heads, overlap)."""
+    group = dist.group.WORLD
+    errors = {}
+    for hq, hg in HEAD_SHAPES:
+        gen = torch.Generator().manual_seed(hq * 10 + hg)
+        q = torch.randn(SEQ, BATCH, hq, DIM, generator=gen, requires_grad=True)
+        k = torch.randn(SEQ, BATCH, hg, DIM, generator=gen, requires_grad=True)
+        v = torch.randn(SEQ, BATCH, hg, DIM, generator=gen, requires_grad=True)
+        weight = torch.randn(SEQ, BATCH, hq * DIM, generator=gen)
+        scale = DIM ** -0.5
+        ref = _reference(q, k, v, scale)
+        (ref * weight).sum().backward()
+        for comm_type, overlap in (("p2p", True), ("p2p", False), ("all_gather", True), ("a2a", True)):
+            local = [split_sequence(t.detach(), 0, world_size, rank).requires_grad_() for t in (q, k, v)]
+            out = context_parallel_attention(*local, group, comm_type, scale, overlap=overlap)
+            (out * split_sequence(weight, 0, world_size, rank)).sum().backward()
+            full = [gather_sequence(t, 0, group) for t in (out.detach(), *(t.grad for t in local))]
+            expected = (ref.detach(), q.grad, k.grad, v.grad)
+            errors[(comm_type, overlap, hq, hg)] = max(rel_error(a, b) for a, b in zip(full, expected))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_attention_matches_unsharded(world_size):
+    for errors in run_distributed(_check_all, world_size):
+        bad = {key: err for key, err in errors.items() if err > 1e-5}
+        assert not bad, bad
+        assert len(errors) == 4 * len(HEAD_SHAPES)
