@@ -25,17 +25,21 @@ def materialize_(model: nn.Module, device, *, init: bool = True) -> nn.Module:
     keeping its attributes (tensor_model_parallel, partition_dim, shared_embedding, ...) and
     sharing, then (with `init`) initialise as construction on `device` would. Returns `model`."""
     done: dict[int, torch.Tensor] = {}
+    replaced = []  # the meta tensors, alive until the end so that their ids stay unique
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not param.is_meta:
+            if param is None or param.device.type != "meta":
                 continue
             if id(param) not in done:
                 new = nn.Parameter(_empty_like(param, device), requires_grad=param.requires_grad)
-                new.__dict__.update(param.__dict__)
+                # megalite's attributes; a fake tensor's own bookkeeping stays its own
+                new.__dict__.update({k: v for k, v in param.__dict__.items() if k not in new.__dict__})
                 done[id(param)] = new
+                replaced.append(param)
             module._parameters[name] = done[id(param)]
         for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
+            if buf is not None and buf.device.type == "meta":
+                replaced.append(buf)
                 module._buffers[name] = done.setdefault(id(buf), _empty_like(buf, device))
     if init:
         model.init_weights(model.init_seed)
@@ -43,4 +47,4 @@ def materialize_(model: nn.Module, device, *, init: bool = True) -> nn.Module:
 
 
 def is_on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+    return any(p.device.type == "meta" for p in model.parameters())
