@@ -27,35 +27,31 @@ _COLLECTIVES = {
 
 
 class CommCounter(TorchDispatchMode):
-    """Per process group (named by `names`: group -> 'tp', 'dp', ...) and kind, bytes and calls."""
+    """Per process group (named by `names`: group -> 'tp', 'dp', ...) and kind, the bytes of this
+    rank's contribution (all-reduce and broadcast: the tensor; all-gather: its input shard;
+    reduce-scatter: its full input; send / recv: the message) and the number of calls."""
 
     def __init__(self, names: dict):
         super().__init__()
-        self.names = names
+        self.names = {g: n for g, n in names.items() if g is not None}
         self.bytes = defaultdict(int)
         self.calls = defaultdict(int)
 
-    def _group_name(self, args) -> str:
-        for a in tree_flatten(args)[0]:
-            if isinstance(a, dist.ProcessGroup):
-                for group, name in self.names.items():
-                    if group is not None and a is group:
-                        return name
-                return "other"
-        return "world"
+    def _group_name(self, func, args) -> str:
+        for arg, value in zip(func._schema.arguments, args):
+            if arg.name == "process_group":
+                group = dist.ProcessGroup.unbox(value) if isinstance(value, torch.ScriptObject) else value
+                return next((n for g, n in self.names.items() if g is group), "other")
+        return "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = _COLLECTIVES.get(func._schema.name.split("::")[-1]) if func.namespace == "c10d" else None
         if kind is not None:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            # the input (first tensor argument list) is what this rank contributes
-            first = tensors[:1] if kind in ("all-gather", "recv") else tensors
-            if kind == "all-gather":  # output first: count the (smaller) input shard
-                first = tensors[-1:]
-            if kind == "reduce-scatter":
-                first = tensors[-1:]
-            key = (self._group_name(args), kind)
-            self.bytes[key] += sum(t.numel() * t.element_size() for t in first)
+            named = {a.name: v for a, v in zip(func._schema.arguments, args)}
+            payload = next(named[n] for n in ("input_tensor", "input_tensors", "tensors") if n in named)
+            key = (self._group_name(func, args), kind)
+            self.bytes[key] += sum(t.numel() * t.element_size() for t in tree_flatten(payload)[0]
+                                   if isinstance(t, torch.Tensor))
             self.calls[key] += 1
         return func(*args, **(kwargs or {}))
 

@@ -48,6 +48,7 @@ class RankReport:
     chunks: list  # per chunk: (layers, pre_process, post_process)
     peak: dict = field(default_factory=dict)  # category -> bytes at the peak
     peak_total: int = 0
+    resident: dict = field(default_factory=dict)  # parameters / gradients / optimizer after the step
     comm: dict = field(default_factory=dict)  # (group, kind) -> bytes
     calls: dict = field(default_factory=dict)
 
@@ -100,8 +101,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         config = model_config_from_args(args, vocab_size)
         fake = FakeTensorMode()
         modules = ModuleTracker()
-        counter = CommCounter({g: n for n, g in (("tp", pstate.tp_group), ("dp", pstate.dp_group),
-                                                 ("pp", pstate.pp_group), ("embedding", pstate.embedding_group))})
+        counter = CommCounter({pstate.tp_group: "tp", pstate.dp_group: "dp", pstate.pp_group: "pp",
+                               pstate.mp_group: "mp", pstate.embedding_group: "embedding",
+                               pstate.world_group: "world"})
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
                                     device="meta")
@@ -134,11 +136,15 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                     if checks is not None:
                         checks.__exit__(None, None, None)
             snap = mt.get_tracker_snapshot("peak")
+            after = mt.get_tracker_snapshot("current")
         report = RankReport(rank, layout.coords(rank),
                             [(list(m.layers), m.pre_process, m.post_process) for m in models])
         dev_snap = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
+        dev_after = next((v for d, v in after.items() if torch.device(d).type == device.type), {})
         for ref, category in _FROM_MEMTRACKER.items():
             report.peak[category] = report.peak.get(category, 0) + dev_snap.get(ref, 0)
+            if category in ("parameters", "gradients", "optimizer"):
+                report.resident[category] = report.resident.get(category, 0) + dev_after.get(ref, 0)
         report.peak_total = sum(report.peak.values())
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         return report
