@@ -14,6 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.module_tracker import ModuleTracker
 
+from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
@@ -107,7 +108,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
                                     device="meta")
-        with fake, ScalarReads():
+        with fake, ScalarReads(), GpuAttention():
             for m in models:
                 materialize_(m, device, init=False)
             chunks = _wrap(models, args, pstate)
