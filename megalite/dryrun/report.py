@@ -20,10 +20,13 @@ def format_report(args, layout, reports) -> str:
     for r in reports:
         lines.append(f"{r.rank:>6} {str(r.coords):>12} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
                      + f" {_mib(r.peak_total):>11}")
-    lines.append("held after the step (MiB): parameters, gradients, optimizer state")
+    lines.append("held after the step (bytes): parameters, gradients, optimizer state; formulas.md for the "
+                 "rank's parameters (padded as in its gradient buffers) beside them")
     for r in reports:
-        lines.append(f"{r.rank:>6} {str(r.coords):>12} "
-                     + " ".join(f"{_mib(r.resident.get(c, 0)):>11}" for c in CATEGORIES[:3]))
+        held = " ".join(f"{r.resident.get(c, 0):>14,d}" for c in CATEGORIES[:3])
+        formula = " ".join(f"{r.formula.get(c, 0):>14,d}" for c in CATEGORIES[:3])
+        lines.append(f"{r.rank:>6} {str(r.coords):>12} {held}   formula {formula}   "
+                     f"({r.num_params:,d} parameters, {r.num_buffer:,d} padded)")
     lines.append("bytes each rank sends into each process group per iteration (MiB, calls):")
     for r in reports:
         parts = [f"{g} {k} {_mib(b).strip()} ({r.calls[(g, k)]})" for (g, k), b in sorted(r.comm.items())]

@@ -50,8 +50,25 @@ class RankReport:
     peak: dict = field(default_factory=dict)  # category -> bytes at the peak
     peak_total: int = 0
     resident: dict = field(default_factory=dict)  # parameters / gradients / optimizer after the step
+    num_params: int = 0  # parameters this rank holds (its chunks' numel)
+    num_buffer: int = 0  # the same padded as in the contiguous gradient buffers
+    formula: dict = field(default_factory=dict)  # formulas.md's bytes for num_buffer (see expected_bytes)
     comm: dict = field(default_factory=dict)  # (group, kind) -> bytes
     calls: dict = field(default_factory=dict)
+
+
+def expected_bytes(args, psi: int, d: int, optimizer) -> dict:
+    """formulas.md's per-rank bytes for psi parameters (bf16/fp16/fp32 weights, fp32 or fp16
+    main gradients, Adam's fp32 main parameters and moments, over d ranks with the distributed
+    optimizer), plus the 4-byte step count Adam keeps per parameter tensor it updates."""
+    weight = 2 if args.bf16 or args.fp16 else 4
+    grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
+    main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
+    moments = 8 if args.optimizer == "adam" else 4 if args.sgd_momentum else 0
+    main_state = main + moments + (4 if grad == 2 else 0)  # fp16 gradients: an fp32 copy to step with
+    shards = d if args.use_distributed_optimizer else 1
+    steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
+    return {"parameters": weight * psi, "gradients": grad * psi, "optimizer": main_state * psi // shards + steps}
 
 
 def _state(layout, rank: int) -> ParallelState:
@@ -137,17 +154,24 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                     if checks is not None:
                         checks.__exit__(None, None, None)
             snap = mt.get_tracker_snapshot("peak")
-            after = mt.get_tracker_snapshot("current")
+            # held after the step, in exact bytes (MemTracker rounds CUDA storages up to the
+            # caching allocator's 512-byte blocks)
+            held = {}
+            for storage, (info, _) in list(mt._WINFO.items()):
+                category = _FROM_MEMTRACKER[info.reftype]
+                if info.device.type == device.type and category in ("parameters", "gradients", "optimizer"):
+                    held[category] = held.get(category, 0) + storage.nbytes()
         report = RankReport(rank, layout.coords(rank),
                             [(list(m.layers), m.pre_process, m.post_process) for m in models])
         dev_snap = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
-        dev_after = next((v for d, v in after.items() if torch.device(d).type == device.type), {})
         for ref, category in _FROM_MEMTRACKER.items():
             report.peak[category] = report.peak.get(category, 0) + dev_snap.get(ref, 0)
-            if category in ("parameters", "gradients", "optimizer"):
-                report.resident[category] = report.resident.get(category, 0) + dev_after.get(ref, 0)
+        report.resident = {c: held.get(c, 0) for c in ("parameters", "gradients", "optimizer")}
         report.peak_total = sum(report.peak.values())
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
+        report.num_params = sum(p.numel() for m in models for p in m.parameters())
+        report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
+        report.formula = expected_bytes(args, report.num_buffer, pstate.dp_size, optimizer)
         return report
     finally:
         dist.destroy_process_group()
