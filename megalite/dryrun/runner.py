@@ -76,8 +76,9 @@ def _state(layout, rank: int) -> ParallelState:
     groups = {"world": dist.group.WORLD}
     for name, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()),
                         ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups())):
-        ranks = next(r for r in lists if rank in r)
-        groups[name] = dist.new_group(ranks, use_local_synchronization=True)
+        ranks = next((r for r in lists if rank in r), None)  # middle stages hold no embedding
+        if ranks is not None:
+            groups[name] = dist.new_group(ranks, use_local_synchronization=True)
     return ParallelState(layout, rank, groups)
 
 
