@@ -1,4 +1,4 @@
-"""`python -m megalite.pretrain_gpt --dry-run [the run's flags] --world-size N`: one training
+"""`python -m megalite.pretrain_gpt --dry-run [the run's flags] --dry-run-world-size N`: one
 iteration of each distinct rank on a fake device, in this one process (see runner.py)."""
 
 import sys
@@ -23,7 +23,7 @@ def distinct_ranks(layout, all_stages: bool) -> list[int]:
 def run_dry(args, argv: list[str]) -> int:
     if args.dry_run_device == "cuda" and not fake_cuda_ready():
         reexec_with_fake_cuda("megalite.pretrain_gpt", argv)  # does not return
-    world = args.world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = args.dry_run_world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     from megalite.data.tokenizers import build_tokenizer
 
     validate_args(args, world)

@@ -26,7 +26,7 @@ class DryRunArgs:
         "fake process group; print per-rank peak memory by category and bytes per process group; exit "
         "1 naming the op, module and tensors when an op mixes devices or matmul dtypes. Needs no data "
         "files and no GPU.", origin=MEGALITE)
-    world_size: int | None = arg(
+    dry_run_world_size: int | None = arg(
         None, "With --dry-run: the number of processes of the run to simulate (default: TP x PP, "
         "i.e. DP = 1).", origin=MEGALITE)
     dry_run_device: str = arg(
@@ -39,10 +39,10 @@ class DryRunArgs:
 def check_dry_run_args(args, fail) -> None:
     """Refuse the dry-run options without --dry-run, and impossible sizes."""
     if not args.dry_run:
-        for name, value, default in (("--world-size", args.world_size, None),
+        for name, value, default in (("--dry-run-world-size", args.dry_run_world_size, None),
                                      ("--dry-run-device", args.dry_run_device, "cuda"),
                                      ("--dry-run-all-stages", args.dry_run_all_stages, False)):
             if value != default:
                 fail(f"{name} needs --dry-run (a real run takes its world size from torchrun or srun)")
-    if args.world_size is not None and args.world_size < 1:
-        fail(f"--world-size must be positive, got {args.world_size}")
+    if args.dry_run_world_size is not None and args.dry_run_world_size < 1:
+        fail(f"--dry-run-world-size must be positive, got {args.dry_run_world_size}")

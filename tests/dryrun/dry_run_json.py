@@ -14,7 +14,7 @@ from megalite.training.arguments import layout_from_args, parse_args, validate_a
 
 def reports(argv):
     args = parse_args(argv)
-    world = args.world_size
+    world = args.dry_run_world_size
     validate_args(args, world)
     vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
     layout = layout_from_args(args, world)

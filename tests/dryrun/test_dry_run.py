@@ -24,7 +24,7 @@ SMALL = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --num-laye
          "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
          "--untie-embeddings-and-output-weights --seq-length 32 --micro-batch-size 2 --global-batch-size 8 "
          "--lr 3e-3 --train-iters 1 --bf16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-         "--num-layers-per-virtual-pipeline-stage 1 --world-size 8 --use-distributed-optimizer "
+         "--num-layers-per-virtual-pipeline-stage 1 --dry-run-world-size 8 --use-distributed-optimizer "
          "--sequence-parallel --recompute-activations --dry-run").split()
 MICRO_BATCHES = 8 // (B * D)
 
@@ -95,11 +95,11 @@ def test_planted_dtype_mismatch_is_named(monkeypatch, capsys):
     assert "mlp.linear_fc2" in err and "torch.bfloat16" in err and "torch.float32" in err, err
 
 
-@pytest.mark.parametrize("flag", [["--world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"]])
+@pytest.mark.parametrize("flag", [["--dry-run-world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"]])
 def test_dry_run_flags_need_dry_run(flag):
     from megalite.training.arguments import validate_args
 
-    base = " ".join(SMALL).replace(" --world-size 8", "").replace(" --dry-run", "").split()
+    base = " ".join(SMALL).replace(" --dry-run-world-size 8", "").replace(" --dry-run", "").split()
     args = parse_args(base + flag)
     with pytest.raises(ValueError, match=re.escape(flag[0]) + ".*needs --dry-run"):
         validate_args(args, 8)
