@@ -45,6 +45,3 @@ def materialize_(model: nn.Module, device, *, init: bool = True) -> nn.Module:
         model.init_weights(model.init_seed)
     return model
 
-
-def is_on_meta(model: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
