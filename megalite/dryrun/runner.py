@@ -5,6 +5,7 @@ micro-batch, the gradient reduction and the optimizer step, under MemTracker (pe
 category), a communication counter and a device/dtype mix check.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -109,16 +110,19 @@ def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
 
 
 def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.device,
-             strict: bool = True) -> RankReport:
+             strict: bool = True, real: bool = False) -> RankReport:
     """One training iteration of global rank `rank` of a `world_size`-process run of `args`
-    (validated; `vocab_size` the tokenizer's), on fake tensors on `device`. Raises MixedTensorsError naming the op, module
-    and tensors when an op mixes devices (or matmul dtypes)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    (validated; `vocab_size` the tokenizer's), on fake tensors on `device`. Raises
+    MixedTensorsError naming the op, module and tensors when an op mixes devices (or matmul
+    dtypes). With `real` the same iteration runs on real tensors in a process group already
+    initialised (every rank calls it): the measurement a dry run is checked against."""
+    if not real:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         layout = layout_from_args(args, world_size)
-        pstate = _state(layout, rank)
+        pstate = ParallelState.create(layout) if real else _state(layout, rank)
         config = model_config_from_args(args, vocab_size)
-        fake = FakeTensorMode()
+        fake = contextlib.nullcontext() if real else FakeTensorMode()
         modules = ModuleTracker()
         counter = CommCounter({pstate.tp_group: "tp", pstate.dp_group: "dp", pstate.pp_group: "pp",
                                pstate.mp_group: "mp", pstate.embedding_group: "embedding",
@@ -126,19 +130,19 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
                                     device="meta")
-        with fake, ScalarReads(), GpuAttention():
+        with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():
             for m in models:
-                materialize_(m, device, init=False)
+                materialize_(m, device, init=real)
             chunks = _wrap(models, args, pstate)
             optimizer, _ = _build_optimizer(chunks, args, pstate)
-            if optimizer.loss_scaler is not None:  # fp16: run the inf check, take its answer as "none"
+            if optimizer.loss_scaler is not None and not real:  # fp16: run the inf check, take its answer as "none"
                 find_inf = optimizer._unscale_and_find_inf
                 optimizer._unscale_and_find_inf = lambda: find_inf() and False
             executor = PipelineExecutor(
                 chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
                 sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
-                forward_step=gpt_forward_step, eager_sends=False)
+                forward_step=gpt_forward_step)
             mt = StepMemTracker()
             _track_megalite_state(mt, chunks, optimizer)
             checks = MixCheck(lambda: max(modules.parents, key=len, default="")) if strict else None
@@ -175,4 +179,5 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.formula = expected_bytes(args, report.num_buffer, pstate.dp_size, optimizer)
         return report
     finally:
-        dist.destroy_process_group()
+        if not real:
+            dist.destroy_process_group()
