@@ -72,8 +72,8 @@ def _run_cpu(monkeypatch, capsys):
 def test_planted_device_mismatch_is_named(monkeypatch, capsys):
     import megalite.model.gpt as gpt
 
-    real = gpt.rotary_cos_sin
-    monkeypatch.setattr(gpt, "rotary_cos_sin", lambda *a, **k: tuple(t.to("meta") for t in real(*a, **k)))
+    real = gpt.rotary_cos_sin_for
+    monkeypatch.setattr(gpt, "rotary_cos_sin_for", lambda *a, **k: tuple(t.to("meta") for t in real(*a, **k)))
     status, err = _run_cpu(monkeypatch, capsys)
     assert status == 1
     assert "rank 0" in err and "self_attention" in err and "meta" in err and "cpu" in err, err
