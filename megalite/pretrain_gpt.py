@@ -40,6 +40,14 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from megalite.dryrun.cli import run_dry
+
+        try:
+            return run_dry(args, sys.argv[1:] if argv is None else list(argv))
+        except ValueError as error:
+            print(f"pretrain_gpt: error: {error}", file=sys.stderr)
+            return 2
     if args.exit_reason_file and os.environ.get("RANK", "0") == "0":
         Path(args.exit_reason_file).unlink(missing_ok=True)  # a stale reason must not outlive a crash
     from megalite.training.loop import StopSignals, Trainer

@@ -8,6 +8,7 @@ place into the logits buffer when asked.
 """
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import triton
 import triton.language as tl
 
@@ -104,8 +105,21 @@ def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: tor
     return grad
 
 
+def _grad_logits_inplace(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor,
+                         log_sum: torch.Tensor, grad_loss: torch.Tensor, n_valid: int, label_smoothing: float,
+                         smooth: torch.Tensor) -> None:
+    _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
+
+
+# The in-place form as an op that mutates logits2d, for fake tensors (a dry run): nothing to compute.
+_grad_logits_inplace_op = torch.library.custom_op("megalite_kernels::ce_grad_logits_", _grad_logits_inplace,
+                                                  mutates_args=("logits2d",))
+_grad_logits_inplace_op.register_fake(lambda *args: None)
+
+
 def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                  grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
     """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
-    _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
+    args = (logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
+    (_grad_logits_inplace_op if isinstance(logits2d, FakeTensor) else _grad_logits_inplace)(*args)
     return logits2d

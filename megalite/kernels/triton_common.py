@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensor
 import triton.language as tl
 
 
@@ -111,9 +112,10 @@ def compile_opaque(name: str, fake: Callable):
     """Make a kernel launcher opaque to torch.compile.
 
     Registers `fn` as the custom op megalite_kernels::<name> (with `fake` giving the outputs'
-    shapes and dtypes) and returns a caller that goes through the op only while torch.compile
-    traces, so Dynamo records one op instead of tracing into Triton's launcher; eager calls skip
-    the dispatcher and its overhead.
+    shapes and dtypes) and returns a caller that goes through the op while torch.compile traces
+    (Dynamo records one op instead of tracing into Triton's launcher) and on fake tensors
+    (FakeTensorMode, a dry run on a fake CUDA device: the op's fake implementation answers); other
+    eager calls skip the dispatcher and its overhead.
     """
     def wrap(fn):
         op = torch.library.custom_op(f"megalite_kernels::{name}", fn, mutates_args=())
@@ -121,6 +123,8 @@ def compile_opaque(name: str, fake: Callable):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+            if torch.compiler.is_compiling() or any(isinstance(a, FakeTensor) for a in args):
+                return op(*args, **kwargs)
+            return fn(*args, **kwargs)
         return call
     return wrap

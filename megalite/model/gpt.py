@@ -26,7 +26,7 @@ from megalite.parallel.random import rng_fork_if
 from megalite.parallel.sharding import mark_sequence_parallel
 from megalite.parallel.state import ParallelState
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 # The word embedding's initialisation name: a last pipeline stage holding a tied copy of it
 # initialises that copy under this name, so both copies start identical.
@@ -83,10 +83,16 @@ class GPTModel(nn.Module):
             (default: first / last pipeline stage).
         init_seed: weights are drawn per parameter from (init_seed, parameter name), so any
             TP or PP layout starts from slices of the same full model.
+        device: where the parameters live; "meta" allocates nothing and initialises nothing:
+            megalite.model.meta_init.materialize_ later gives exactly the weights construction
+            on the target device would.
+        init_on_shard: tensor-parallel weights are drawn shard by shard from (init_seed, name,
+            TP rank), never as full tensors; the shards are then not slices of the TP=1 model.
     """
 
     def __init__(self, config: GPTConfig, pstate: ParallelState | None = None, *, rng_tracker=None,
-                 layer_numbers=None, pre_process=None, post_process=None, init_seed: int = 1234, device=None):
+                 layer_numbers=None, pre_process=None, post_process=None, init_seed: int = 1234, device=None,
+                 init_on_shard: bool = False):
         super().__init__()
         pstate = pstate or ParallelState.single()
         pstate.layout.check_model(config.num_layers, config.hidden_size, config.num_attention_heads,
@@ -118,18 +124,27 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True
         if self.embedding is not None and self.share_embeddings and pstate.pp_size > 1:
             self.embedding.word_embeddings.weight.shared_embedding = True
-        self.init_weights(init_seed)
+        self.init_seed, self.init_on_shard = init_seed, init_on_shard
+        if torch.device(device or "cpu").type != "meta":
+            self.init_weights(init_seed)
 
     def init_weights(self, seed: int) -> None:
+        tp_parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
         for name, module in self.named_modules():
             first_param = next(module.parameters(), None)
             if first_param is None or not hasattr(module, "reset_parameters") \
                     or not type(module).__module__.startswith("megalite."):
                 continue
             init_name = WORD_EMBEDDING if module is self.output_layer and self.share_embeddings else name
-            generator = torch.Generator(device=first_param.device)
-            generator.manual_seed(zlib.crc32(f"{seed}:{init_name}".encode()))
-            module.reset_parameters(generator)
+            key = f"{seed}:{init_name}"
+            if not isinstance(module, tp_parallel):
+                generator = torch.Generator(device=first_param.device).manual_seed(zlib.crc32(key.encode()))
+                module.reset_parameters(generator)
+                continue
+            if self.init_on_shard and self.pstate.tp_size > 1:
+                key += f":tp{self.pstate.tp_rank}"
+            generator = torch.Generator(device=first_param.device).manual_seed(zlib.crc32(key.encode()))
+            module.reset_parameters(generator, on_shard=self.init_on_shard)
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings and self.pre_process:

@@ -20,6 +20,7 @@ import yaml
 
 from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs, cp_comm_type_of
+from megalite.training.arguments_dry_run import DryRunArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_megatron_data import MegatronDataArgs
 from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
@@ -39,7 +40,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, RecomputeArgs, PrecisionArgs,
                 TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronTrainingArgs, MegatronDataArgs,
-                MegatronLoggingArgs, DerivedArgs):
+                MegatronLoggingArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -67,7 +68,7 @@ _GROUPS = (
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
     ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
-    ("Megatron logging", MegatronLoggingArgs),
+    ("Megatron logging", MegatronLoggingArgs), ("shard initialisation and dry runs", DryRunArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
 _METAVARS = {int: "N", float: "X", str: "STR"}

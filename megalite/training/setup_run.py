@@ -152,7 +152,7 @@ def build_run(args) -> Run:
         config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16
     models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                 num_layers_last=args.decoder_last_pipeline_num_layers, rng_tracker=tracker,
-                                init_seed=args.seed, device=device)
+                                init_seed=args.seed, device=device, init_on_shard=args.init_on_shard)
     if args.torch_compile:
         for model in models:
             for layer in model.layers.values():

@@ -1,7 +1,10 @@
 """Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al. 2019).
 
 Each layer initialises the full (TP=1) weight from a generator and keeps this rank's slice, so
-the shards at any TP size are exact slices of the TP=1 initialisation for the same seed.
+the shards at any TP size are exact slices of the TP=1 initialisation for the same seed; only one
+full tensor is alive at a time. With `on_shard` a layer draws its shard directly instead (no
+full tensor at all, for weights too large to hold whole): the caller then seeds the generator
+per TP rank, and the shards are no longer slices of the TP=1 initialisation.
 """
 
 import math
@@ -27,6 +30,21 @@ def _normal_full(shape, std, generator, device, rows=None) -> torch.Tensor:
 def _init_sharded_(param: nn.Parameter, full: torch.Tensor, group) -> None:
     shard = shard_of_full(full, param.partition_dim, param.partition_stride,
                           comm.group_rank(group), comm.group_size(group))
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+def _init_normal_(param: nn.Parameter, full_shape, std, generator, group, rows=None, on_shard=False) -> None:
+    """N(0, std) into `param`: this rank's slice of a full draw, or with `on_shard` a draw of
+    the shard alone. `rows` (first `rows` rows real, the rest zero) needs partition_dim 0."""
+    if not on_shard:
+        _init_sharded_(param, _normal_full(full_shape, std, generator, param.device, rows), group)
+        return
+    local_rows = param.shape[0]
+    first_row = comm.group_rank(group) * local_rows if param.partition_dim == 0 else 0
+    real = local_rows if rows is None else min(max(rows - first_row, 0), local_rows)
+    shard = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    shard[:real].normal_(0.0, std, generator=generator)
     with torch.no_grad():
         param.copy_(shard)
 
@@ -62,10 +80,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_sharded(nn.Parameter(torch.empty(local, dtype=params_dtype, device=device)), 0, stride)
                      if bias else None)
 
-    def reset_parameters(self, generator: torch.Generator) -> None:
+    def reset_parameters(self, generator: torch.Generator, on_shard: bool = False) -> None:
         if self.weight is not None:
-            _init_sharded_(self.weight, _normal_full((self.output_size, self.input_size), self.init_std,
-                                                     generator, self.weight.device, self.init_rows), self.tp_group)
+            _init_normal_(self.weight, (self.output_size, self.input_size), self.init_std, generator,
+                          self.tp_group, self.init_rows, on_shard)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -106,9 +124,9 @@ class RowParallelLinear(nn.Module):
             self.bias = mark_sequence_parallel(
                 nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device)), sequence_parallel)
 
-    def reset_parameters(self, generator: torch.Generator) -> None:
-        _init_sharded_(self.weight, _normal_full((self.output_size, self.input_size), self.init_std,
-                                                 generator, self.weight.device), self.tp_group)
+    def reset_parameters(self, generator: torch.Generator, on_shard: bool = False) -> None:
+        _init_normal_(self.weight, (self.output_size, self.input_size), self.init_std, generator,
+                      self.tp_group, None, on_shard)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -145,9 +163,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = comm.group_rank(tp_group) * self.per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=params_dtype, device=device)), 0)
 
-    def reset_parameters(self, generator: torch.Generator) -> None:
-        _init_sharded_(self.weight, _normal_full((self.num_embeddings, self.embedding_dim), self.init_std,
-                                                 generator, self.weight.device, self.init_rows), self.tp_group)
+    def reset_parameters(self, generator: torch.Generator, on_shard: bool = False) -> None:
+        _init_normal_(self.weight, (self.num_embeddings, self.embedding_dim), self.init_std, generator,
+                      self.tp_group, self.init_rows, on_shard)
 
     def forward(self, ids):
         if comm.group_size(self.tp_group) == 1:

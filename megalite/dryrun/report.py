@@ -1,0 +1,34 @@
+"""The dry run's printed table: per rank, peak memory by category and bytes per process group."""
+
+from megalite.dryrun.runner import CATEGORIES
+
+MIB = 1024 ** 2
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:10.3f}"
+
+
+def format_report(args, layout, reports) -> str:
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    lines = [f"dry run: world {layout.world_size} = TP {layout.tensor} x PP {layout.pipeline} "
+             f"(x{layout.virtual_pipeline} virtual) x DP {layout.data}, {dtype}, "
+             f"{args.num_micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_length}, "
+             f"device {args.dry_run_device} (fake)",
+             "peak memory per rank (MiB, MemTracker categories at the peak):",
+             f"{'rank':>6} {'(tp,dp,pp)':>12} " + " ".join(f"{c:>11}" for c in CATEGORIES) + f" {'total':>11}"]
+    for r in reports:
+        lines.append(f"{r.rank:>6} {str(r.coords):>12} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
+                     + f" {_mib(r.peak_total):>11}")
+    lines.append("held after the step (bytes): parameters, gradients, optimizer state; formulas.md for the "
+                 "rank's parameters (padded as in its gradient buffers) beside them")
+    for r in reports:
+        held = " ".join(f"{r.resident.get(c, 0):>14,d}" for c in CATEGORIES[:3])
+        formula = " ".join(f"{r.formula.get(c, 0):>14,d}" for c in CATEGORIES[:3])
+        lines.append(f"{r.rank:>6} {str(r.coords):>12} {held}   formula {formula}   "
+                     f"({r.num_params:,d} parameters, {r.num_buffer:,d} padded)")
+    lines.append("bytes each rank sends into each process group per iteration (MiB, calls):")
+    for r in reports:
+        parts = [f"{g} {k} {_mib(b).strip()} ({r.calls[(g, k)]})" for (g, k), b in sorted(r.comm.items())]
+        lines.append(f"{r.rank:>6}  " + ("; ".join(parts) or "none"))
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""One rank's complete training iteration on fake tensors (FakeTensorMode) with the fake process
+group: the model built on the meta device and materialised on the fake device, wrapped for
+data parallelism, its optimizer, the pipeline executor running the real schedule over every
+micro-batch, the gradient reduction and the optimizer step, under MemTracker (peak memory by
+category), a communication counter and a device/dtype mix check.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.module_tracker import ModuleTracker
+
+from megalite.dryrun.gpu_attention import GpuAttention
+from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
+from megalite.model.meta_init import materialize_
+from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.pipeline.executor import PipelineExecutor
+from megalite.parallel.state import ParallelState
+from megalite.training.arguments import layout_from_args, model_config_from_args
+from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+_FROM_MEMTRACKER = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parameters",
+                    _MemRefType.GRAD: "gradients", _MemRefType.OPT: "optimizer",
+                    _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
+                    _MemRefType.OTH: "temporaries"}
+
+
+class StepMemTracker(MemTracker):
+    """MemTracker over one training step of several micro-batches: MemTracker refuses a root
+    module's second forward (it takes it for a new iteration); here it is the next micro-batch
+    of the same step, whose per-module statistics (unused) are left as the first one's."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            return
+        super()._pre_fw_hook(module, inputs)
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coords: tuple  # (tp, dp, pp)
+    chunks: list  # per chunk: (layers, pre_process, post_process)
+    peak: dict = field(default_factory=dict)  # category -> bytes at the peak
+    peak_total: int = 0
+    resident: dict = field(default_factory=dict)  # parameters / gradients / optimizer after the step
+    num_params: int = 0  # parameters this rank holds (its chunks' numel)
+    num_buffer: int = 0  # the same padded as in the contiguous gradient buffers
+    formula: dict = field(default_factory=dict)  # formulas.md's bytes for num_buffer (see expected_bytes)
+    comm: dict = field(default_factory=dict)  # (group, kind) -> bytes
+    calls: dict = field(default_factory=dict)
+
+
+def expected_bytes(args, psi: int, d: int, optimizer) -> dict:
+    """formulas.md's per-rank bytes for psi parameters (bf16/fp16/fp32 weights, fp32 or fp16
+    main gradients, Adam's fp32 main parameters and moments, over d ranks with the distributed
+    optimizer), plus the 4-byte step count Adam keeps per parameter tensor it updates."""
+    weight = 2 if args.bf16 or args.fp16 else 4
+    grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
+    main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
+    moments = 8 if args.optimizer == "adam" else 4 if args.sgd_momentum else 0
+    main_state = main + moments + (4 if grad == 2 else 0)  # fp16 gradients: an fp32 copy to step with
+    shards = d if args.use_distributed_optimizer else 1
+    steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
+    return {"parameters": weight * psi, "gradients": grad * psi, "optimizer": main_state * psi // shards + steps}
+
+
+def _state(layout, rank: int) -> ParallelState:
+    """This rank's groups only (the fake group needs no peers to agree on the others)."""
+    groups = {"world": dist.group.WORLD}
+    for name, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()),
+                        ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups())):
+        ranks = next((r for r in lists if rank in r), None)  # middle stages hold no embedding
+        if ranks is not None:
+            groups[name] = dist.new_group(ranks, use_local_synchronization=True)
+    return ParallelState(layout, rank, groups)
+
+
+def _microbatches(args, device, count: int, vocab: int):
+    for _ in range(count):
+        shape = (args.micro_batch_size, args.seq_length)
+        yield {"tokens": torch.randint(0, vocab, shape, device=device),
+               "labels": torch.randint(0, vocab, shape, device=device),
+               "loss_mask": torch.ones(shape, device=device),
+               "position_ids": torch.arange(args.seq_length, device=device).expand(shape),
+               "attention_mask": None}
+
+
+def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
+    """Tell MemTracker what megalite holds outside .grad and optimizer.state: the contiguous
+    parameter and main-gradient buffers of DDP, and the fp32 main parameters."""
+    for chunk in chunks:
+        mt.track_external(chunk.module)
+        if isinstance(chunk, DistributedDataParallel):
+            for buffer in chunk.buffers_:
+                mt._update_and_maybe_create_winfos(buffer.grad_data, _MemRefType.GRAD)
+                if buffer.param_data is not None:
+                    mt._update_and_maybe_create_winfos(buffer.param_data, _MemRefType.PARAM)
+    for group in optimizer.inner.param_groups:
+        for p in group["params"]:
+            mt._update_and_maybe_create_winfos(p, _MemRefType.OPT)
+    mt.track_external(optimizer.inner)
+
+
+def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.device,
+             strict: bool = True, real: bool = False) -> RankReport:
+    """One training iteration of global rank `rank` of a `world_size`-process run of `args`
+    (validated; `vocab_size` the tokenizer's), on fake tensors on `device`. Raises
+    MixedTensorsError naming the op, module and tensors when an op mixes devices (or matmul
+    dtypes). With `real` the same iteration runs on real tensors in a process group already
+    initialised (every rank calls it): the measurement a dry run is checked against."""
+    if not real:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        layout = layout_from_args(args, world_size)
+        pstate = ParallelState.create(layout) if real else _state(layout, rank)
+        config = model_config_from_args(args, vocab_size)
+        fake = contextlib.nullcontext() if real else FakeTensorMode()
+        modules = ModuleTracker()
+        counter = CommCounter({pstate.tp_group: "tp", pstate.dp_group: "dp", pstate.pp_group: "pp",
+                               pstate.mp_group: "mp", pstate.embedding_group: "embedding",
+                               pstate.world_group: "world"})
+        models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
+                                    num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
+                                    device="meta")
+        with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():
+            for m in models:
+                materialize_(m, device, init=real)
+            chunks = _wrap(models, args, pstate)
+            optimizer, _ = _build_optimizer(chunks, args, pstate)
+            if optimizer.loss_scaler is not None and not real:  # fp16: run the inf check, take its answer as "none"
+                find_inf = optimizer._unscale_and_find_inf
+                optimizer._unscale_and_find_inf = lambda: find_inf() and False
+            executor = PipelineExecutor(
+                chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
+                sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
+                forward_step=gpt_forward_step)
+            mt = StepMemTracker()
+            _track_megalite_state(mt, chunks, optimizer)
+            checks = MixCheck(lambda: max(modules.parents, key=len, default="")) if strict else None
+            with mt, counter, modules:
+                if checks is not None:
+                    checks.__enter__()
+                try:
+                    optimizer.zero_grad()
+                    executor.loss_scale = optimizer.loss_scale
+                    executor.run(_microbatches(args, device, args.num_micro_batches, config.vocab_size))
+                    finalize_model_grads(chunks, pstate)
+                    optimizer.step(iteration=1)
+                finally:
+                    if checks is not None:
+                        checks.__exit__(None, None, None)
+            snap = mt.get_tracker_snapshot("peak")
+            # held after the step, in exact bytes (MemTracker rounds CUDA storages up to the
+            # caching allocator's 512-byte blocks)
+            held = {}
+            for storage, (info, _) in list(mt._WINFO.items()):
+                category = _FROM_MEMTRACKER[info.reftype]
+                if info.device.type == device.type and category in ("parameters", "gradients", "optimizer"):
+                    held[category] = held.get(category, 0) + storage.nbytes()
+        report = RankReport(rank, layout.coords(rank),
+                            [(list(m.layers), m.pre_process, m.post_process) for m in models])
+        dev_snap = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
+        for ref, category in _FROM_MEMTRACKER.items():
+            report.peak[category] = report.peak.get(category, 0) + dev_snap.get(ref, 0)
+        report.resident = {c: held.get(c, 0) for c in ("parameters", "gradients", "optimizer")}
+        report.peak_total = sum(report.peak.values())
+        report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
+        report.num_params = sum(p.numel() for m in models for p in m.parameters())
+        report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
+        report.formula = expected_bytes(args, report.num_buffer, pstate.dp_size, optimizer)
+        return report
+    finally:
+        if not real:
+            dist.destroy_process_group()

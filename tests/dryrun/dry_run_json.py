@@ -1,0 +1,29 @@
+"""`python -m tests.dryrun.dry_run_json [pretrain_gpt flags]`: the dry run's per-rank reports as
+JSON on stdout (for tests; run under the fake CUDA shim for --dry-run-device cuda)."""
+
+import json
+import sys
+
+import torch
+
+from megalite.data.tokenizers import build_tokenizer
+from megalite.dryrun.cli import distinct_ranks
+from megalite.dryrun.runner import run_rank
+from megalite.training.arguments import layout_from_args, parse_args, validate_args
+
+
+def reports(argv):
+    args = parse_args(argv)
+    world = args.dry_run_world_size
+    validate_args(args, world)
+    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    layout = layout_from_args(args, world)
+    return [run_rank(args, vocab, r, world, torch.device(args.dry_run_device))
+            for r in distinct_ranks(layout, args.dry_run_all_stages)]
+
+
+if __name__ == "__main__":
+    out = [{"rank": r.rank, "coords": list(r.coords), "peak": r.peak, "resident": r.resident, "formula": r.formula,
+            "num_params": r.num_params, "num_buffer": r.num_buffer,
+            "comm": {f"{g} {k}": b for (g, k), b in r.comm.items()}} for r in reports(sys.argv[1:])]
+    json.dump(out, sys.stdout)

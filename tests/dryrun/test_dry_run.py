@@ -1,0 +1,118 @@
+"""--dry-run: one training iteration of each distinct rank of a TP=2, PP=2 (two virtual stages),
+DP=2 layout with the distributed optimizer, sequence parallelism and selective recompute, in
+bf16, on fake CUDA with the fake process group; bytes held equal formulas.md's, bytes moved
+equal the schedule's; planted device and dtype mismatches stop the run naming module and
+tensors."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megalite.dryrun import runner
+from megalite.dryrun.cli import run_dry
+from megalite.dryrun.probes import MixedTensorsError
+from megalite.training.arguments import parse_args
+from tests.dryrun.dry_run_json import reports
+from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
+
+S, B, H, T, D = 32, 2, 64, 2, 2
+SMALL = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --num-layers 4 --hidden-size 64 "
+         "--num-attention-heads 4 --group-query-attention --num-query-groups 2 --ffn-hidden-size 96 --swiglu "
+         "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+         "--untie-embeddings-and-output-weights --seq-length 32 --micro-batch-size 2 --global-batch-size 8 "
+         "--lr 3e-3 --train-iters 1 --bf16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+         "--num-layers-per-virtual-pipeline-stage 1 --dry-run-world-size 8 --use-distributed-optimizer "
+         "--sequence-parallel --recompute-activations --dry-run").split()
+MICRO_BATCHES = 8 // (B * D)
+
+
+def test_dry_run_on_fake_cuda_prints_formula_bytes_per_rank():
+    out = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *SMALL], env=fake_cuda_env(),
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "device cuda (fake)" in out.stdout
+    held = re.findall(r"^\s+(\d+)\s+\((\d), (\d), (\d)\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+"
+                      r"([\d,]+)\s+([\d,]+)", out.stdout, re.M)
+    assert [int(h[0]) for h in held] == [0, 4], out.stdout
+    for h in held:
+        numbers = [int(x.replace(",", "")) for x in h[4:]]
+        assert numbers[:3] == numbers[3:] and min(numbers) > 0, h
+    peaks = re.findall(r"^\s+(\d+)\s+\(\d, \d, \d\)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                       out.stdout, re.M)
+    assert len(peaks) == 2 and all(float(p[4]) > 0 for p in peaks), out.stdout  # activations
+
+
+def test_dry_run_bytes_held_and_moved_on_fake_cpu():
+    got = reports(SMALL + ["--dry-run-device", "cpu"])
+    assert [r.rank for r in got] == [0, 4]
+    for r in got:
+        assert r.resident == r.formula
+        assert 0 <= r.num_buffer - r.num_params < 2 * 64  # gradient buffers padded for the DP shards
+        assert r.peak["activations"] > 0 and r.peak_total == sum(r.peak.values())
+        # the distributed optimizer reduce-scatters the fp32 gradient buffer once and all-gathers
+        # this rank's bf16 parameter shard
+        assert r.comm[("dp", "reduce-scatter")] == r.formula["gradients"]
+        assert r.comm[("dp", "all-gather")] == r.formula["parameters"] // D
+        assert r.comm[("tp", "all-gather")] > 0 and r.comm[("tp", "reduce-scatter")] > 0
+    # pipeline rank 0 sends activations of virtual stages 0 and 2 and the gradient of stage 2's
+    # input, once per micro-batch: [s/t, b, h] bf16 each
+    assert got[0].comm[("pp", "send")] == 3 * MICRO_BATCHES * (S // T) * B * H * 2
+    assert got[0].calls[("pp", "send")] == 3 * MICRO_BATCHES
+
+
+def _run_cpu(monkeypatch, capsys):
+    args = parse_args(SMALL + ["--dry-run-device", "cpu"])
+    status = run_dry(args, [])
+    return status, capsys.readouterr().err
+
+
+def test_planted_device_mismatch_is_named(monkeypatch, capsys):
+    import megalite.model.gpt as gpt
+
+    real = gpt.rotary_cos_sin_for
+    monkeypatch.setattr(gpt, "rotary_cos_sin_for", lambda *a, **k: tuple(t.to("meta") for t in real(*a, **k)))
+    status, err = _run_cpu(monkeypatch, capsys)
+    assert status == 1
+    assert "rank 0" in err and "self_attention" in err and "meta" in err and "cpu" in err, err
+
+
+def test_planted_dtype_mismatch_is_named(monkeypatch, capsys):
+    real = runner.PipelineExecutor
+
+    def fp32_fc2(chunks, *args, **kwargs):
+        """An fp32 weight left in a bf16 model after the optimizer was built."""
+        for name, module in chunks[-1].named_modules():
+            if name.endswith("mlp.linear_fc2"):
+                module.weight.data = module.weight.data.float()
+        return real(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "PipelineExecutor", fp32_fc2)
+    status, err = _run_cpu(monkeypatch, capsys)
+    assert status == 1
+    assert "mlp.linear_fc2" in err and "torch.bfloat16" in err and "torch.float32" in err, err
+
+
+@pytest.mark.parametrize("flag", [["--dry-run-world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"]])
+def test_dry_run_flags_need_dry_run(flag):
+    from megalite.training.arguments import validate_args
+
+    base = " ".join(SMALL).replace(" --dry-run-world-size 8", "").replace(" --dry-run", "").split()
+    args = parse_args(base + flag)
+    with pytest.raises(ValueError, match=re.escape(flag[0]) + ".*needs --dry-run"):
+        validate_args(args, 8)
+
+
+@pytest.mark.slow
+def test_all_stages_runs_every_pipeline_rank():
+    argv = (" ".join(SMALL).replace("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 1")
+            .replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4")
+            .replace("--num-layers 4", "--num-layers 8").replace(" --sequence-parallel", "")
+            .replace("--global-batch-size 8", "--global-batch-size 16").split())
+    got = reports(argv + ["--dry-run-device", "cpu", "--dry-run-all-stages"])
+    assert [r.coords[2] for r in got] == [0, 1, 2, 3]
+    assert all(r.resident == r.formula for r in got)
+    # 1F1B-interleaved: the first stage holds the most micro-batches' activations at its peak
+    assert got[0].peak["activations"] > got[-1].peak["activations"]

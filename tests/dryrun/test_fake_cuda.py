@@ -1,0 +1,36 @@
+"""The fake CUDA device: on this CPU-only machine, fake tensors on "cuda" run forward and
+backward, and the kernels take their fused (Triton) path there exactly as on a real GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite.dryrun.fake_cuda import ENV_FLAG, shim_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_cuda_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **{ENV_FLAG: "1"})
+    env["LD_PRELOAD"] = str(shim_path())
+    env.pop("TRITON_INTERPRET", None)  # the compiled-kernel path, as on a GPU
+    return env
+
+
+def test_kernels_take_the_fused_path_on_fake_cuda():
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-m", "tests.dryrun.fake_cuda_kernels"], env=fake_cuda_env(),
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    auto, ref = result["auto"], result["torch"]
+    assert auto["auto_is_triton"]
+    assert set(auto["ops"]) >= {"norm_forward", "norm_backward", "rotary", "swiglu_forward", "swiglu_backward",
+                                "bias_gelu_forward", "bias_gelu_backward", "ce_local_stats"}, auto["ops"]
+    assert ref["ops"] == []
+    assert auto["out"] == ref["out"]
+    assert all(device == "cuda:0" for _, _, device in auto["out"])
