@@ -67,7 +67,7 @@ def shim_path() -> Path:
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    src = cache / f"fake_cuda_{key}.cpp"
+    src = cache / f"fake_cuda_{key}.{os.getpid()}.cpp"  # per process: two first uses may race
     src.write_text(_SOURCE)
     tdir = _torch_dir()
     compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
@@ -82,6 +82,8 @@ def shim_path() -> Path:
         detail = getattr(error, "stderr", "") or str(error)
         raise RuntimeError("--dry-run on a torch without CUDA needs a C++ compiler to build its fake CUDA "
                            f"device ({' '.join(cmd[:1])} failed: {detail.strip().splitlines()[-1] if detail else ''})")
+    finally:
+        src.unlink(missing_ok=True)
     os.replace(tmp, path)  # published whole, never half written
     return path
 
