@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-TP, PP, ITERATION, VOCAB, SEQ = 2, 2, 7, 96, 12
+TP, PP, ITERATION, VOCAB, SEQ = 2, 2, 7, 90, 12
+PADDED_VOCAB = 96  # Megatron pads to make_vocab_size_divisible_by (8) x TP
 
 FAMILIES = {
     "llama": dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
@@ -55,7 +56,7 @@ def megatron_args(family: str) -> argparse.Namespace:
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], group_query_attention=f["num_query_groups"] != f["num_attention_heads"],
         ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
-        seq_length=SEQ, max_position_embeddings=64, padded_vocab_size=VOCAB + (-VOCAB) % (8 * TP), vocab_size=VOCAB,
+        seq_length=SEQ, max_position_embeddings=64, padded_vocab_size=PADDED_VOCAB, vocab_size=VOCAB,
         make_vocab_size_divisible_by=8, tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
         virtual_pipeline_model_parallel_size=None, normalization=f["normalization"], norm_epsilon=f["layernorm_epsilon"],
         swiglu=f["gated_linear_unit"], add_bias_linear=f["add_bias_linear"], add_qkv_bias=f["add_bias_linear"],
@@ -105,7 +106,7 @@ def _build(family: str, seed: int):
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     tensor_parallel.get_cuda_rng_tracker = tensor_parallel.random.get_cuda_rng_tracker = _no_tracker
     return GPTModel(
-        _config(family), get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=VOCAB,
+        _config(family), get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=PADDED_VOCAB,
         max_sequence_length=64, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=not f["untie"],
         position_embedding_type=f["position_embedding_type"])
@@ -187,6 +188,7 @@ def write_megatron_checkpoints(rank: int, world: int, out: str, family: str, te_
     multiprocessing.current_process()._config["daemon"] = False
     torch.cuda.current_device = lambda: "cpu"  # RotaryEmbedding moves inv_freq to the "current device"
     torch.cuda.synchronize = lambda *a, **k: None  # the checkpoint writer synchronises before copying
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings are all-reduced "on the GPU" across stages
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
     try:
         model = _build(family, seed=1234)
