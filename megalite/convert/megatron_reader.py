@@ -132,6 +132,19 @@ class _TorchFiles:
             out += [n for n in self._model(0, p, key) if not n.startswith("decoder.layers.") and n not in out]
         return [n for n in out if not n.endswith("._extra_state")]
 
+    def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
+        where = self._where(name)
+        if where is None:
+            return None
+        p, key, local = where
+        piece = self._model(0, p, key).get(local)
+        if not isinstance(piece, torch.Tensor):
+            return None
+        shape = list(piece.shape)
+        if rule is not None:
+            shape[rule[0]] *= self.tp
+        return shape, piece.dtype
+
     def read(self, name: str, rule) -> torch.Tensor | None:
         where = self._where(name)
         if where is None:
@@ -165,6 +178,14 @@ class _DistFiles:
             else:
                 out.append(key)
         return out
+
+    def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
+        match = _LOCAL_LAYER.match(name)
+        key = f"decoder.layers.{match.group(2)}" if match else name
+        meta = self.tensors.get(key)
+        if meta is None or (match and int(match.group(1)) >= meta.size[0]):
+            return None
+        return list(meta.size)[1 if match else 0:], meta.properties.dtype
 
     def read(self, name: str, rule) -> torch.Tensor | None:
         match = _LOCAL_LAYER.match(name)
@@ -265,6 +286,20 @@ class MegatronCheckpoint:
             if tensor is not None:
                 self.used.add(candidate)
                 return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
+        raise ConversionError(f"{self.path}: the Megatron checkpoint has no {' or '.join(megatron_candidates(name))} "
+                              f"(for megalite's {name})")
+
+    def spec(self, name: str) -> tuple[tuple, torch.dtype]:
+        """(full shape, dtype) of megalite's `name` without reading its data; it counts as used."""
+        rule = tp_rule(self.config, self.sharding, name)
+        for candidate in megatron_candidates(name):
+            found = self.files.spec(candidate, rule)
+            if found is not None:
+                self.used.add(candidate)
+                shape, dtype = found
+                if name in VOCAB_PARAMS:
+                    shape[0] = self.config.vocab_size
+                return tuple(shape), dtype
         raise ConversionError(f"{self.path}: the Megatron checkpoint has no {' or '.join(megatron_candidates(name))} "
                               f"(for megalite's {name})")
 
