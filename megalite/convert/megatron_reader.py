@@ -32,14 +32,15 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def megatron_iteration_dir(root) -> tuple[Path, int] | None:
-    """(iteration folder, iteration) that Megatron's tracker file under `root` points at, or None
-    when `root` holds no Megatron checkpoint (megalite's own have common.json there)."""
+def megatron_iteration_dir(root, iteration: int | None = None) -> tuple[Path, int] | None:
+    """(iteration folder, iteration) that Megatron's tracker file under `root` points at (or of
+    `iteration`), or None when `root` holds no Megatron checkpoint (megalite's own have
+    common.json there)."""
     root = Path(root)
     tracker = root / TRACKER
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_text().strip() if iteration is None else str(iteration)
     if text == "release":
         folder, iteration = root / "release", 0
     elif text.isdigit():
@@ -53,9 +54,9 @@ def megatron_iteration_dir(root) -> tuple[Path, int] | None:
     return None
 
 
-def megatron_format(root) -> str | None:
+def megatron_format(root, iteration: int | None = None) -> str | None:
     """'torch' or 'torch_dist' for a Megatron checkpoint directory, None otherwise."""
-    found = megatron_iteration_dir(root)
+    found = megatron_iteration_dir(root, iteration)
     if found is None:
         return None
     return "torch_dist" if (found[0] / "metadata.json").exists() else "torch"
@@ -239,11 +240,11 @@ class _DistFiles:
 class MegatronCheckpoint:
     """The latest (or `release`) checkpoint under a Megatron --save directory. `vocab_size`: the
     unpadded vocabulary (a run's tokenizer); default the checkpoint's args' vocab_size, else the
-    padded rows."""
+    padded rows. `iteration`: that iteration's checkpoint instead of the tracker's."""
 
-    def __init__(self, load_dir, vocab_size: int | None = None):
+    def __init__(self, load_dir, vocab_size: int | None = None, iteration: int | None = None):
         self.root = Path(load_dir)
-        found = megatron_iteration_dir(self.root)
+        found = megatron_iteration_dir(self.root, iteration)
         if found is None:
             raise CheckpointError(f"{self.root}: not a Megatron checkpoint directory (no {TRACKER} pointing at an "
                                   "iter_* folder with mp_rank_* files or metadata.json)")

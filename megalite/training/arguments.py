@@ -22,6 +22,7 @@ from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
+from megalite.training.arguments_megatron_checkpoint import MegatronCheckpointArgs
 from megalite.training.arguments_moe import MoEArgs
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
@@ -34,7 +35,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs,
-                DataArgs, LoggingArgs, CheckpointArgs, DerivedArgs):
+                DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -60,6 +61,7 @@ _GROUPS = (
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
+    ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
 _METAVARS = {int: "N", float: "X", str: "STR"}

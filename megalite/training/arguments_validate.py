@@ -14,6 +14,7 @@ from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, vi
 from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_field import flag_of
+from megalite.training.arguments_megatron_checkpoint import check_megatron_checkpoint_args
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -335,6 +336,7 @@ def validate_args(args, world_size: int):
     _check_unsupported(args)
     check_context_args(args, _fail)
     check_moe_args(args, _fail)
+    check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)

@@ -22,9 +22,11 @@ from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
-from megalite.training.checkpointing import load_checkpoint, load_optimizer_state
+from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_notes
+from megalite.training.checkpointing import load_optimizer_state
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
+from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, restore_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,10 @@ def _wrap(models, args, pstate):
 
 
 def build_run(args) -> Run:
+    notes = apply_checkpoint_args(args) + checkpoint_flag_notes(args)
     pstate, device = init_distributed(args)
+    if pstate.rank == 0 and notes:
+        print("\n".join(notes), flush=True)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                                 vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
@@ -118,10 +123,8 @@ def build_run(args) -> Run:
             for layer in model.layers.values():
                 layer.compile()
     common = None
-    if args.load:
-        common = load_checkpoint(args.load, chunks=models, pstate=pstate, rng_tracker=tracker,
-                                 load_rng=not (args.no_load_rng or args.finetune),
-                                 fallback=args.ckpt_fallback_to_previous)
+    if args.load or args.pretrained_checkpoint:
+        common = load_for_run(args, models, pstate, tracker)
         if common is None and pstate.rank == 0:
             log.warning("no checkpoint under --load %s: starting from scratch", args.load)
     chunks = _wrap(models, args, pstate)
@@ -139,13 +142,13 @@ def build_run(args) -> Run:
               peak[1] if peak else None)
     if common is not None:
         run.loaded_from = common["path"]
-        if not args.finetune:
+        if not (args.finetune or common["finetune"]):
             run.iteration = common["iteration"]
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
             if not args.no_load_optim and optimizer is not None:
                 load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
-                scheduler.load_state_dict(common["lr_scheduler"])
+                restore_scheduler(scheduler, common["lr_scheduler"], args)
     info, line = memory_report(chunks, optimizer, pstate)
     if pstate.dp_rank == 0:
         print(line, flush=True)
