@@ -52,9 +52,7 @@ def megatron_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
     source = _open(load_dir)
     config = source.config
     placement = TensorPlacement(config, layout)
-    for name in source.names():
-        source.spec(name)  # pass 1: every tensor is there, and no stored one is left without a place
-    source.check_all_used()
+    source.check_all_used()  # pass 1: every tensor is there, and no stored one is left without a place
     final = Path(save_dir).absolute()
     summary = Summary(final, config=config)
     args = source.args

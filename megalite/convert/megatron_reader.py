@@ -305,7 +305,10 @@ class MegatronCheckpoint:
                               f"(for megalite's {name})")
 
     def unused(self) -> list[str]:
-        """Stored model tensors no `get` read, in stored order."""
+        """Stored model tensors that have no place in megalite's model, in stored order (every
+        name's `spec` is looked up first: metadata only)."""
+        for name in self.names():
+            self.spec(name)
         tied_copy = None if self.config.untie_embeddings_and_output_weights else "output_layer.weight"
         return [n for n in self.stored if n not in self.used and n != tied_copy]
 

@@ -123,8 +123,6 @@ def load_megatron(args, load_dir, chunks, pstate, iteration=None) -> dict:
             load_full_weights(model, full)
         except (ValueError, ConversionError) as e:
             raise CheckpointError(f"{source.path}: {e}") from None
-    for name in source.names():  # the tensors other ranks read count as used for the strictness check
-        source.spec(name)
     check_unexpected(source.unused(), args.dist_ckpt_strictness, source.path)
     if pstate.rank == 0:
         print(f"loaded Megatron {source.format} checkpoint {source.path} (iteration {source.iteration}); its RNG "
