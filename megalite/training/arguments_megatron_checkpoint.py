@@ -31,7 +31,7 @@ class MegatronCheckpointArgs:
         "(unexpected) and, for *_all, with missing ones: assume_ok/return/ignore pass, log_* warn, "
         "raise_* stop.", choices=STRICTNESS)
     use_persistent_ckpt_worker: bool = arg(False, "Keep one background checkpoint writer for the whole run.")
-    ckpt_fully_parallel_save: bool = arg(
+    ckpt_fully_parallel_save: bool | None = arg(
         True, "Spread the writing of replicated tensors over the data-parallel ranks.",
         negative_flag="--no-ckpt-fully-parallel-save")
     ckpt_fully_parallel_load: bool = arg(False, "Spread the reading of replicated tensors over the ranks.")
@@ -95,7 +95,7 @@ def checkpoint_flag_notes(args) -> list[str]:
         notes.append("--ckpt-fully-parallel-load: every rank reads only the tensor elements its own layout "
                      "holds (no rank reads the whole checkpoint)")
     if args.ckpt_assume_constant_structure:
-        notes.append("--ckpt-assume-constant-structure: DCP plans every save afresh; the result is the same")
+        notes.append("--ckpt-assume-constant-structure: DCP reuses the first save's plan (enable_plan_caching)")
     if args.dist_ckpt_optim_fully_reshardable:
         notes.append("--dist-ckpt-optim-fully-reshardable: megalite's optimizer state is always saved by full "
                      "parameter shape and loads at any TP/PP/DP layout")

@@ -105,7 +105,8 @@ class Trainer:
             self.pending_save = save_checkpoint(
                 root, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
                 pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker,
-                common=common_state(run), async_save=async_save, group=self.save_group)
+                common=common_state(run), async_save=async_save, group=self.save_group,
+                fully_parallel=args.ckpt_fully_parallel_save, cache_plan=args.ckpt_assume_constant_structure)
         if not async_save:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {root}")

@@ -173,3 +173,29 @@ def test_retain_interval_non_persistent_local_and_resume(tmp_path):
     assert resumed == [6]  # from the newer non-persistent iteration 5, not --save's 4
     stepped = _train(tmp_path, "stepped", "--train-iters", "6", "--load", str(save), "--ckpt-step", "4", *keep)
     assert stepped == [5, 6]
+
+
+def _save_replicated(rank, world, root):
+    from megalite.model.pipeline_chunks import build_model_chunks
+    from megalite.parallel.state import ParallelLayout
+    from megalite.training.checkpointing import save_checkpoint
+
+    state = ParallelState.create(ParallelLayout(world))  # DP = 2: every tensor replicated
+    chunks = build_model_chunks(CONFIG, state, init_seed=2)
+    for fully_parallel in (True, False):
+        save_checkpoint(f"{root}/{fully_parallel}", 1, chunks=chunks, optimizer=None, pstate=state, common={},
+                        fully_parallel=fully_parallel)
+    return rank
+
+
+def test_ckpt_fully_parallel_save_spreads_the_writes(tmp_path):
+    from tests.distributed import run_distributed
+
+    run_distributed(_save_replicated, 2, str(tmp_path))
+
+    def data_bytes(variant, rank):
+        return sum(p.stat().st_size for p in (tmp_path / variant / "iter_0000001").glob(f"__{rank}_*.distcp"))
+    spread, lowest = [data_bytes("True", r) for r in (0, 1)], [data_bytes("False", r) for r in (0, 1)]
+    assert min(spread) > sum(spread) / 4  # --ckpt-fully-parallel-save (Megatron's default): both ranks write
+    assert lowest[1] < sum(lowest) / 20  # --no-ckpt-fully-parallel-save: rank 0 writes the replicated tensors
+    assert parse_args(["--no-ckpt-fully-parallel-save"]).ckpt_fully_parallel_save is False
