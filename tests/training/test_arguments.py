@@ -154,7 +154,7 @@ def test_missing_config_file_is_named(tmp_path):
      ["--recompute-activations", "--recompute-granularity full"]),
     ("--recompute-granularity full --recompute-num-layers 5", 1, ["--recompute-num-layers 5", "4"]),
     ("--transformer-impl transformer_engine", 1, ["--transformer-impl", "transformer_engine"]),
-    ("--ckpt-format torch", 1, ["--ckpt-format", "torch"]),
+    ("--ckpt-format zarr", 1, ["--ckpt-format", "zarr"]),
     ("--position-embedding-type none", 1, ["--position-embedding-type"]),
     ("--rampup-batch-size 16 16 1000", 1, ["--rampup-batch-size"]),
     ("--tensor-model-parallel-size 3", 3, ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
