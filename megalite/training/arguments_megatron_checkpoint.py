@@ -89,11 +89,11 @@ def checkpoint_flag_notes(args) -> list[str]:
         notes.append("--ckpt-format torch: --load reads Megatron's legacy iter_*/mp_rank_* files; --save writes "
                      "megalite's torch_dist (DCP) checkpoints, which reshard on load")
     if args.use_persistent_ckpt_worker:
-        notes.append("--use-persistent-ckpt-worker: megalite's --async-save writes through DCP's background "
-                     "writer, kept for the whole run")
+        notes.append("--use-persistent-ckpt-worker: megalite's --async-save writes from a background thread of "
+                     "the training process, so there is no worker process to keep")
     if args.ckpt_fully_parallel_load:
         notes.append("--ckpt-fully-parallel-load: every rank reads only the tensor elements its own layout "
-                     "holds (no rank reads the whole checkpoint)")
+                     "holds from megalite's checkpoints (no rank reads the whole checkpoint)")
     if args.ckpt_assume_constant_structure:
         notes.append("--ckpt-assume-constant-structure: DCP reuses the first save's plan (enable_plan_caching)")
     if args.dist_ckpt_optim_fully_reshardable:

@@ -18,7 +18,7 @@ from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_note
 from megalite.training.checkpoint_format import CheckpointError
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.megatron_load import (
-    apply_checkpoint_args, load_for_run, prune_checkpoints, restore_scheduler,
+    apply_checkpoint_args, load_for_run, non_persistent_dir, prune_checkpoints, restore_scheduler,
 )
 from tests.convert.megatron_files import CONFIG, megatron_args, write_megatron_torch
 from tests.distributed import free_port
@@ -127,6 +127,14 @@ def test_prune_keeps_multiples_and_the_latest(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
     prune_checkpoints(tmp_path, 2)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000004", "iter_0000005"]
+
+
+def test_non_persistent_directories():
+    kinds = {"local": ["--non-persistent-local-ckpt-dir", "/node/ckpt"], "global": []}
+    for kind, extra in kinds.items():
+        args = parse_args(["--save", "/s", "--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", kind, *extra])
+        assert str(non_persistent_dir(args)) == ("/node/ckpt" if kind == "local" else "/s/non_persistent")
+    assert non_persistent_dir(parse_args(["--save", "/s"])) is None
 
 
 def test_accepted_flags_say_how_megalite_serves_them():
