@@ -53,16 +53,19 @@ def _stand_in(fqn: str) -> type:
 
 
 def _numpy_globals() -> list:
+    """What numpy.random.get_state()'s tuple pickles as: an MT19937 key array (uint32)."""
     try:
         import numpy as np
     except ImportError:
         return []
     core = getattr(np, "_core", None) or np.core
-    out = [(core.multiarray._reconstruct, f"{core.__name__}.multiarray._reconstruct"), np.ndarray, np.dtype]
-    out += [(core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")] if core.__name__ != "numpy.core" else []
+    reconstruct = core.multiarray._reconstruct
+    out = [np.ndarray, np.dtype, (reconstruct, "numpy.core.multiarray._reconstruct"),
+           (reconstruct, "numpy._core.multiarray._reconstruct")]
     dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        out += [getattr(dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType", "Float32DType") if hasattr(dtypes, n)]
+    for name in ("UInt32DType", "Int64DType", "Float64DType", "Float32DType"):
+        if hasattr(dtypes, name):
+            out.append(getattr(dtypes, name))
     return out
 
 
