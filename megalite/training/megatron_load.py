@@ -9,6 +9,7 @@ needs --no-load-optim or --finetune, as Megatron does for a checkpoint without o
 states are not restored (megalite seeds from --seed and says so).
 """
 
+import json
 import logging
 import re
 import shutil
@@ -52,8 +53,6 @@ def checkpoint_args_of(load_dir) -> dict | None:
     if iteration is None:
         return None
     common = Path(load_dir) / f"iter_{iteration:07d}" / "common.json"
-    import json
-
     return json.loads(common.read_text()).get("args") if common.exists() else None
 
 
