@@ -26,6 +26,8 @@ setup(
         "hf": ["transformers", "safetensors", "tokenizers"],
         "tokenizers": ["tokenizers", "tiktoken", "protobuf"],
         "plot": ["matplotlib"],
+        "data": ["pyarrow", "zstandard"],  # Parquet and .zst inputs to tools/preprocess_data.py
+        "gigatoken": ["gigatoken>=0.10.0"],  # faster tokenisation in preprocessing, ids checked at start-up
         "dev": [
             "pytest",
             "pytest-timeout",
@@ -40,6 +42,9 @@ setup(
             "tensorboard",
             "wandb",
             "psutil",
+            "pyarrow",
+            "zstandard",
+            "gigatoken>=0.10.0",
         ],
     },
 )

@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.training.arguments import parse_args  # noqa: E402
 from megalite.training.checkpoint_format import CheckpointError  # noqa: E402
+from megalite.training.rerun import RerunFault  # noqa: E402
 
 
 def _die(status: int, message: str | None = None):
@@ -64,9 +65,11 @@ def main(argv=None) -> int:
             else:
                 trainer.say(f"stopping at iteration {run.iteration} ({reason})")
             trainer.finish_pending_save()
-            trainer.logger.close()
+            trainer.close()
         except CheckpointError as error:
             _die(2, f"pretrain_gpt: error: {error}")
+        except RerunFault as error:
+            _die(1, f"pretrain_gpt: error: {error}")
         except BaseException:  # noqa: BLE001 - report and leave without tearing down groups
             _die(1, f"pretrain_gpt: rank {dist.get_rank() if dist.is_initialized() else 0} failed:\n"
                     + traceback.format_exc())

@@ -25,6 +25,7 @@ REQUIRED_FIELDS = {
     "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
               "max_position_embeddings"),
 }
+REQUIRED_FIELDS["qwen3"] = REQUIRED_FIELDS["llama"]
 # Tensors a Hugging Face directory may hold that megalite does not need.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq", "lm_head.weight")
 

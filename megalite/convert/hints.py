@@ -29,10 +29,21 @@ def model_flags(config: GPTConfig) -> list[str]:
         flags += ["--position-embedding-type", "rope", "--rotary-base", _number(config.rotary_base)]
         if config.rotary_percent != 1.0:
             flags += ["--rotary-percent", _number(config.rotary_percent)]
+        if config.rotary_interleaved:
+            flags.append("--rotary-interleaved")
+        if config.rotary_seq_len_interpolation_factor is not None:
+            flags += ["--rotary-seq-len-interpolation-factor", _number(config.rotary_seq_len_interpolation_factor)]
+        if config.use_rope_scaling:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(config.rope_scaling_factor)]
+    elif config.position_embedding_type == "none":
+        flags += ["--position-embedding-type", "none"]
     if config.normalization != "LayerNorm":
         flags += ["--normalization", config.normalization]
     flags += ["--norm-epsilon", _number(config.norm_epsilon)]
-    flags += {"swiglu": ["--swiglu"], "openai_gelu": ["--openai-gelu"], "gelu": []}[config.activation]
+    flags += [flag for flag, on in (("--apply-layernorm-1p", config.apply_layernorm_1p),
+                                    ("--qk-layernorm", config.qk_layernorm)) if on]
+    flags += {"swiglu": ["--swiglu"], "openai_gelu": ["--openai-gelu"], "squared_relu": ["--squared-relu"],
+              "gelu": []}[config.activation]
     if not config.add_bias_linear:
         flags.append("--disable-bias-linear")
     if config.add_qkv_bias:
@@ -47,6 +58,17 @@ def model_flags(config: GPTConfig) -> list[str]:
     if config.attention_softmax_in_fp32:
         flags.append("--attention-softmax-in-fp32")
     flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
+    return flags + kernel_flags(config)
+
+
+def kernel_flags(config: GPTConfig) -> list[str]:
+    """The attention backend and the fused kernels `config` chooses (Megatron's fusion flags)."""
+    off = set(config.unfused_kernels)
+    flags = [] if "cross_entropy" in off else ["--cross-entropy-loss-fusion"]
+    flags += [flag for op, flag in (("bias_gelu", "--no-bias-gelu-fusion"), ("swiglu", "--no-bias-swiglu-fusion"),
+                                    ("rotary", "--no-rope-fusion")) if op in off]
+    if config.attention_backend != "auto":
+        flags += ["--attention-backend", config.attention_backend]
     return flags
 
 

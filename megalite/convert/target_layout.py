@@ -8,6 +8,7 @@ by one TP rank of its pipeline stage. Optimizer states ("optimizer/<state>/<name
 their parameter.
 """
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -55,8 +56,13 @@ class TargetLayout:
 
 
 def _probe_config(config: GPTConfig) -> GPTConfig:
-    """The same architecture at toy size: its parameters carry the same sharding attributes."""
-    return config.replace(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2, kv_channels=4,
+    """The same architecture at toy size: its parameters carry the same sharding attributes.
+    With experts: one MoE and one dense layer, every expert (names carry expert numbers)."""
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, layer_freq=[1, 0], ffn_hidden_size=8, num_groups=None, group_topk=None,
+                                  shared_expert_intermediate_size=8 if moe.shared_expert_intermediate_size else None)
+    return config.replace(num_layers=2 if moe is not None else 1, moe=moe, hidden_size=8, num_attention_heads=2, num_query_groups=2, kv_channels=4,
                           ffn_hidden_size=8, vocab_size=8, max_position_embeddings=4, make_vocab_size_divisible_by=1,
                           sequence_parallel=False, recompute_granularity=None, params_dtype="float32",
                           fused_kernels=False, use_flash_attn=False)

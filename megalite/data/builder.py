@@ -16,7 +16,7 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
                        split: str = "969, 30, 1", seq_length: int, seed: int, num_samples=(None, None, None),
                        cache_path: str | None = None, mock_data: bool = False, eod_token: int,
                        vocab_size: int, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-                       reset_attention_mask: bool = False):
+                       reset_attention_mask: bool = False, mmap_bin_files: bool = True):
     """(train, valid, test) GPT datasets; a split without data, or asked for 0 samples, is None.
 
     data_path (and the per-split paths) are lists as argparse nargs='*' gives them:
@@ -24,7 +24,8 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
     documents are cut by `split`; a per-split path is used whole for its split.
     num_samples[j] None means one epoch of split j (unblended data only).
     Index arrays are cached in cache_path (default: <data dir>/cache/GPTDataset_indices;
-    mock data is indexed in memory unless cache_path is given).
+    mock data is indexed in memory unless cache_path is given). mmap_bin_files False
+    (--no-mmap-bin-files) reads each .bin file into memory instead of memory-mapping it.
     """
     per_split_paths = (train_data_path, valid_data_path, test_data_path)
     if sum(bool(x) for x in (data_path, any(per_split_paths), mock_data)) != 1:
@@ -41,7 +42,7 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
     if data_path:
         weights, prefixes = parse_data_path(data_path, "--data-path")
         fractions = parse_split(split)
-        indexed = [_open(p, "--data-path") for p in prefixes]
+        indexed = [_open(p, "--data-path", mmap_bin_files) for p in prefixes]
         ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
         return tuple(_split_dataset(indexed, weights, [r[j] for r in ranges], num_samples[j], SPLIT_NAMES[j],
                                     cache_path, options) for j in range(3))
@@ -52,15 +53,15 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
             out.append(None)
             continue
         weights, prefixes = parse_data_path(paths, flag)
-        indexed = [_open(p, flag) for p in prefixes]
+        indexed = [_open(p, flag, mmap_bin_files) for p in prefixes]
         whole = [(0, len(ds)) if len(ds) else None for ds in indexed]
         out.append(_split_dataset(indexed, weights, whole, num_samples[j], SPLIT_NAMES[j], cache_path, options))
     return tuple(out)
 
 
-def _open(prefix: str, flag: str) -> IndexedDataset:
+def _open(prefix: str, flag: str, mmap_bin_files: bool = True) -> IndexedDataset:
     try:
-        return IndexedDataset(prefix)
+        return IndexedDataset(prefix, mmap_bin=mmap_bin_files)
     except ValueError as e:
         raise ValueError(f"{flag} {prefix}: {e}") from None
 

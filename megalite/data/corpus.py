@@ -1,17 +1,22 @@
-"""Reading raw corpora: JSONL (optionally gzip'd) and plain text, with precise errors.
+"""Reading raw corpora: JSONL and plain text (optionally gzip'd or zstd'd) and Parquet,
+with precise errors.
 
-Every reader here streams: a file is read a line (or a bounded chunk) at a time. Bad input
-raises `BadInput`, whose message names the file, the line number and what was wrong.
+Every reader here streams: a file is read a line (or a bounded chunk, or one Parquet row
+group) at a time. Bad input raises `BadInput`, whose message names the file, the line (or
+Parquet row) number and what was wrong.
 """
 
 import glob
 import gzip
+import io
 import json
 import os
 import zlib
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
+ZSTD_SUFFIXES = (".zst", ".zstd")
+PARQUET_SUFFIXES = (".parquet",)
 
 
 class BadInput(ValueError):
@@ -20,10 +25,19 @@ class BadInput(ValueError):
 
     def __init__(self, path: str, line: int, reason: str, fatal: bool = False):
         self.path, self.line, self.reason, self.fatal = path, line, reason, fatal
-        super().__init__(f"{path}:{line}: {reason}")
+        super().__init__(f"{path}: row {line}: {reason}" if is_parquet(path) else f"{path}:{line}: {reason}")
+
+
+def _zstd_error():
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)
 
 
 GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+STREAM_ERRORS = GZIP_ERRORS + _zstd_error()
 
 
 def damaged_gzip(path: str, line: int, error: Exception) -> BadInput:
@@ -32,6 +46,8 @@ def damaged_gzip(path: str, line: int, error: Exception) -> BadInput:
         reason = "gzip file is truncated (it ends before the end-of-stream marker)"
     elif isinstance(error, gzip.BadGzipFile) and str(error).startswith("Not a gzipped file"):
         reason = f"not a gzip file ({error}); rename it without .gz if it is not compressed"
+    elif is_zstd(path):
+        reason = f"corrupt zstd data ({error})"
     else:
         reason = f"corrupt gzip data ({error})"
     return BadInput(path, line, reason, fatal=True)
@@ -44,7 +60,7 @@ def read_lines(f, path: str):
     try:
         for lineno, raw in enumerate(f, 1):
             yield raw
-    except GZIP_ERRORS as e:
+    except STREAM_ERRORS as e:
         raise damaged_gzip(path, lineno + 1, e) from None
 
 
@@ -57,7 +73,7 @@ def read_document_file(path: str) -> tuple[str, int]:
             while chunk := f.read(1 << 20):
                 chunks.append(chunk)
                 newlines += chunk.count(b"\n")
-        except GZIP_ERRORS as e:
+        except STREAM_ERRORS as e:
             raise damaged_gzip(path, newlines + 1, e) from None
     raw = b"".join(chunks)
     try:
@@ -70,15 +86,32 @@ def is_gzip(path: str) -> bool:
     return path.endswith(".gz")
 
 
+def is_zstd(path: str) -> bool:
+    return path.endswith(ZSTD_SUFFIXES)
+
+
+def is_compressed(path: str) -> bool:
+    """A stream that can only be read from its start (gzip, zstd)."""
+    return is_gzip(path) or is_zstd(path)
+
+
+def is_parquet(path: str) -> bool:
+    return path.endswith(PARQUET_SUFFIXES)
+
+
+def _uncompressed_name(path: str) -> str:
+    return path.rsplit(".", 1)[0] if is_compressed(path) else path
+
+
 def is_jsonl(path: str) -> bool:
-    """JSONL by extension (.jsonl, .json, .ndjson, optionally .gz); anything else is text."""
-    base = path[:-3] if is_gzip(path) else path
-    return base.endswith(JSONL_SUFFIXES)
+    """JSONL by extension (.jsonl, .json, .ndjson, optionally .gz or .zst; a bare NAME.zst
+    too, as zstd corpora are JSONL); Parquet is Parquet; anything else is text."""
+    base = _uncompressed_name(path)
+    return base.endswith(JSONL_SUFFIXES) or (is_zstd(path) and not base.endswith(TEXT_SUFFIXES))
 
 
 def _supported(path: str) -> bool:
-    base = path[:-3] if is_gzip(path) else path
-    return base.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
+    return is_parquet(path) or is_zstd(path) or _uncompressed_name(path).endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
 
 
 def expand_inputs(inputs: list[str], flag: str = "--input") -> list[str]:
@@ -99,7 +132,8 @@ def expand_inputs(inputs: list[str], flag: str = "--input") -> list[str]:
                 if _supported(name)
             )
             if not found:
-                raise ValueError(f"{flag} {item}: directory holds no .jsonl, .json, .txt (or .gz) files")
+                raise ValueError(f"{flag} {item}: directory holds no .jsonl, .json, .txt (or .gz, .zst) "
+                                 "or .parquet files")
             paths.extend(found)
         else:
             found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
@@ -110,7 +144,57 @@ def expand_inputs(inputs: list[str], flag: str = "--input") -> list[str]:
 
 
 def open_binary(path: str):
-    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb", buffering=1 << 20)
+    if is_gzip(path):
+        return gzip.open(path, "rb")
+    if is_zstd(path):
+        try:
+            import zstandard
+        except ImportError:
+            raise ValueError(f"{path}: reading .zst input needs the zstandard package "
+                             "(pip install 'megalite[data]')") from None
+        return io.BufferedReader(_ZstdFrames(path, zstandard), buffer_size=1 << 20)
+    return open(path, "rb", buffering=1 << 20)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of zstd frames, streamed. Unlike zstandard's
+    stream_reader, a file that ends inside a frame is an error, not a short read."""
+
+    def __init__(self, path: str, zstandard):
+        self.file, self.zstandard = open(path, "rb"), zstandard
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.pending, self.pos, self.in_frame, self.unused = b"", 0, False, b""
+        self.frame_start = 0  # byte offset in the file of the frame being decompressed
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.pos == len(self.pending):  # one frame (or 256 KiB of input) at a time, so that
+            self.pending, self.pos = b"", 0    # a damaged frame stops after the lines before it
+            chunk, self.unused = self.unused or self.file.read(1 << 18), b""
+            if not chunk:
+                if self.in_frame:
+                    raise self.zstandard.ZstdError(f"the file is truncated inside the frame starting at byte "
+                                                   f"{self.frame_start}")
+                return 0
+            self.in_frame = True
+            try:
+                self.pending = self.frame.decompress(chunk)
+            except self.zstandard.ZstdError as e:
+                raise self.zstandard.ZstdError(f"{e}, in the frame starting at byte {self.frame_start}") from None
+            if self.frame.eof:  # the next frame starts in what this one left
+                self.unused, self.in_frame = self.frame.unused_data, False
+                self.frame_start = self.file.tell() - len(self.unused)
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+        n = min(len(buffer), len(self.pending) - self.pos)
+        buffer[:n] = memoryview(self.pending)[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self):
+        self.file.close()
+        super().close()
 
 
 def decode_utf8(raw: bytes, path: str, line: int) -> str:

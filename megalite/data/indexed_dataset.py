@@ -49,8 +49,10 @@ class IndexedDataset:
     `.bin` (no copy). Problems with the files raise ValueError naming the file.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, mmap_bin: bool = True):
+        """`mmap_bin` False (Megatron's --no-mmap-bin-files): read `.bin` into memory."""
         self.prefix = prefix = os.fspath(prefix)
+        self.mmap_bin = mmap_bin
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for path in (ipath, bpath):
             if not os.path.isfile(path):
@@ -83,16 +85,19 @@ class IndexedDataset:
             if end > bin_size:
                 raise ValueError(f"{bpath}: {bin_size} bytes, but {ipath} points up to byte {end}")
         # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
-        self._bin = (np.memmap(bpath, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8))
+        if not bin_size:
+            self._bin = np.empty(0, np.uint8)
+        else:
+            self._bin = np.memmap(bpath, dtype=np.uint8, mode="r") if mmap_bin else np.fromfile(bpath, np.uint8)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
     def __getstate__(self):  # reopen (and re-map) on unpickling rather than copying the data
-        return {"prefix": self.prefix}
+        return {"prefix": self.prefix, "mmap_bin": self.mmap_bin}
 
     def __setstate__(self, state):
-        self.__init__(state["prefix"])
+        self.__init__(state["prefix"], state.get("mmap_bin", True))
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)

@@ -1,7 +1,9 @@
 """Tokenise raw corpora into Megatron indexed datasets, in parallel and in bounded memory.
 
 The input is cut into shards: byte ranges of plain files (aligned to lines by the reader),
-whole gzip files, or groups of whole files in one-document-per-file mode. --workers
+runs of Parquet row groups, whole gzip or zstd files, or groups of whole files in
+one-document-per-file mode. With --partition-index, only one partition's share of the
+input is processed (one task of a cluster job; tools/merge_datasets.py joins the parts). --workers
 processes (the main one and forked workers, see shard_pool.py) tokenise shards into their
 own small indexed datasets; the main process appends them, in input order, to the output
 under a temporary name and deletes them. The output is therefore the same for any number
@@ -16,17 +18,16 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from megalite.data.corpus import BadInput, expand_inputs
 from megalite.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from megalite.data.preprocess_report import Progress, length_percentiles, reason_kind
 from megalite.data.shard_pool import context, ordered_results
-from megalite.data.shards import Shard, absolute_line, plan_shards, read_shard
+from megalite.data.shards import Shard, absolute_line, partition_pieces, plan_shards, read_shard
 
 
 @dataclass
@@ -41,14 +42,17 @@ class PreprocessConfig:
     vocab_file: str | None = None
     merge_file: str | None = None
     vocab_size: int | None = None
+    tokenizer_options: dict = field(default_factory=dict)  # build_tokenizer's vocab_extra_ids, tiktoken_*
     append_eod: bool = False
     workers: int = 1
     partitions: int = 1
+    partition_index: int | None = None  # process only this partition of `partitions`
     log_interval: int = 1000
     skip_bad_lines: bool = False
     text_mode: str = "line"  # plain text: one document per "line" or per "file"
     batch_bytes: int = 1 << 20  # text handed to the tokenizer at once
     max_shard_bytes: int = 64 << 20
+    use_gigatoken: bool = True  # where installed and its ids check out (tests and benchmarks turn it off)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class ShardResult:
     bytes: int = 0
     bad: list = field(default_factory=list)  # (path, first_line_offset, line, reason), first few
     bad_count: int = 0
+    bad_by_reason: dict = field(default_factory=dict)
     error: tuple | None = None  # (path, first_line_offset, line, reason)
 
 
@@ -67,11 +72,16 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+def partition_prefix(output_prefix: str, index: int, partitions: int) -> str:
+    """PREFIX-{index}-of-{partitions}, zero-padded so that the parts sort in order."""
+    return f"{output_prefix}-{index:05d}-of-{partitions:05d}"
+
+
 class ShardWorker:
     """Tokenises shards; one per process (built once, as the tokenizer is, and inherited by
     forked workers)."""
 
-    def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None):
+    def __init__(self, config: PreprocessConfig, tmp_dir: str, progress=None, report=None, gigatoken=False):
         from megalite.data.tokenizers import build_tokenizer
 
         self.config = config
@@ -81,9 +91,37 @@ class ShardWorker:
         self.owner = os.getpid()
         self.tokenizer = build_tokenizer(
             config.tokenizer_type, tokenizer_model=config.tokenizer_model, vocab_file=config.vocab_file,
-            merge_file=config.merge_file, vocab_size=config.vocab_size)
+            merge_file=config.merge_file, vocab_size=config.vocab_size, **config.tokenizer_options)
         self.dtype = np.dtype(dtype_for_vocab(self.tokenizer.vocab_size))
         self.eod_bytes = np.array([self.tokenizer.eod], np.int32).tobytes()
+        self.encoder = self.tokenizer  # what encode_batch_bytes goes through
+        self.gigatoken = False
+        if gigatoken:  # a spawned worker: the caller checked gigatoken's ids already
+            encoder, why = self._gigatoken_encoder([])
+            if encoder is None:
+                raise RuntimeError(f"a preprocessing worker could not use gigatoken as the main process did: {why}")
+            self.encoder, self.gigatoken = encoder, True
+
+    def _gigatoken_encoder(self, sample):
+        from megalite.data.gigatoken_encoder import gigatoken_encoder
+
+        cfg = self.config
+        return gigatoken_encoder(self.tokenizer, cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model,
+                                 vocab_file=cfg.vocab_file, merge_file=cfg.merge_file, sample=sample)
+
+    def choose_encoder(self, sample: list[str]) -> str | None:
+        """Encode through gigatoken if allowed, installed and giving the tokenizer's ids on
+        the probe texts and `sample`; return a line saying which path is used and why (None
+        for the NullTokenizer, which has one path)."""
+        if self.config.tokenizer_type == "NullTokenizer":
+            return None
+        why = "gigatoken is turned off"
+        if self.config.use_gigatoken:
+            encoder, why = self._gigatoken_encoder(sample)
+            if encoder is not None:
+                self.encoder, self.gigatoken = encoder, True
+                return f"tokenising with {why}"
+        return f"tokenising with {self.config.tokenizer_type}'s own library path ({why})"
 
     def shard_prefix(self, index: int, key: str) -> str:
         return os.path.join(self.tmp_dir, f"shard{index:06d}_{key}")
@@ -126,6 +164,8 @@ class ShardWorker:
             result.error = where
             return
         result.bad_count += 1
+        kind = reason_kind(where[3])
+        result.bad_by_reason[kind] = result.bad_by_reason.get(kind, 0) + 1
         if len(result.bad) < 5:
             result.bad.append(where)
 
@@ -136,13 +176,13 @@ class ShardWorker:
         as empty documents)."""
         keys = range(len(self.config.json_keys))
         try:
-            return [self.tokenizer.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
+            return [self.encoder.encode_batch_bytes([texts[k] for texts, _ in batch]) for k in keys]
         except (ValueError, TypeError):
             pass
         per_doc = []
         for texts, (path, first_line_offset, line) in batch:
             try:
-                per_doc.append([self.tokenizer.encode_batch_bytes([texts[k]])[0] for k in keys])
+                per_doc.append([self.encoder.encode_batch_bytes([texts[k]])[0] for k in keys])
             except (ValueError, TypeError) as e:
                 self._bad(result, (path, first_line_offset, line, f"tokenizer refused the text: {e}"))
                 if result.error is not None:
@@ -182,27 +222,6 @@ class ShardWorker:
                 self.report(*self.progress[:])
 
 
-class Progress:
-    """Prints docs/s, MB/s and tokens/s every --log-interval documents (checked twice a second)."""
-
-    def __init__(self, log_interval: int, stream=None):
-        self.log_interval = max(1, log_interval)
-        self.next_report = self.log_interval
-        self.start = time.perf_counter()
-        self.stream = stream or sys.stderr
-
-    def line(self, docs, nbytes, tokens, final=False) -> str:
-        dt = max(time.perf_counter() - self.start, 1e-9)
-        head = "done" if final else "processed"
-        return (f"{head} {docs} documents ({docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s, "
-                f"{tokens / dt:.0f} tokens/s, {dt:.1f} s)")
-
-    def update(self, docs, nbytes, tokens):
-        if docs >= self.next_report:
-            print(self.line(docs, nbytes, tokens), file=self.stream, flush=True)
-            self.next_report = (docs // self.log_interval + 1) * self.log_interval
-
-
 def preprocess(config: PreprocessConfig, stream=None) -> dict:
     """Run preprocessing; return a summary dict. Raises BadInput (first bad line in input
     order) unless skip_bad_lines, ValueError for bad flags, Terminated on SIGTERM; no final
@@ -212,17 +231,29 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
         raise ValueError(f"--text-mode must be 'line' or 'file', got {config.text_mode!r}")
     if config.workers < 1 or config.partitions < 1:
         raise ValueError("--workers and --partitions must be at least 1")
+    base = config.output_prefix
+    if config.partition_index is not None:  # its own names, temporary ones too: tasks share a file system
+        if not 0 <= config.partition_index < config.partitions:
+            raise ValueError(f"--partition-index {config.partition_index} is not in [0, --partitions "
+                             f"{config.partitions})")
+        base = partition_prefix(base, config.partition_index, config.partitions)
+    outputs = [output_prefix_for(base, k) for k in config.json_keys]
     paths = expand_inputs(config.input)
-    prefix = os.path.abspath(config.output_prefix)
+    prefix = os.path.abspath(base)
     if not os.path.isdir(os.path.dirname(prefix)):
         raise ValueError(f"--output-prefix {config.output_prefix}: directory {os.path.dirname(prefix)} "
                          "does not exist")
     progress = Progress(config.log_interval, stream)
-    for leftover in remove_leftovers(prefix, config.json_keys):
+    for leftover in remove_leftovers(prefix, [os.path.abspath(out) for out in outputs]):
         print(f"removed {leftover}, left by a preprocessing run that was killed", file=progress.stream)
-    shards = plan_shards(paths, config.text_mode, config.workers, config.partitions, config.max_shard_bytes)
+    row_group_sizes = {}
+    pieces = partition_pieces(paths, config.text_mode, config.partitions, config.partition_index, row_group_sizes)
+    shards = plan_shards(pieces, config.text_mode, config.workers,
+                         1 if config.partition_index is not None else config.partitions,
+                         config.max_shard_bytes, row_group_sizes)
     tmp_dir = f"{prefix}.tmp-{os.getpid()}-shards"
-    summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], files=len(paths))
+    summary = dict(docs=0, empty=0, tokens=0, bytes=0, bad_count=0, bad=[], bad_by_reason={},
+                   files=len({piece[0] for piece in pieces}))
     writers = []
     with terminate_raises():
         os.makedirs(tmp_dir)
@@ -230,11 +261,13 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
             counters = context().Array("q", 3)  # documents, bytes, tokens done, over all processes
             # built here first, so that tokenizer errors surface before any worker starts
             worker = ShardWorker(config, tmp_dir, counters, progress.update)
-            writers = [IndexedDatasetWriter(output_prefix_for(config.output_prefix, k), worker.dtype)
-                       for k in config.json_keys]
+            if (line := worker.choose_encoder(input_sample(shards, config))) is not None:
+                print(line, file=progress.stream, flush=True)
+            writers = [IndexedDatasetWriter(out, worker.dtype) for out in outputs]
             # closed (its workers stopped) before tmp_dir is removed, however the loop ends
             with contextlib.closing(ordered_results(
-                    worker, shards, config.workers, functools.partial(ShardWorker, config, tmp_dir, counters),
+                    worker, shards, config.workers,
+                    functools.partial(ShardWorker, config, tmp_dir, counters, gigatoken=worker.gigatoken),
                     lambda: progress.update(*counters[:]))) as results:
                 for result in results:
                     if result.error is not None:
@@ -247,6 +280,8 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
                     for key in ("docs", "empty", "tokens", "bytes", "bad_count"):
                         summary[key] += getattr(result, key)
                     summary["bad"].extend(str(_located(b)) for b in result.bad)
+                    for kind, count in result.bad_by_reason.items():
+                        summary["bad_by_reason"][kind] = summary["bad_by_reason"].get(kind, 0) + count
             for writer in writers:
                 writer.finalize()
         except BaseException:
@@ -256,10 +291,22 @@ def preprocess(config: PreprocessConfig, stream=None) -> dict:
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     summary["bad"] = summary["bad"][:5]
-    summary["outputs"] = [output_prefix_for(config.output_prefix, k) for k in config.json_keys]
+    summary["outputs"] = outputs
+    summary["tokens_per_document"] = length_percentiles(outputs[0]) if outputs else {}
     print(progress.line(summary["docs"], summary["bytes"], summary["tokens"], final=True),
           file=progress.stream, flush=True)
     return summary
+
+
+def input_sample(shards: list[Shard], config: PreprocessConfig) -> list[str]:
+    """The first documents of the input (about 64 KB), for checking gigatoken's ids."""
+    from megalite.data.gigatoken_encoder import sample_documents
+
+    if not shards or not config.use_gigatoken or config.tokenizer_type == "NullTokenizer":
+        return []
+    items = read_shard(shards[0], config.json_keys, config.text_mode)
+    with contextlib.closing(items):
+        return sample_documents(item[0] for item in items if not isinstance(item, BadInput))
 
 
 class Terminated(BaseException):
@@ -283,12 +330,13 @@ def terminate_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
-def remove_leftovers(prefix: str, keys: list[str]) -> list[str]:
+def remove_leftovers(prefix: str, outputs: list[str]) -> list[str]:
     """Delete the temporary files and shard directories that earlier runs with this output
-    prefix left when killed (their process no longer exists); return their paths."""
+    prefix (writing `outputs`) left when killed (their process no longer exists); return
+    their paths."""
     patterns = [f"{glob.escape(prefix)}.tmp-*-shards"]
-    for key in keys:
-        out = glob.escape(output_prefix_for(prefix, key))
+    for out in outputs:
+        out = glob.escape(out)
         patterns += [f"{out}.bin.tmp-*", f"{out}.idx.tmp-*"]
     removed = []
     for path in sorted(p for pattern in patterns for p in glob.glob(pattern)):

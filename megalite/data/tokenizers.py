@@ -15,27 +15,36 @@ import numpy as np
 
 from megalite.data.tokenizer_support import require_package
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
-                   "TikTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
                     vocab_file: str | None = None, merge_file: str | None = None,
-                    vocab_size: int | None = None, **options):
+                    vocab_size: int | None = None, vocab_extra_ids: int = 0, **options):
     """Build a tokenizer by Megatron type name. Bad or missing files raise ValueError naming
-    the flag and the path. `options` (TikTokenizer only): tiktoken_pattern ('v1'/'v2'),
-    tiktoken_num_special_tokens (1000), tiktoken_special_tokens."""
+    the flag and the path. `vocab_extra_ids` (SentencePieceTokenizer only, as in Megatron):
+    sentinel tokens appended to the vocabulary. `options` (TikTokenizer only): tiktoken_pattern
+    ('v1'/'v2'), tiktoken_num_special_tokens (1000), tiktoken_special_tokens."""
+    if vocab_extra_ids and tokenizer_type != "SentencePieceTokenizer":
+        raise ValueError(f"--vocab-extra-ids applies only to --tokenizer-type SentencePieceTokenizer "
+                         f"(got {tokenizer_type})")
     if tokenizer_type == "GPT2BPETokenizer":
         from megalite.data.gpt2_bpe import EOD_TOKEN, GPT2BPE
 
         _require("--vocab-file", vocab_file, tokenizer_type)
         _require("--merge-file", merge_file, tokenizer_type)
         return _GPT2Tokenizer(GPT2BPE(vocab_file, merge_file), EOD_TOKEN)
-    if tokenizer_type == "SentencePieceTokenizer":
-        from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        from megalite.data import sentencepiece_variants as variants
 
         _require("--tokenizer-model", tokenizer_model, tokenizer_type)
-        return SentencePieceTokenizer(tokenizer_model)
+        if tokenizer_type == "SentencePieceTokenizer":
+            if vocab_extra_ids:
+                return variants.SentencePieceWithExtraIds(tokenizer_model, vocab_extra_ids)
+            return variants.SentencePieceTokenizer(tokenizer_model)
+        return getattr(variants, tokenizer_type)(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         _require("--tokenizer-model", tokenizer_model, tokenizer_type)
         return HuggingFaceTokenizer(tokenizer_model)
@@ -126,7 +135,8 @@ class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face `tokenizer.json` (a file, or a directory holding one) via `tokenizers`.
 
     The end-of-document token is tokenizer_config.json's eos_token when that file sits beside
-    tokenizer.json, else the first of the usual names present in the vocabulary."""
+    tokenizer.json, else the first of the usual names present in the vocabulary; pad and bos
+    are its pad_token and bos_token (Megatron's HuggingFaceTokenizer reads the same file)."""
 
     def __init__(self, path: str):
         HFTokenizer = require_package("tokenizers", "HuggingFaceTokenizer").Tokenizer
@@ -147,7 +157,10 @@ class HuggingFaceTokenizer(Tokenizer):
             raise ValueError(f"--tokenizer-model {file}: no end-of-document token found "
                              f"(tried {', '.join(candidates)})")
         self.eod = eod
-        self.pad = next((vocab[t] for t in HF_PAD_CANDIDATES if t in vocab), eod)
+        config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        pad, bos = _config_token(config_file, "pad_token"), _config_token(config_file, "bos_token")
+        self.pad = vocab[pad] if pad in vocab else next((vocab[t] for t in HF_PAD_CANDIDATES if t in vocab), eod)
+        self.bos = vocab.get(bos) if bos else None  # as transformers' bos_token_id: None without one
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids

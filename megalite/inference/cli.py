@@ -16,6 +16,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megalite.inference.generate import generate_tokens, load_model
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.training.arguments_megatron_model import tokenizer_options
 from megalite.training.checkpoint_format import CheckpointError
 
 
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    p.add_argument("--vocab-extra-ids", type=int, help="SentencePieceTokenizer sentinel tokens (default: the checkpoint's)")
+    p.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer pattern (default: the checkpoint's)")
+    p.add_argument("--tiktoken-num-special-tokens", type=int, help="TikTokenizer special ids (default: the checkpoint's)")
     p.add_argument("--iteration", type=int, help="load this iteration instead of the latest")
     p.add_argument("--output-file", help="also write one JSON line per prompt (prompt, tokens, text)")
     p.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
@@ -83,7 +88,22 @@ def tokenizer_for(args, common: dict):
             raise ValueError(f"{args.load}: the checkpoint names no tokenizer; give --tokenizer-type and its files")
         vocab_size = args.vocab_size or (common.get("args") or {}).get("vocab_size")
     return build_tokenizer(entry["type"], tokenizer_model=entry["model"], vocab_file=entry["vocab_file"],
-                           merge_file=entry["merge_file"], vocab_size=vocab_size)
+                           merge_file=entry["merge_file"], vocab_size=vocab_size,
+                           **_tokenizer_options(args, entry["type"], common.get("args") or {}))
+
+
+def _tokenizer_options(args, tokenizer_type: str, trained: dict) -> dict:
+    """--vocab-extra-ids and the TikTokenizer flags: this command line's, else the training run's."""
+    def pick(name, default):
+        for value in (getattr(args, name), trained.get(name)):
+            if value is not None:
+                return value
+        return default
+    values = SimpleNamespace(tokenizer_type=tokenizer_type, vocab_extra_ids=pick("vocab_extra_ids", 0),
+                             tiktoken_pattern=pick("tiktoken_pattern", None),
+                             tiktoken_num_special_tokens=pick("tiktoken_num_special_tokens", 1000),
+                             tokenizer_special_tokens=trained.get("tokenizer_special_tokens"))
+    return tokenizer_options(values)
 
 
 def _parallel_state(args) -> tuple[ParallelState, torch.device]:

@@ -6,11 +6,13 @@ gives each TP rank whole groups.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite import kernels
+from megalite.model.attention_backends import core_attention
+from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
+from megalite.model.rope import apply_rotary_interleaved
 from megalite.parallel import comm
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
@@ -43,6 +45,12 @@ class SelfAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
             init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            # One norm over each head's channels, shared by every head; each TP rank sees only
+            # its heads, so the weights' gradients are summed over the TP group.
+            self.q_layernorm = build_norm(config, size=self.head_dim, partial_grad=True, device=device)
+            self.k_layernorm = build_norm(config, size=self.head_dim, partial_grad=True, device=device)
 
     def core_attention(self, q, k, v, attention_mask):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
@@ -58,10 +66,13 @@ class SelfAttention(nn.Module):
                 return out.transpose(0, 1).reshape(s, b, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=attention_mask is None, scale=scale,
-                                                 enable_gqa=self.groups != self.heads)
+            out = core_attention(q, k, v, mask, backend=self.config.attention_backend, dropout=dropout, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _rotate(self, t, cos, sin):
+        if self.config.rotary_interleaved:
+            return apply_rotary_interleaved(t, cos, sin)
+        return kernels.apply_rotary(t, cos, sin, impl=self.config.kernel_impl_for("rotary"))
 
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
         """`kv_cache` (inference only): one layer's megalite.inference.KVCache; the new keys
@@ -71,10 +82,10 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            cos, sin = rotary
-            impl = self.config.kernel_impl
-            q, k = kernels.apply_rotary(q, cos, sin, impl=impl), kernels.apply_rotary(k, cos, sin, impl=impl)
+            q, k = self._rotate(q, *rotary), self._rotate(k, *rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))

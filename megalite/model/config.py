@@ -2,7 +2,11 @@
 
 from dataclasses import dataclass, field, fields, replace
 
+from megalite.model.moe_config import MoEConfig
 from megalite.parallel.state import ParallelLayout
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+UNFUSABLE_OPS = ("bias_gelu", "swiglu", "rotary", "cross_entropy")
 
 
 @dataclass
@@ -26,17 +30,36 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     """MLP inner width (--ffn-hidden-size); None means 4 * hidden_size."""
     position_embedding_type: str = "learned_absolute"
-    """'learned_absolute' (GPT-2) or 'rope' (Llama)."""
+    """'learned_absolute' (GPT-2), 'rope' (Llama) or 'none' (no position information, NoPE)."""
     rotary_base: float = 10000.0
     """RoPE theta (--rotary-base)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that are rotated (--rotary-percent)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent channel pairs (0,1), (2,3), ... instead of the two halves
+    (--rotary-interleaved)."""
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Positions are divided by this before RoPE (linear position interpolation,
+    --rotary-seq-len-interpolation-factor)."""
+    use_rope_scaling: bool = False
+    """Llama 3.1 RoPE frequency scaling (--use-rope-scaling): low frequencies divided by
+    rope_scaling_factor, high ones kept, a smooth blend between (low/high frequency factors 1
+    and 4, original context 8192, as Megatron and Llama 3.1 fix them)."""
+    rope_scaling_factor: float = 8.0
+    """Factor of the Llama 3.1 RoPE scaling (--rope-scaling-factor)."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm' (--normalization)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm (--norm-epsilon)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights: every norm multiplies by (1 + weight), weights start at 0
+    (--apply-layernorm-1p)."""
+    qk_layernorm: bool = False
+    """A norm of the `normalization` kind over each query and key head before RoPE
+    (--qk-layernorm; Qwen3 / OLMo2 style)."""
     activation: str = "gelu"
-    """'gelu' (exact erf), 'openai_gelu' (tanh approximation, GPT-2) or 'swiglu'."""
+    """'gelu' (exact erf), 'openai_gelu' (tanh approximation, GPT-2), 'swiglu' or
+    'squared_relu' (relu(x)^2, --squared-relu)."""
     add_bias_linear: bool = True
     """Biases on every linear layer; False is --disable-bias-linear."""
     add_qkv_bias: bool = False
@@ -69,8 +92,18 @@ class GPTConfig:
     use_flash_attn: bool = False
     """Attention through the flash_attn package (--use-flash-attn; causal attention without a
     mask): an error when flash_attn is not importable."""
+    attention_backend: str = "auto"
+    """scaled_dot_product_attention's choice ('auto'), its flash kernel ('flash'), its cuDNN /
+    memory-efficient kernels ('fused'), or megalite's explicit math path ('unfused', 'local')
+    (--attention-backend)."""
+    unfused_kernels: tuple = ()
+    """Ops that use the plain-torch reference even where fused kernels run: any of 'bias_gelu',
+    'swiglu', 'rotary', 'cross_entropy' (--no-bias-gelu-fusion, --no-bias-swiglu-fusion,
+    --no-rope-fusion, no --cross-entropy-loss-fusion)."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
+    moe: MoEConfig | None = None
+    """Mixture of experts in place of the dense MLP of some layers (--num-experts); None: dense."""
     extra: dict = field(default_factory=dict)
     """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
 
@@ -85,14 +118,23 @@ class GPTConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        if self.moe is not None:
+            self.moe.layer_pattern(self.num_layers)
         choices = {
-            "position_embedding_type": ("learned_absolute", "rope"),
+            "position_embedding_type": ("learned_absolute", "rope", "none"),
             "normalization": ("LayerNorm", "RMSNorm"),
-            "activation": ("gelu", "openai_gelu", "swiglu"),
+            "activation": ("gelu", "openai_gelu", "swiglu", "squared_relu"),
+            "attention_backend": ATTENTION_BACKENDS,
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
         }
+        unknown = set(self.unfused_kernels) - set(UNFUSABLE_OPS)
+        if unknown:
+            raise ValueError(f"GPTConfig.unfused_kernels: unknown ops {sorted(unknown)} (known: {UNFUSABLE_OPS})")
+        self.unfused_kernels = tuple(op for op in UNFUSABLE_OPS if op in self.unfused_kernels)  # one order
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -102,12 +144,18 @@ class GPTConfig:
         """The megalite.kernels implementation: Triton on CUDA by default ("auto")."""
         return {None: "auto", True: "triton", False: "torch"}[self.fused_kernels]
 
+    def kernel_impl_for(self, op: str) -> str:
+        """The implementation of one op: kernel_impl, or 'torch' where its fusion is off."""
+        return "torch" if op in self.unfused_kernels else self.kernel_impl
+
     def padded_vocab_size(self, tp_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["moe"] = self.moe.to_dict() if self.moe is not None else None
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> "GPTConfig":

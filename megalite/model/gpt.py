@@ -18,7 +18,7 @@ from torch import nn
 from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
-from megalite.model.rope import rotary_cos_sin
+from megalite.model.rope import rotary_cos_sin_for
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel import comm
 from megalite.parallel.random import rng_fork_if
@@ -100,7 +100,8 @@ class GPTModel(nn.Module):
 
         self.embedding = (Embedding(config, self.padded_vocab, self.tp_group, rng_tracker, device)
                           if self.pre_process else None)
-        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device)
+        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device,
+                                                                    pstate.expert)
                                      for n in layer_numbers})
         self.final_layernorm = build_norm(config, device=device) if self.post_process else None
         self.output_layer = None
@@ -137,10 +138,9 @@ class GPTModel(nn.Module):
     def _rotary(self, seq_len: int, device):
         if self.config.position_embedding_type != "rope":
             return None
-        rot = int(self.config.kv_channels * self.config.rotary_percent)
         key = (seq_len, str(device))
         if getattr(self, "_rotary_cache_key", None) != key:
-            self._rotary_cache = rotary_cos_sin(seq_len, rot, self.config.rotary_base, device)
+            self._rotary_cache = rotary_cos_sin_for(self.config, seq_len, device)
             self._rotary_cache_key = key
         return self._rotary_cache
 
@@ -197,7 +197,8 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1)
         # In-place backward: nothing else reads these logits, so their buffer takes the gradient.
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
-                                            self.config.label_smoothing, impl=self.config.kernel_impl,
+                                            self.config.label_smoothing,
+                                            impl=self.config.kernel_impl_for("cross_entropy"),
                                             inplace_backward=True)
         return loss.t()
 

@@ -1,4 +1,6 @@
-"""Map Hugging Face GPT2LMHeadModel / LlamaForCausalLM weights to megalite's and back.
+"""Map Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM weights to megalite's
+and back (Qwen3 is Llama with a per-head RMSNorm on queries and keys: --qk-layernorm; and,
+through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM).
 
 Tensors are full (unsharded) on both sides; sharding to a TP rank is `param_shard_of_full`.
 The mappings are generators over names fetched one at a time through a `get(name)` callable,
@@ -10,9 +12,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megalite.model.config import GPTConfig
+from megalite.model.hf_mapping_moe import (MOE_MODEL_TYPES, config_from_hf_moe, hf_config_dict_moe, moe_family_of,
+                                           moe_mlp_to_hf, moe_mlp_to_megalite)
+from megalite.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 
 Get = Callable[[str], torch.Tensor]
 
+DENSE_ROPE_FAMILIES = ("llama", "qwen3")  # rotary, dense MLP; the MoE families map their MLP in hf_mapping_moe
 _GPT2_ACTIVATIONS = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}
 
 
@@ -26,7 +32,17 @@ def _refuse(field: str, value, expected: str):
 
 
 def family_of(config: GPTConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face architecture that can hold this model."""
+    """'gpt2', 'llama', 'qwen3', 'mixtral' or 'qwen2_moe': the Hugging Face architecture that can
+    hold this model."""
+    if config.moe is not None:
+        return moe_family_of(config)
+    if config.apply_layernorm_1p or config.rotary_interleaved or config.position_embedding_type == "none":
+        _refuse("apply_layernorm_1p/rotary_interleaved/position_embedding_type",
+                (config.apply_layernorm_1p, config.rotary_interleaved, config.position_embedding_type),
+                "none of them: GPT-2, Llama and Qwen3 have no such variant")
+    if config.qk_layernorm and (config.position_embedding_type != "rope" or config.add_bias_linear
+                                or config.add_qkv_bias):
+        _refuse("qk_layernorm", True, "qk-norm only as Qwen3 has it (rope, no biases)")
     if config.position_embedding_type == "learned_absolute":
         if config.normalization != "LayerNorm" or config.activation == "swiglu":
             _refuse("normalization/activation", (config.normalization, config.activation), "LayerNorm + GeLU for GPT-2")
@@ -44,12 +60,43 @@ def family_of(config: GPTConfig) -> str:
     if config.add_qkv_bias and not config.add_bias_linear:
         # LlamaConfig's attention_bias puts a bias on o_proj too: q/k/v-only biases have no Llama form.
         _refuse("add_qkv_bias", True, "QKV biases for Llama only together with add_bias_linear (attention_bias)")
-    return "llama"
+    return "qwen3" if config.qk_layernorm else "llama"
+
+
+def _rope_scaling_from_hf(field: str, rope: dict) -> dict:
+    """GPTConfig fields for a Hugging Face rope_scaling / rope_parameters entry."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {"rotary_seq_len_interpolation_factor": float(rope["factor"])}
+    if kind == "llama3":
+        fixed = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                 "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+        for key, value in fixed.items():
+            if float(rope.get(key, value)) != value:
+                _refuse(f"{field}.{key}", rope.get(key), f"{value:g} (Megatron's and Llama 3.1's fixed value)")
+        return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+    _refuse(field, rope, "rope_type 'default', 'linear' or 'llama3'")
+
+
+def _rope_scaling_to_hf(config: GPTConfig) -> dict | None:
+    if config.use_rope_scaling and config.rotary_seq_len_interpolation_factor is not None:
+        _refuse("use_rope_scaling/rotary_seq_len_interpolation_factor", True, "one of them (Hugging Face has one rope_type)")
+    if config.use_rope_scaling:
+        return {"rope_type": "llama3", "factor": config.rope_scaling_factor, "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+    if config.rotary_seq_len_interpolation_factor is not None:
+        return {"rope_type": "linear", "factor": config.rotary_seq_len_interpolation_factor}
+    return None
 
 
 def config_from_hf(hf_config) -> GPTConfig:
     """A GPTConfig from a transformers config object or its config.json dict."""
     model_type = _cfg(hf_config, "model_type")
+    if model_type in MOE_MODEL_TYPES:
+        return config_from_hf_moe(hf_config)
     if model_type == "gpt2":
         act = _cfg(hf_config, "activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
@@ -68,7 +115,9 @@ def config_from_hf(hf_config) -> GPTConfig:
             norm_epsilon=_cfg(hf_config, "layer_norm_epsilon", 1e-5), init_method_std=_cfg(hf_config, "initializer_range", 0.02),
             attention_dropout=_cfg(hf_config, "attn_pdrop", 0.1), hidden_dropout=_cfg(hf_config, "resid_pdrop", 0.1),
         )
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
+        if model_type == "qwen3" and _cfg(hf_config, "use_sliding_window", False):
+            _refuse("use_sliding_window", True, "False")
         if _cfg(hf_config, "hidden_act", "silu") != "silu":
             _refuse("hidden_act", _cfg(hf_config, "hidden_act"), "silu")
         if _cfg(hf_config, "pretraining_tp", 1) != 1:
@@ -76,10 +125,10 @@ def config_from_hf(hf_config) -> GPTConfig:
         if _cfg(hf_config, "attention_bias", False) != _cfg(hf_config, "mlp_bias", False):
             _refuse("attention_bias", _cfg(hf_config, "attention_bias"), "attention_bias == mlp_bias")
         theta = _cfg(hf_config, "rope_theta", 10000.0)
+        scaling = {}
         for field in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 names
             rope = _cfg(hf_config, field) or {}
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                _refuse(field, rope, "no rope scaling (rope_type 'default')")
+            scaling = scaling or _rope_scaling_from_hf(field, rope)
             theta = rope.get("rope_theta", theta)
         heads = _cfg(hf_config, "num_attention_heads")
         return GPTConfig(
@@ -93,12 +142,15 @@ def config_from_hf(hf_config) -> GPTConfig:
             untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
             init_method_std=_cfg(hf_config, "initializer_range", 0.02),
             attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
+            qk_layernorm=model_type == "qwen3", **scaling,
         )
-    _refuse("model_type", model_type, "'gpt2' and 'llama'")
+    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', 'mixtral' and 'qwen2_moe'")
 
 
 def hf_config_dict(config: GPTConfig) -> dict:
     """config.json contents for the Hugging Face model holding `config`."""
+    if config.moe is not None:
+        return hf_config_dict_moe(config)
     if family_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
@@ -109,8 +161,13 @@ def hf_config_dict(config: GPTConfig) -> dict:
             "attn_pdrop": config.attention_dropout, "resid_pdrop": config.hidden_dropout,
             "embd_pdrop": config.hidden_dropout, "tie_word_embeddings": True, "torch_dtype": config.params_dtype,
         }
+    family = family_of(config)
+    extra = {"rope_scaling": _rope_scaling_to_hf(config)} if _rope_scaling_to_hf(config) else {}
+    if family == "qwen3":
+        extra.update(use_sliding_window=False)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+        "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"], "model_type": family,
+        "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
@@ -118,7 +175,7 @@ def hf_config_dict(config: GPTConfig) -> dict:
         "rope_theta": config.rotary_base, "hidden_act": "silu", "attention_bias": config.add_bias_linear,
         "mlp_bias": config.add_bias_linear, "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
         "initializer_range": config.init_method_std, "attention_dropout": config.attention_dropout,
-        "torch_dtype": config.params_dtype,
+        "torch_dtype": config.params_dtype, **extra,
     }
 
 
@@ -176,12 +233,21 @@ def hf_to_megalite(get: Get, config: GPTConfig, padded_vocab: int | None = None,
         hf, ml = f"model.layers.{i}.", f"layers.{i}."
         yield ml + "input_layernorm.weight", get(hf + "input_layernorm.weight")
         yield ml + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
+        if config.qk_layernorm:
+            yield ml + "self_attention.q_layernorm.weight", get(hf + "self_attn.q_norm.weight")
+            yield ml + "self_attention.k_layernorm.weight", get(hf + "self_attn.k_norm.weight")
         for kind in ("weight", "bias") if bias else ("weight",):
             q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
             yield ml + f"self_attention.linear_qkv.{kind}", _qkv_to_megalite(q, k, v, config)
             yield ml + f"self_attention.linear_proj.{kind}", get(f"{hf}self_attn.o_proj.{kind}")
-            yield ml + f"mlp.linear_fc1.{kind}", torch.cat([get(f"{hf}mlp.gate_proj.{kind}"), get(f"{hf}mlp.up_proj.{kind}")])
-            yield ml + f"mlp.linear_fc2.{kind}", get(f"{hf}mlp.down_proj.{kind}")
+            if family in DENSE_ROPE_FAMILIES:
+                yield ml + f"mlp.linear_fc1.{kind}", torch.cat([get(f"{hf}mlp.gate_proj.{kind}"), get(f"{hf}mlp.up_proj.{kind}")])
+                yield ml + f"mlp.linear_fc2.{kind}", get(f"{hf}mlp.down_proj.{kind}")
+        if family not in DENSE_ROPE_FAMILIES:
+            if config.add_qkv_bias:
+                q, k, v = (get(f"{hf}self_attn.{n}_proj.bias") for n in "qkv")
+                yield ml + "self_attention.linear_qkv.bias", _qkv_to_megalite(q, k, v, config)
+            yield from moe_mlp_to_megalite(get, config, hf, ml)
     if post_process:
         yield "final_layernorm.weight", get("model.norm.weight")
         if config.untie_embeddings_and_output_weights:
@@ -220,16 +286,25 @@ def megalite_to_hf(get: Get, config: GPTConfig, layers=None, pre_process: bool =
         hf, ml = f"model.layers.{i}.", f"layers.{i}."
         yield hf + "input_layernorm.weight", get(ml + "input_layernorm.weight")
         yield hf + "post_attention_layernorm.weight", get(ml + "pre_mlp_layernorm.weight")
+        if config.qk_layernorm:
+            yield hf + "self_attn.q_norm.weight", get(ml + "self_attention.q_layernorm.weight")
+            yield hf + "self_attn.k_norm.weight", get(ml + "self_attention.k_layernorm.weight")
         for kind in ("weight", "bias") if config.add_bias_linear else ("weight",):
             q, k, v = _qkv_from_megalite(get(ml + f"self_attention.linear_qkv.{kind}"), config)
             yield hf + f"self_attn.q_proj.{kind}", q.contiguous()
             yield hf + f"self_attn.k_proj.{kind}", k.contiguous()
             yield hf + f"self_attn.v_proj.{kind}", v.contiguous()
             yield hf + f"self_attn.o_proj.{kind}", get(ml + f"self_attention.linear_proj.{kind}")
-            gate, up = get(ml + f"mlp.linear_fc1.{kind}").chunk(2)
-            yield hf + f"mlp.gate_proj.{kind}", gate.contiguous()
-            yield hf + f"mlp.up_proj.{kind}", up.contiguous()
-            yield hf + f"mlp.down_proj.{kind}", get(ml + f"mlp.linear_fc2.{kind}")
+            if family in DENSE_ROPE_FAMILIES:
+                gate, up = get(ml + f"mlp.linear_fc1.{kind}").chunk(2)
+                yield hf + f"mlp.gate_proj.{kind}", gate.contiguous()
+                yield hf + f"mlp.up_proj.{kind}", up.contiguous()
+                yield hf + f"mlp.down_proj.{kind}", get(ml + f"mlp.linear_fc2.{kind}")
+        if family not in DENSE_ROPE_FAMILIES:
+            if config.add_qkv_bias:
+                for name, value in zip("qkv", _qkv_from_megalite(get(ml + "self_attention.linear_qkv.bias"), config)):
+                    yield hf + f"self_attn.{name}_proj.bias", value.contiguous()
+            yield from moe_mlp_to_hf(get, config, hf, ml)
     if post_process:
         yield "model.norm.weight", get("final_layernorm.weight")
         if config.untie_embeddings_and_output_weights:

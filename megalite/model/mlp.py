@@ -1,6 +1,7 @@
-"""The transformer MLP: GeLU (GPT-2) or SwiGLU (Llama), column- then row-parallel."""
+"""The transformer MLP: GeLU (GPT-2), SwiGLU (Llama) or squared ReLU, column- then row-parallel."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megalite import kernels
@@ -25,9 +26,11 @@ class MLP(nn.Module):
             init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
 
     def forward(self, x):
-        impl = self.config.kernel_impl
-        if self.config.activation == "swiglu":
-            return self.linear_fc2(kernels.swiglu(self.linear_fc1(x), impl=impl))
+        activation = self.config.activation
+        if activation == "swiglu":
+            return self.linear_fc2(kernels.swiglu(self.linear_fc1(x), impl=self.config.kernel_impl_for("swiglu")))
         y, bias = self.linear_fc1(x)  # the bias is added inside the fused GeLU
-        approximate = "tanh" if self.config.activation == "openai_gelu" else "none"
-        return self.linear_fc2(kernels.bias_gelu(y, bias, approximate, impl=impl))
+        if activation == "squared_relu":
+            return self.linear_fc2(F.relu(y if bias is None else y + bias).square())
+        approximate = "tanh" if activation == "openai_gelu" else "none"
+        return self.linear_fc2(kernels.bias_gelu(y, bias, approximate, impl=self.config.kernel_impl_for("bias_gelu")))

@@ -5,18 +5,22 @@ from torch import nn
 
 from megalite.model.attention import SelfAttention
 from megalite.model.mlp import MLP
+from megalite.model.moe import MoELayer
 from megalite.model.norms import build_norm
 from megalite.parallel.random import rng_fork_if
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None):
+    def __init__(self, config, layer_number: int, tp_group=None, rng_tracker=None, device=None, expert_state=None):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
         self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
         self.pre_mlp_layernorm = build_norm(config, device=device)
-        self.mlp = MLP(config, tp_group, device)
+        if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
+            self.mlp = MoELayer(config, tp_group, expert_state, device)
+        else:
+            self.mlp = MLP(config, tp_group, device)
 
     def _dropout_add(self, x, residual):
         p = self.config.hidden_dropout if self.training else 0.0

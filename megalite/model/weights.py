@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 
 from megalite.model.hf_mapping import hf_to_megalite, megalite_to_hf
+from megalite.model.hf_mapping_moe import split_fused_experts
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_tp_full, param_shard_of_full
 
@@ -47,7 +48,10 @@ def _chunk_scope(model) -> dict:
 
 
 def load_hf_weights(model, hf_state_dict) -> None:
-    """Load a Hugging Face GPT2LMHeadModel / LlamaForCausalLM state dict into a model chunk."""
+    """Load a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (or Mixtral / Qwen2-MoE) state
+    dict into a model chunk."""
+    if model.config.moe is not None:
+        hf_state_dict = split_fused_experts(hf_state_dict, model.config)
     full = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, **_chunk_scope(model)))
     if model.post_process and "output_layer.weight" not in full:  # tied: the last stage's copy
         full.setdefault("embedding.word_embeddings.weight", dict(hf_to_megalite(

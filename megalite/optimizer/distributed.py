@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import comm
 from megalite.parallel.data.grad_buffer import Bucket
 from megalite.parallel.sharding import is_sharded
 
@@ -91,6 +92,21 @@ def counts_in_norm(param, tp_rank: int, chunk_module) -> bool:
     return not (getattr(param, "shared_embedding", False) and not getattr(chunk_module, "pre_process", True))
 
 
+def expert_parallel(pstate) -> bool:
+    """Whether EP ranks hold different experts: the gradient norm then sums over all ranks,
+    each replica counted once."""
+    return pstate.expert is not None and pstate.expert.ep_size > 1
+
+
+def reduction_rank(pstate, param) -> tuple[int, callable]:
+    """(this rank's index in the group `param`'s gradients are reduced over, and the DP rank of
+    each index): the DP group, or for expert parameters the expert-data-parallel group."""
+    expert = pstate.expert
+    if expert is not None and getattr(param, "expert_parallel", False):
+        return expert.edp_rank, expert.dp_rank_of
+    return pstate.dp_rank, lambda d: d
+
+
 def fsdp_main_params(fsdp_chunk, tp_rank: int) -> list[MainParam]:
     """An FSDPChunk's main parameters: its sharded fp32 parameters themselves."""
     return [MainParam(name, p, p, 0, p.numel(), counts_in_norm(p, tp_rank, fsdp_chunk.module))
@@ -121,8 +137,10 @@ def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[Buck
                 if main_flat is not None:
                     main.copy_(flat)
                 main.grad = bucket.grad_data[a:b] if grad_flat is None else grad_flat[a - s0:b - s0]
-                mains.append(MainParam(names[param], param, main, lo, hi,
-                                       counts_in_norm(param, tp_rank, ddp_chunk.module)))
+                counted = counts_in_norm(param, tp_rank, ddp_chunk.module)
+                if expert_parallel(ddp_chunk.pstate) and not bucket.sharded_over_dp:
+                    counted = counted and comm.group_rank(bucket.dp_group) == 0  # one replica
+                mains.append(MainParam(names[param], param, main, lo, hi, counted))
             shards.append(BucketShard(bucket, mains, main_flat, grad_flat))
     return shards
 

@@ -85,11 +85,12 @@ def optimizer_state_bytes(optimizer) -> int:
 def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
     """(figures, one printable line) for this rank's chunks and optimizer (host and device
     apart when the optimizer was built with cpu_offload)."""
-    num_params = param_bytes = grad_bytes = 0
+    num_params = expert_params = param_bytes = grad_bytes = 0
     precision, fsdp = None, False
     for chunk in chunks:
         params = list(chunk.module.parameters())
         num_params += sum(p.numel() for p in params)
+        expert_params += sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
         if isinstance(chunk, DistributedDataParallel):
             in_buffers = set(chunk._bucket_of)
             for buffer in chunk.buffers_:
@@ -121,14 +122,15 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
         formula = bytes_per_parameter(precision, distributed, d)
         described = f"{precision}" + (f" + distributed optimizer, d={d}" if distributed else "")
     per_param = 1 / max(num_params, 1)
-    info = {"rank": pstate.rank, "num_params": num_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
+    info = {"rank": pstate.rank, "num_params": num_params, "expert_params": expert_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optimizer_bytes": optimizer_bytes, "total_bytes": total, "cpu_offload": offload,
             "device_bytes": total - host_bytes, "host_bytes": host_bytes,
             "bytes_per_param": total * per_param,
             "device_bytes_per_param": (total - host_bytes) * per_param, "host_bytes_per_param": host_bytes * per_param,
             "optimizer_bytes_per_param": optimizer_bytes * per_param,
             "formula_bytes_per_param": formula, "formula": described}
-    head = f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params | "
+    experts = f" ({expert_params / 1e6:.2f}M in this rank's experts)" if expert_params else ""
+    head = f"memory (rank {pstate.rank}): {num_params / 1e6:.2f}M params{experts} | "
     if offload:
         line = (head + f"device ({optimizer.comm_device.type}): weights {_fmt(param_bytes)} + grads "
                 f"{_fmt(grad_bytes)} = {_fmt(total - host_bytes)} = {info['device_bytes_per_param']:.2f} B/param | "

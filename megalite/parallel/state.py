@@ -157,6 +157,7 @@ class ParallelState:
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
+        self.expert = None  # megalite.parallel.expert.groups.ExpertState when the model has experts
 
     @classmethod
     def single(cls) -> "ParallelState":

@@ -21,9 +21,13 @@ import yaml
 from megalite.model.config import GPTConfig
 from megalite.training.arguments_context import ContextArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
+from megalite.training.arguments_megatron_data import MegatronDataArgs
+from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
+from megalite.training.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
+from megalite.training.arguments_megatron_training import MegatronTrainingArgs
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.training.arguments_megatron_checkpoint import MegatronCheckpointArgs
-from megalite.training.arguments_moe import MoEArgs
+from megalite.training.arguments_moe import MoEArgs, moe_config_from_args
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
 from megalite.training.arguments_validate import (default_ffn_hidden_size, layout_from_args,
@@ -34,8 +38,9 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, PrecisionArgs, TrainingArgs,
-                DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, DerivedArgs):
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, RecomputeArgs, PrecisionArgs,
+                TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
+                MegatronDataArgs, MegatronLoggingArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -56,11 +61,14 @@ class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, RecomputeArgs, Pr
 
 
 _GROUPS = (
-    ("config file", None), ("model", ModelArgs), ("parallelism", ParallelArgs),
+    ("config file", None), ("model", ModelArgs), ("Megatron model, fusion and tokenizer flags", MegatronModelArgs),
+    ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
+    ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
+    ("Megatron logging", MegatronLoggingArgs),
     ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
@@ -239,7 +247,8 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required")
-    activation = "swiglu" if args.swiglu else "openai_gelu" if args.openai_gelu else "gelu"
+    activation = ("swiglu" if args.swiglu else "openai_gelu" if args.openai_gelu
+                  else "squared_relu" if args.squared_relu else "gelu")
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     return GPTConfig(
         num_layers=args.num_layers,
@@ -263,7 +272,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
         recompute_granularity=granularity,
         recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers,
@@ -272,4 +281,6 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         fused_kernels=args.fused_kernels,
         use_flash_attn=args.use_flash_attn,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        **megatron_model_fields(args),
+        moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
     )

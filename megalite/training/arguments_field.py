@@ -48,3 +48,10 @@ def arg(
 def flag_of(f) -> str:
     """The option string of a dataclass field made by `arg()`."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def on_cpu(args) -> bool:
+    """Whether the run computes on CPU (gloo, or no CUDA device)."""
+    import torch
+
+    return args.distributed_backend == "gloo" or not torch.cuda.is_available()

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from megalite.training.arguments_field import MEGALITE, arg
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass
@@ -32,7 +31,7 @@ class ParallelArgs:
         "virtual stages.", choices=PIPELINE_SCHEDULES, origin=MEGALITE)
     sequence_parallel: bool = arg(
         False, "Sequence parallelism: split norms, dropouts and residuals along the sequence "
-        "over the tensor-parallel group (needs t > 1).")
+        "over the tensor-parallel group (at t = 1 it has no effect: the run goes on without it and says so).")
     use_distributed_optimizer: bool = arg(
         False, "Shard the optimizer state and fp32 main parameters over the data-parallel group.")
     overlap_grad_reduce: bool = arg(False, "Overlap the gradient reduction with the backward pass.")
@@ -66,7 +65,7 @@ class ModelArgs:
     position_embedding_type: str = arg(
         "learned_absolute", "Position embedding.",
         choices=("learned_absolute", "rope", "mrope", "relative", "none"),
-        unsupported=("mrope", "relative", "none"))
+        unsupported=("mrope", "relative"))
     rotary_base: float = arg(10000.0, "RoPE base theta.")
     rotary_percent: float = arg(1.0, "Fraction of each head's channels that RoPE rotates.")
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GeLU.")
@@ -84,12 +83,6 @@ class ModelArgs:
     attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
     hidden_dropout: float = arg(0.1, "Dropout on embeddings and after attention and MLP.")
     use_flash_attn: bool = arg(False, "Attention through the flash_attn package (CUDA).")
-    attention_backend: str = arg(
-        "auto", "Attention implementation; auto: scaled_dot_product_attention picks flash, "
-        "memory-efficient or math.", choices=ATTENTION_BACKENDS, unsupported=ATTENTION_BACKENDS[1:])
-    transformer_impl: str = arg(
-        "local", "Transformer implementation; megalite has only its own ('local').",
-        choices=("local", "transformer_engine"), unsupported=("transformer_engine",))
     fused_kernels: bool | None = arg(
         None, "Triton kernels for norms, activations, rotary and cross-entropy (default: on "
         "with CUDA).", negative_flag="--no-fused-kernels", origin=MEGALITE)

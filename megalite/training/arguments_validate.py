@@ -15,6 +15,11 @@ from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_field import flag_of
 from megalite.training.arguments_megatron_checkpoint import check_megatron_checkpoint_args
+from megalite.training.arguments_megatron_data import apply_megatron_data_args
+from megalite.training.arguments_megatron_logging import check_megatron_logging_args
+from megalite.training.arguments_megatron_model import check_megatron_model_args
+from megalite.training.arguments_megatron_training import (apply_pipeline_split_accounting,
+                                                           check_megatron_training_args, finish_batch_args)
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -42,6 +47,8 @@ _FRACTIONS = (  # 0 <= x < 1
 _TOKENIZER_NEEDS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
@@ -117,8 +124,6 @@ def _check_unsupported(args):
             supported = [c for c in f.metadata["choices"] if c not in f.metadata["unsupported"]]
             _fail(f"{flag_of(f)} {getattr(args, f.name)} is not implemented in megalite "
                   f"(supported: {', '.join(map(str, supported))})")
-    if args.rampup_batch_size is not None:
-        _fail("--rampup-batch-size is not implemented in megalite; use a fixed --global-batch-size")
 
 
 def _check_model(args):
@@ -184,9 +189,6 @@ def _check_pipeline(args, layout: ParallelLayout) -> int:
 
 def _check_parallel(args, layout: ParallelLayout):
     tp = layout.tensor
-    if args.sequence_parallel and tp == 1:
-        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (megalite does not turn "
-              "it off silently)")
     if args.sequence_parallel and args.seq_length % tp:
         _fail(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
               f"{tp} (needed by --sequence-parallel)")
@@ -310,8 +312,8 @@ def _check_data(args):
     for name in _TOKENIZER_NEEDS[args.tokenizer_type]:
         if getattr(args, name) is None:
             _fail(f"--tokenizer-type {args.tokenizer_type} needs {_flag(name)}")
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
-        _fail(f"--vocab-size applies only to --tokenizer-type NullTokenizer (got "
+    if args.vocab_size is not None and args.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
+        _fail(f"--vocab-size applies only to --tokenizer-type NullTokenizer and TikTokenizer (got "
               f"{args.tokenizer_type}, whose vocabulary comes from its files)")
 
 
@@ -335,18 +337,24 @@ def validate_args(args, world_size: int):
     again on its own result is allowed. Returns `args`."""
     _check_unsupported(args)
     check_context_args(args, _fail)
-    check_moe_args(args, _fail)
+    check_moe_args(args, _fail, world_size)
+    check_megatron_model_args(args, _fail)
     check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)
     _check_model(args)
+    apply_pipeline_split_accounting(args, _fail)
     layout = layout_from_args(args, world_size)
     layers_per_chunk = _check_pipeline(args, layout)
     _check_recompute(args, layers_per_chunk)
     _check_parallel(args, layout)
+    check_megatron_training_args(args, world_size, _fail)
     _check_batch(args, layout)
     _check_schedule(args)
+    finish_batch_args(args, _fail)
+    apply_megatron_data_args(args, _fail)
     _check_data(args)
     _check_checkpointing(args)
+    check_megatron_logging_args(args, _fail)
     return args

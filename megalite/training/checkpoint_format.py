@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
+from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout, reduction_rank
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -161,7 +161,9 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
         trimmed = [min(shape[0], vocab_size) if is_vocab else shape[0], *shape[1:]]
         chunks = {pstate.tp_rank: [([0] * len(shape), trimmed, 0)]}
         holders_tp = [pstate.tp_rank]
-    holders_dp = list(enumerate(local.dp_ranges)) if local.dp_ranges else [(pstate.dp_rank, (local.lo, local.hi))]
+    _, dp_rank_of = reduction_rank(pstate, like)  # expert shards: over the expert-data-parallel group
+    holders_dp = ([(dp_rank_of(j), r) for j, r in enumerate(local.dp_ranges)] if local.dp_ranges
+                  else [(pstate.dp_rank, (local.lo, local.hi))])
     global_shape = list(full_shape)
     if is_vocab:
         global_shape[0] = vocab_size

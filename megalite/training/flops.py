@@ -3,6 +3,7 @@
     F_token = 6 * P_mm + 12 * L * s * h
     P_mm    = L * (h*q + 2*h*d_kv + q*h + k*h*f) + h*V     (q = a * head_dim, = h usually;
                                                              k = 2 GeLU, 3 SwiGLU)
+    MoE layers: k*h*f becomes h*E + topk*k*h*f_moe (+ k*h*f_shared + h): activated experts only
     MFU     = F_token * tokens/s per GPU / peak FLOP/s
 
 Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM). Bytes
@@ -21,15 +22,30 @@ PEAK_BF16_FLOPS = (
     (re.compile(r"\bA100\b"), "A100", 312e12),
 )
 
-def matmul_parameters(config: GPTConfig, padded_vocab_size: int) -> int:
+def mlp_matmul_parameters(config: GPTConfig, layer: int, activated: bool = True) -> int:
+    """MLP weights of one layer that multiply each token: the dense MLP's; in an MoE layer the
+    router's (h * E), top-k experts' (every expert's with activated=False) and the shared
+    expert's (and its gate)."""
+    h, k = config.hidden_size, 3 if config.activation == "swiglu" else 2
+    moe = config.moe
+    if moe is None or not moe.is_moe_layer(layer, config.num_layers):
+        return k * h * config.ffn_hidden_size
+    experts = moe.router_topk if activated else moe.num_experts
+    shared = k * h * moe.shared_expert_intermediate_size + h * moe.shared_expert_gate \
+        if moe.shared_expert_intermediate_size else 0
+    return h * moe.num_experts + experts * k * h * moe.ffn_hidden_size + shared
+
+
+def matmul_parameters(config: GPTConfig, padded_vocab_size: int, activated: bool = True) -> int:
     """P_mm: weights that take part in matrix multiplies (QKV, attention output, MLP, output
-    layer); biases, norms and the embedding lookup are left out."""
-    h, f = config.hidden_size, config.ffn_hidden_size
+    layer); biases, norms and the embedding lookup are left out. In MoE layers only the
+    activated (top-k) experts count, unless activated=False (every expert's parameters)."""
+    h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     d_kv = config.num_query_groups * config.kv_channels
-    k = 3 if config.activation == "swiglu" else 2
-    per_layer = h * q + 2 * h * d_kv + q * h + k * h * f
-    return config.num_layers * per_layer + h * padded_vocab_size
+    attention = h * q + 2 * h * d_kv + q * h
+    return sum(attention + mlp_matmul_parameters(config, i, activated) for i in range(config.num_layers)) \
+        + h * padded_vocab_size
 
 
 def flops_per_token(config: GPTConfig, seq_length: int, padded_vocab_size: int) -> int:

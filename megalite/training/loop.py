@@ -14,11 +14,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
+from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.checkpointing import save_checkpoint
 from megalite.training.megatron_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
+from megalite.training.per_token_loss import scale_main_grads, token_factor
+from megalite.training.rerun import RerunState
+from megalite.training.run_hooks import RunHooks
 from megalite.training.setup_run import Run, build_data, data_iterator
+from megalite.training.straggler import report_stragglers
+from megalite.training.tensorboard_log import MegatronTensorboard
 from megalite.training.timers import Timers
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -63,6 +70,18 @@ def _dp_mean(run: Run, loss: torch.Tensor | None) -> float | None:
     return loss.item()
 
 
+def _take(iterator, count: int) -> list | None:
+    """The next `count` micro-batches (None for a rank without data)."""
+    if iterator is None:
+        return None
+    batches = []
+    for batch in iterator:
+        batches.append(batch)
+        if len(batches) == count:
+            return batches
+    raise ValueError(f"the micro-batch iterator ended after {len(batches)} of {count} micro-batches")
+
+
 def common_state(run: Run) -> dict:
     return {"consumed_train_samples": run.consumed_train_samples, "consumed_valid_samples": run.consumed_valid_samples,
             "lr_scheduler": run.scheduler.state_dict(), "args": run.args.to_dict(), "model_config": run.config.to_dict(),
@@ -74,9 +93,16 @@ class Trainer:
     def __init__(self, run: Run):
         self.run, self.args = run, run.args
         self.pending_save = None
-        self.timers = Timers(self.args.timing_log_level, run.device)
+        self.timers = Timers(self.args.timing_log_level, run.device, self.args.timing_log_option)
         self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
                                               resume_iteration=run.iteration if run.loaded_from else None)
+        self.tensorboard = MegatronTensorboard(self.args, run.writes_logs)
+        self.batch_schedule = batch_schedule_from_args(self.args)
+        self.hooks = RunHooks(self.args, run.pstate, run.device,
+                              flops_per_sample=run.flops_per_token * self.args.seq_length,
+                              resume_iteration=run.iteration if run.loaded_from and not self.args.finetune else None)
+        self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
+        self.rerun = RerunState(self.args.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
         # Only the first and last pipeline stages build datasets; every rank must agree on which
         # splits exist, or the others would wait in the pipeline for a split that has no data.
@@ -89,6 +115,11 @@ class Trainer:
         # Background checkpoint writes get a process group of their own (see save_checkpoint).
         self.save_group = dist.new_group(backend="gloo") if self.args.async_save else None
         self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
+
+    def close(self):
+        self.hooks.close()
+        self.tensorboard.close()
+        self.logger.close()
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save(self, non_persistent: bool = False):
@@ -111,6 +142,7 @@ class Trainer:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {root}")
             self._prune(root, None if non_persistent else args.save_retain_interval, non_persistent)
+        self.hooks.after_save(run.iteration, run.consumed_train_samples)
 
     def _prune(self, root, retain_interval, always: bool = False):
         if (always or retain_interval) and self.run.pstate.rank == 0:
@@ -138,60 +170,129 @@ class Trainer:
             return None
         for chunk in run.models:
             chunk.eval()
+        self.hooks.around_evaluation()
+        batch = self.args.eval_global_batch_size or self.args.global_batch_size
+        executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
         losses = []
         with self.timers("evaluation"):
             for _ in range(self.args.eval_iters):
-                loss = run.executor.run(iterator, forward_only=True)
-                losses.append(_dp_mean(run, loss))
+                losses.append(self.step_loss(executor, iterator, forward_only=True)[0])
+                if self.args.empty_unused_memory_level >= 2 and run.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        self.hooks.around_evaluation()
         for chunk in run.models:
             chunk.train()
         if split == "valid":
-            run.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
+            run.consumed_valid_samples += self.args.eval_iters * batch
         mean = sum(losses) / len(losses) if run.pstate.is_last_stage else None
         if run.writes_logs:
             self.logger.log_evaluation(split, run.iteration, mean)
+            self.tensorboard.log_evaluation(split, run.iteration, run.consumed_train_samples, mean)
         return mean
 
-    # --- training ------------------------------------------------------------------------------
-    def train_step(self, iterator):
+    def step_loss(self, executor, iterator, forward_only: bool = False):
+        """(the step's loss averaged over DP replicas, or None off the last stage; the factor
+        --calculate-per-token-loss scales gradients by, or None)."""
         run = self.run
+        if run.per_token is not None:
+            run.per_token.tokens = 0
+        loss = _dp_mean(run, executor.run(iterator, forward_only=forward_only))
+        if run.per_token is None:
+            return loss, None
+        factor = token_factor(run.per_token, run.pstate, executor.num_microbatches, run.device)
+        return (loss * factor if loss is not None else None), factor
+
+    # --- training ------------------------------------------------------------------------------
+    def _forward_backward(self, executor, microbatches, rng: dict | None = None):
+        """Gradients of one step left in the DDP buffers (after restoring `rng`, for a re-run);
+        returns the step's loss."""
+        run = self.run
+        if rng is not None:
+            self.rerun.restore_rng(rng)
         run.optimizer.zero_grad()
-        run.executor.loss_scale = run.optimizer.loss_scale
+        executor.loss_scale = run.optimizer.loss_scale
+        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches)
+        started = time.perf_counter()
         with self.timers("forward-backward"):
-            loss = run.executor.run(iterator)
+            loss, factor = self.step_loss(executor, microbatches)
+        self.forward_backward_seconds += time.perf_counter() - started
         with self.timers("grads-sync"):
             finalize_model_grads(run.chunks, run.pstate)
-        with self.timers("optimizer"):
-            ok, grad_norm, _ = run.optimizer.step(iteration=run.iteration + 1)
-        if ok:
-            run.scheduler.step(self.args.global_batch_size)
-        run.iteration += 1
-        run.consumed_train_samples += self.args.global_batch_size
-        return _dp_mean(run, loss), ok, grad_norm
+            if factor is not None:
+                scale_main_grads(run.chunks, factor)
+        return loss
 
-    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters):
+    def train_step(self, iterator):
+        """One iteration: (loss, update ok, grad norm, zeros in the gradients, batch size)."""
+        run = self.run
+        batch = self.batch_schedule.at(run.consumed_train_samples)
+        executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
+        self.hooks.before_iteration(run.iteration)
+        if self.rerun.active:  # keep the micro-batches and random state for a re-run
+            batches = _take(iterator, executor.num_microbatches)
+            rng = self.rerun.save_rng()
+            loss = self._forward_backward(executor, iter(batches) if batches is not None else None)
+            again = self.rerun.check(run.iteration + 1, loss, lambda: (self._forward_backward(
+                executor, iter(batches) if batches is not None else None, rng),))
+            loss = loss if again is None else again[0]
+        else:
+            loss = self._forward_backward(executor, iterator)
+        with self.timers("optimizer"):
+            ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
+            update_expert_bias(run.models, run.pstate.dp_group)
+        if ok:
+            run.scheduler.step(batch)
+        run.iteration += 1
+        run.consumed_train_samples += batch
+        self.hooks.after_iteration(run.iteration, run.models, batch)
+        if run.writes_logs:
+            self.tensorboard.log_iteration(
+                run.iteration, consumed_samples=run.consumed_train_samples,
+                learning_rate=run.optimizer.param_groups[0]["lr"], batch_size=batch, loss=loss,
+                loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, num_zeros=num_zeros,
+                world_size=run.pstate.world_size, device=run.device)
+        return loss, ok, grad_norm, num_zeros, batch
+
+    def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros=None, batch=None,
+             moe_losses=None):
         run, args = self.run, self.args
         seconds = elapsed / max(iters, 1)
-        rates = throughput(run.flops_per_token, args.global_batch_size * args.seq_length, seconds,
+        batch = batch or args.global_batch_size
+        rates = throughput(run.flops_per_token, batch * args.seq_length, seconds,
                            run.pstate.world_size, run.peak_flops)
         memory, kind = memory_usage_mb(run.device)
         record = TrainingRecord(
             iteration=run.iteration, train_iters=args.total_train_iters, consumed_samples=run.consumed_train_samples,
             elapsed_ms_per_iteration=seconds * 1000, learning_rate=run.optimizer.param_groups[0]["lr"],
-            global_batch_size=args.global_batch_size, lm_loss=sum(losses) / len(losses) if losses else math.nan,
+            global_batch_size=batch, lm_loss=sum(losses) / len(losses) if losses else math.nan,
             loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
-            nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params, **rates)
+            nan_iterations=nans, memory_mb=memory, memory_kind=kind, params_norm=norm_of_params,
+            num_zeros=num_zeros, moe_losses=moe_losses, **rates)
         self.logger.log_training(record)
 
-    def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters):
+    def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters, num_zeros=None, batch=None):
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
         norm_of_params = run.optimizer.params_norm() if self.args.log_params_norm else None
+        moe_losses = (reduce_logged_losses(run.models, self.args.num_layers, run.pstate.world_group)
+                      if self.args.num_experts else None)
         if run.writes_logs:
-            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters)
+            self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros, batch,
+                      moe_losses)
         timing = self.timers.report(run.pstate.world_group, iters)
         if timing and run.writes_logs:
             self.logger.print_fn(timing)
+        if run.writes_logs:
+            self.tensorboard.log_timers(run.iteration, elapsed / max(iters, 1), self.timers.last_max_ms)
+            self.tensorboard.log_params_norm(run.iteration, run.consumed_train_samples, norm_of_params)
+        rerun_stats = self.rerun.report()
+        if rerun_stats:
+            self.say(rerun_stats)
+        if self.args.log_straggler:
+            line = report_stragglers(self.forward_backward_seconds / max(iters, 1), run.pstate, run.device)
+            if run.pstate.rank == 0:
+                print(line, flush=True)
+        self.forward_backward_seconds = 0.0
 
     def train(self, signals: StopSignals, start_time: float) -> str:
         """Train until a stop condition; returns why it stopped. `start_time`: when this
@@ -201,7 +302,7 @@ class Trainer:
         window_start = time.time()
         losses, skipped, nans, window_iters, grad_norm = [], 0, 0, 0, None
         while run.iteration < args.total_train_iters:
-            loss, ok, norm = self.train_step(iterator)
+            loss, ok, norm, num_zeros, batch = self.train_step(iterator)
             window_iters += 1
             skipped += 0 if ok else 1
             grad_norm = norm if norm is not None else grad_norm
@@ -209,7 +310,8 @@ class Trainer:
                 nans += 0 if math.isfinite(loss) else 1
                 losses.append(loss)
             if run.iteration % args.log_interval == 0:
-                self._log_window(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters)
+                self._log_window(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters,
+                                 num_zeros, batch)
                 losses, skipped, nans, window_iters, window_start = [], 0, 0, 0, time.time()
             if args.eval_interval and run.iteration % args.eval_interval == 0:
                 self.evaluate("valid", self.valid_iter)

@@ -56,18 +56,21 @@ class LRScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self) -> float:
-        """The learning rate at the current step, before any group's lr_mult."""
+    def get_lr(self, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The learning rate at the current step, before any group's lr_mult; `max_lr` and
+        `min_lr` replace the schedule's for a group that has its own (--decoupled-lr)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         steps, warmup = self.num_steps, self.warmup_steps
         if warmup > 0 and steps <= warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * float(steps) / float(warmup)
+            return self.init_lr + (max_lr - self.init_lr) * float(steps) / float(warmup)
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if steps > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
-            lr = self.max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5
-            return max(self.min_lr, lr)
+            lr = max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5
+            return max(min_lr, lr)
         ratio = float(steps - warmup) / float(self.decay_steps - warmup)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
@@ -85,14 +88,15 @@ class LRScheduler:
                     "exponential": lambda: 2.0 * math.pow(0.5, q) - 1.0,
                     "minus_sqrt": lambda: 1.0 - math.sqrt(q),
                 }[self.wsd_decay_style]()
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int) -> float:
         """Advance by `increment` steps (samples: pass the global batch size) and set the lr."""
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            own = self.get_lr(group.get("max_lr"), group.get("min_lr")) if "max_lr" in group else lr
+            group["lr"] = own * group.get("lr_mult", 1.0)
         return lr
 
     def _config(self) -> dict:

@@ -42,6 +42,10 @@ class TrainingRecord:
     memory_kind: str | None = None
     """'cuda_max_allocated' or 'max_rss' (CPU), see memory_usage_mb."""
     params_norm: float | None = None
+    num_zeros: int | None = None
+    """Zero gradient elements of the last step (--log-num-zeros-in-grad)."""
+    moe_losses: dict | None = None
+    """MoE auxiliary losses: {name: mean over MoE layers, 'name/layer_N': per layer}."""
 
 
 def throughput(flops_per_token: float, tokens_per_iteration: int, seconds_per_iteration: float,
@@ -92,8 +96,13 @@ def format_training_line(record: TrainingRecord, now: datetime | None = None) ->
               f" loss scale: {r.loss_scale:.1f} |"]
     if r.grad_norm is not None:
         parts.append(f" grad norm: {r.grad_norm:.3f} |")
+    if r.num_zeros is not None:
+        parts.append(f" num zeros: {float(r.num_zeros):.1f} |")
     if r.params_norm is not None:
         parts.append(f" params norm: {r.params_norm:.3f} |")
+    for name, value in (r.moe_losses or {}).items():
+        if "/" not in name:
+            parts.append(f" {name}: {value:.6E} |")
     parts += [f" number of skipped iterations: {r.skipped_iterations:3d} |",
               f" number of nan iterations: {r.nan_iterations:3d} |"]
     if r.memory_mb is not None:
@@ -162,8 +171,8 @@ class MetricsLogger:
     def __init__(self, should_write: bool, *, metrics_file: str | None = None,
                  tensorboard_dir: str | None = None, wandb_project: str | None = None,
                  wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
-                 run_config: dict | None = None, resume_iteration: int | None = None,
-                 print_fn=None):
+                 wandb_entity: str | None = None, run_config: dict | None = None,
+                 resume_iteration: int | None = None, print_fn=None):
         """`resume_iteration`: records after it are removed from an existing metrics file; new
         records are always appended."""
         self.should_write = should_write
@@ -191,18 +200,19 @@ class MetricsLogger:
                                    "(set WANDB_MODE=offline without network)") from None
             save_dir = wandb_save_dir or "wandb"
             os.makedirs(save_dir, exist_ok=True)
-            self._wandb = wandb.init(project=wandb_project, name=wandb_exp_name or None,
-                                     dir=save_dir, config=run_config or {})
+            self._wandb = wandb.init(project=wandb_project, entity=wandb_entity or None,
+                                     name=wandb_exp_name or None, dir=save_dir, config=run_config or {})
 
     @classmethod
     def from_args(cls, args, should_write: bool, resume_iteration: int | None = None,
                   print_fn=None) -> "MetricsLogger":
-        """A logger for parsed options; wandb files go to --wandb-save-dir, else <save>/wandb."""
+        """A logger for parsed options; wandb files go to --wandb-save-dir, else <save>/wandb.
+        TensorBoard is left to megalite.training.tensorboard_log (Megatron's tags)."""
         save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
         config = args.to_dict() if hasattr(args, "to_dict") else dict(vars(args))
         return cls(should_write, metrics_file=args.metrics_file,
-                   tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
-                   wandb_exp_name=args.wandb_exp_name, wandb_save_dir=save_dir,
+                   wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                   wandb_save_dir=save_dir, wandb_entity=getattr(args, "wandb_entity", None),
                    run_config=config, resume_iteration=resume_iteration, print_fn=print_fn)
 
     def _write(self, record: dict, step: int, prefix: str):
@@ -224,9 +234,10 @@ class MetricsLogger:
         if not self.should_write:
             return None
         values = {k: _plain(v) for k, v in asdict(record).items()}
-        line = format_training_line(TrainingRecord(**values))
+        moe_losses = values.pop("moe_losses") or {}
+        line = format_training_line(TrainingRecord(**values, moe_losses=moe_losses))
         self.print_fn(line)
-        self._write({**values, "time": time.time()}, values["iteration"], "train")
+        self._write({**values, **moe_losses, "time": time.time()}, values["iteration"], "train")
         return line
 
     def log_evaluation(self, split: str, iteration: int, lm_loss: float) -> str | None:

@@ -5,7 +5,7 @@ fp32 main parameters start from them); optimizer state loaded after it is built.
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -18,14 +18,21 @@ from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
+from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
 from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_notes
+from megalite.training.arguments_megatron_data import megatron_data_notes
+from megalite.training.arguments_megatron_logging import megatron_logging_notes
+from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
+from megalite.training.arguments_megatron_training import megatron_training_notes
 from megalite.training.checkpointing import load_optimizer_state
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
+from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
+from megalite.training.run_hooks import apply_deterministic_mode
 from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, restore_scheduler
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,17 @@ class Run:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     loaded_from: str | None = None
+    make_executor: object = None  # micro-batch count -> PipelineExecutor (rampup, eval batches)
+    per_token: PerTokenLoss | None = None  # --calculate-per-token-loss's forward step
+    executors: dict = field(default_factory=dict)
+
+    def executor_for(self, num_microbatches: int) -> PipelineExecutor:
+        """The executor of steps of `num_microbatches` micro-batches (built once per count)."""
+        if num_microbatches == self.executor.num_microbatches:
+            return self.executor
+        if num_microbatches not in self.executors:
+            self.executors[num_microbatches] = self.make_executor(num_microbatches)
+        return self.executors[num_microbatches]
 
     @property
     def models(self) -> list:
@@ -98,20 +116,40 @@ def _wrap(models, args, pstate):
     if args.use_torch_fsdp2:
         return [apply_fsdp2(m, pstate, param_dtype=_dtype(args)) for m in models]
     grad_dtype = torch.float16 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else torch.float32
+    if args.grad_reduce_in_bf16:
+        grad_dtype = torch.bfloat16
     return [DistributedDataParallel(m, pstate, bucket_size=args.ddp_bucket_size,
                                     overlap_grad_reduce=args.overlap_grad_reduce,
                                     use_distributed_optimizer=args.use_distributed_optimizer, grad_dtype=grad_dtype)
             for m in models]
 
 
+def startup_notes(args, device_type: str = "cpu") -> list[str]:
+    """One line for each Megatron flag megalite serves another way or that has no effect here
+    (`device_type`: where the model runs, which decides how --attention-backend is served)."""
+    notes = []
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        notes.append("--sequence-parallel: no effect at --tensor-model-parallel-size 1 (nothing to split "
+                     "the sequence over); running without it, as Megatron does")
+    return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
+            + megatron_logging_notes(args) + checkpoint_flag_notes(args))
+
+
 def build_run(args) -> Run:
-    notes = apply_checkpoint_args(args) + checkpoint_flag_notes(args)
+    checkpoint_notes = apply_checkpoint_args(args)  # --use-checkpoint-args, before validation
+    if args.deterministic_mode:
+        apply_deterministic_mode()
     pstate, device = init_distributed(args)
-    if pstate.rank == 0 and notes:
-        print("\n".join(notes), flush=True)
+    if args.num_experts is not None:
+        pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
+                                           args.distributed_timeout_minutes)
+    if pstate.rank == 0:
+        for note in checkpoint_notes + startup_notes(args, device.type):
+            print(note, flush=True)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                                **tokenizer_options(args))
     config = model_config_from_args(args, tokenizer.vocab_size)
     if args.use_torch_fsdp2:
         config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16
@@ -131,15 +169,20 @@ def build_run(args) -> Run:
     optimizer = scheduler = None
     if not args.skip_train:
         optimizer, scheduler = _build_optimizer(chunks, args, pstate)
-    executor = PipelineExecutor(
-        chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
-        sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
-        forward_step=gpt_forward_step)
+    per_token = PerTokenLoss() if args.calculate_per_token_loss else None
+
+    def make_executor(num_microbatches: int) -> PipelineExecutor:
+        return PipelineExecutor(
+            chunks, pstate, args.pipeline_schedule, num_microbatches=num_microbatches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
+            sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
+            forward_step=per_token or gpt_forward_step)
+
+    executor = make_executor(args.num_micro_batches)
     peak = peak_flops() if device.type == "cuda" else None
     run = Run(args, pstate, device, tracker, tokenizer, config, chunks, optimizer, scheduler, executor,
               flops_per_token(config, args.seq_length, config.padded_vocab_size(pstate.tp_size)),
-              peak[1] if peak else None)
+              peak[1] if peak else None, make_executor=make_executor, per_token=per_token)
     if common is not None:
         run.loaded_from = common["path"]
         if not (args.finetune or common["finetune"]):
@@ -166,7 +209,9 @@ def _build_optimizer(chunks, args, pstate):
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
-        cpu_offload=args.optimizer_cpu_offload)
+        cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+    if args.decoupled_lr is not None:
+        apply_decoupled_lr(optimizer, args.decoupled_lr, args.decoupled_min_lr)
     return optimizer, lr_scheduler_from_args(args, optimizer)
 
 
@@ -177,12 +222,17 @@ def build_data(run: Run):
         return None, None, None
     train_iters = run.args.total_train_iters
     num_samples = megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, args.global_batch_size)
+    eval_batch = args.eval_global_batch_size or args.global_batch_size
+    if eval_batch != args.global_batch_size or args.rampup_batch_size or args.step_batch_size_schedule:
+        train = args.train_samples if args.train_samples is not None else num_samples[0]
+        num_samples = (train, *megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, eval_batch)[1:])
     return build_gpt_datasets(
         data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
         test_data_path=args.test_data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
         num_samples=num_samples, cache_path=args.data_cache_path, mock_data=args.mock_data,
         eod_token=run.tokenizer.eod, vocab_size=run.tokenizer.vocab_size, eod_mask_loss=args.eod_mask_loss,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        mmap_bin_files=not args.no_mmap_bin_files)
 
 
 def data_iterator(run: Run, dataset, consumed_samples: int):

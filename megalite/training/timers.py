@@ -31,9 +31,13 @@ and the embedding / norm gradient all-reduces)."""
 
 
 class Timers:
-    def __init__(self, level: int, device: torch.device):
-        self.level, self.device = level, device
+    def __init__(self, level: int, device: torch.device, option: str = "minmax"):
+        """`option` (--timing-log-option): max, minmax (both over ranks) or all (every rank)."""
+        if option not in ("max", "minmax", "all"):
+            raise ValueError(f"--timing-log-option must be max, minmax or all, got {option!r}")
+        self.level, self.device, self.option = level, device, option
         self.elapsed = dict.fromkeys(PHASES, 0.0)
+        self.last_max_ms: dict[str, float] = {}  # the last report's maximum over ranks, per phase
 
     def _synchronize(self):
         if self.device.type == "cuda":
@@ -61,13 +65,28 @@ class Timers:
             return None
         ms = torch.tensor([self.elapsed[p] * 1000 / max(iterations, 1) for p in PHASES], dtype=torch.float64,
                           device=self.device)
-        extremes = torch.cat([-ms, ms])  # one MAX all-reduce gives both: min(x) = -max(-x)
-        if group_size(group) > 1:
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
         self.elapsed = dict.fromkeys(PHASES, 0.0)
+        world = group_size(group)
+        if self.option == "all":
+            ranks = [torch.empty_like(ms) for _ in range(world)] if world > 1 else [ms]
+            if world > 1:
+                dist.all_gather(ranks, ms, group=group)
+            table = torch.stack(ranks).tolist()
+            self.last_max_ms = {p: max(row[i] for row in table) for i, p in enumerate(PHASES)}
+            lines = ["times across ranks (ms):"]
+            for i, phase in enumerate(PHASES):
+                if any(row[i] > 0 for row in table):
+                    lines.append(f"  {phase}:")
+                    lines += [f"     rank {r:2d}: {row[i]:.2f}" for r, row in enumerate(table) if row[i] > 0]
+            return "\n".join(lines)
+        extremes = torch.cat([-ms, ms])  # one MAX all-reduce gives both: min(x) = -max(-x)
+        if world > 1:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
         negated_low, high = extremes.view(2, -1).tolist()
-        lines = ["(min, max) time across ranks (ms):"]
+        self.last_max_ms = {p: b for p, b in zip(PHASES, high) if b > 0}
+        lines = ["max time across ranks (ms):" if self.option == "max" else "(min, max) time across ranks (ms):"]
         for phase, a, b in zip(PHASES, negated_low, high):
             if b > 0:
-                lines.append(f"    {phase + ' ':.<48}: ({-a:.2f}, {b:.2f})")
+                value = f"{b:.2f}" if self.option == "max" else f"({-a:.2f}, {b:.2f})"
+                lines.append(f"    {phase + ' ':.<48}: {value}")
         return "\n".join(lines)

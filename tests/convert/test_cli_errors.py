@@ -70,7 +70,7 @@ def test_missing_tensor_is_named(capsys, tmp_path, llama_dir):
 @pytest.mark.parametrize("change, expect", [
     ({"model_type": "mistral"}, "model_type='mistral'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "rope_parameters="),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}}, "rope_parameters="),
     ({"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling="),
 ])
 def test_unsupported_architecture_names_the_field(capsys, tmp_path, llama_dir, change, expect):

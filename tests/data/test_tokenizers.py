@@ -24,6 +24,8 @@ def tokenizers_of_every_type(sp_model, gpt2_files, tiktoken_file):
     return {
         "GPT2BPETokenizer": build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),
         "SentencePieceTokenizer": build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model),
+        "GPTSentencePieceTokenizer": build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model),
+        "Llama2Tokenizer": build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model),
         "HuggingFaceTokenizer": build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_json),
         "TikTokenizer": build_tokenizer("TikTokenizer", tokenizer_model=tiktoken_file),
         "NullTokenizer": build_tokenizer("NullTokenizer", vocab_size=1000),

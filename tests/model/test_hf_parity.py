@@ -111,7 +111,7 @@ def test_config_round_trip(family):
 
 @pytest.mark.parametrize("field, value, message", [
     ("model_type", "mistral", "model_type='mistral'"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling="),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling="),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
 ])
 def test_unsupported_architectures_are_refused(field, value, message):

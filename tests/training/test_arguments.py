@@ -143,7 +143,6 @@ def test_missing_config_file_is_named(tmp_path):
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--num-virtual-stages-per-pipeline-rank 2", 2,
      ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"]),
-    ("--sequence-parallel", 1, ["--sequence-parallel", "--tensor-model-parallel-size"]),
     ("--global-batch-size 6", 4, ["--global-batch-size 6", "--micro-batch-size 2", "4"]),
     ("--group-query-attention", 1, ["--group-query-attention", "--num-query-groups"]),
     ("--num-query-groups 2", 1, ["--num-query-groups", "--group-query-attention"]),
@@ -153,9 +152,7 @@ def test_missing_config_file_is_named(tmp_path):
     ("--recompute-activations --recompute-granularity full", 1,
      ["--recompute-activations", "--recompute-granularity full"]),
     ("--recompute-granularity full --recompute-num-layers 5", 1, ["--recompute-num-layers 5", "4"]),
-    ("--transformer-impl transformer_engine", 1, ["--transformer-impl", "transformer_engine"]),
     ("--ckpt-format zarr", 1, ["--ckpt-format", "zarr"]),
-    ("--position-embedding-type none", 1, ["--position-embedding-type"]),
     ("--rampup-batch-size 16 16 1000", 1, ["--rampup-batch-size"]),
     ("--tensor-model-parallel-size 3", 3, ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
     ("--tensor-model-parallel-size 2", 3, ["world size 3", "--tensor-model-parallel-size 2"]),

@@ -10,12 +10,6 @@ from tests.training.test_arguments import parsed, refused
     ("--context-parallel-size 2", ["--context-parallel-size 2", "not implemented"]),
     ("--cp-comm-type p2p", ["--cp-comm-type", "context parallelism"]),
     ("--hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes"]),
-    ("--num-experts 8", ["--num-experts 8", "not implemented"]),
-    ("--expert-model-parallel-size 2", ["--expert-model-parallel-size 2", "--num-experts"]),
-    ("--expert-tensor-parallel-size 1", ["--expert-tensor-parallel-size", "--num-experts"]),
-    ("--moe-router-topk 4", ["--moe-router-topk", "--num-experts"]),
-    ("--moe-token-dispatcher-type alltoall", ["--moe-token-dispatcher-type", "--num-experts"]),
-    ("--attention-backend flash", ["--attention-backend flash", "not implemented", "auto"]),
 ])
 def test_refused_naming_the_flag(extra, words):
     message = refused(extra)

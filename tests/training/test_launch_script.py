@@ -21,6 +21,7 @@ from tests.training.launch import (REPO, SCRIPT_BASE, TRAINED_ITERS, checkpoint_
                                    script_env)
 
 SBATCH = sorted((REPO / "scripts" / "slurm").glob("*.sbatch"))
+TRAIN_SBATCH = [path for path in SBATCH if path.name.startswith("pretrain")]  # preprocess_data.sbatch: tests/data
 
 
 def _fake_command(bin_dir: Path, name: str, body: str) -> None:
@@ -120,7 +121,8 @@ def test_sbatch_requeues_itself_after_a_time_limit_stop(tmp_path, reason, requeu
     env = script_env(FAKE_LOGS=str(tmp_path), FAKE_REASON=reason, PATH=f"{bin_dir}:{script_env()['PATH']}",
                      DATA_PATH="data/x_text_document", TOKENIZER_MODEL="tok.model", RUN_DIR=str(run_dir),
                      MEGALITE_DIR=str(tmp_path), SLURM_JOB_ID="4242")
-    for sbatch in SBATCH:
+    assert TRAIN_SBATCH
+    for sbatch in TRAIN_SBATCH:
         (tmp_path / "scontrol").unlink(missing_ok=True)
         proc = subprocess.run(["bash", str(sbatch), "--train-iters", "5"], env=env, capture_output=True, text=True,
                               timeout=60)

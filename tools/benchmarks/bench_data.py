@@ -4,10 +4,12 @@
     python tools/benchmarks/bench_data.py --small    # ~3 MB corpus, 1e8-token index
 
 1. Preprocessing (SentencePiece and GPT-2 BPE, vocab 8000, demo corpus from
-   tools/make_demo_corpus.py): megalite's preprocess with 1 and 2 workers against the
-   straightforward loop (json.loads + encode + append, one document at a time) in the same
-   run, each run a fresh process (start-up included); all write byte-identical datasets.
-   Target: >= 3x the loop with 2 workers. Reported as wall-clock and as CPU-time speed-up
+   tools/make_demo_corpus.py): megalite's preprocess with 1 and 2 workers (and 2 without
+   gigatoken) against the straightforward loop (json.loads + encode + append, one document
+   at a time) and against gigatoken's own encode_files with its ids written to a .bin (what
+   Megatron-LM's tools/preprocess_data_fast.py does) in the same run, each run a fresh
+   process (start-up included); all write byte-identical datasets.
+   Targets: >= 3x the loop with 2 workers; no slower than gigatoken's encode_files. Reported as wall-clock and as CPU-time speed-up
    (the loop's CPU seconds over megalite's busiest process's; independent of machine load).
 2. Index building for a synthetic dataset (1e9 tokens in 1e7 documents, seq 2048, one epoch):
    megalite's build_gpt_datasets (document, sample and shuffle indices, cache written)
@@ -58,6 +60,14 @@ def preprocessing_section(work, corpus_mb, repeats, vocab_size):
               f"{r['cpu_speedup']:10.2f}x")
     print("seconds: wall clock; cpu s: all processes; busiest: CPU seconds of the busiest process; vs loop: "
           "wall-clock speed-up; cpu vs loop: the loop's CPU seconds / busiest (the idle-machine estimate)")
+    by = {(r["tokenizer"], r["method"]): r["seconds"] for r in rows}
+    for name in dict.fromkeys(r["tokenizer"] for r in rows):
+        peer = by.get((name, "gigatoken encode_files (2 threads) + .bin"))
+        if peer is not None:
+            differing = next(r["differing"] for r in rows if r["tokenizer"] == name and r["method"].startswith("giga"))
+            print(f"{name}: megalite 2 workers takes {by[(name, 'megalite preprocess, 2 workers')] / peer:.2f}x "
+                  f"the wall time of gigatoken encode_files; documents whose ids differ from the tokenizer's: "
+                  f"megalite none, gigatoken encode_files {differing}")
     print(f"peak RSS of tools/preprocess_data.py --workers 2 (main process or a worker): "
           f"{rows[-1]['cli_peak_rss_mb']:.0f} MB")
     return rows
@@ -108,6 +118,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="~3 MB corpus and a 1e8-token, 1e6-document index")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--corpus-mb", type=float, help="demo corpus size (default 12, or 3 with --small)")
     p.add_argument("--skip-preprocess", action="store_true")
     p.add_argument("--skip-index", action="store_true")
     p.add_argument("--vocab-size", type=int, default=8000)
@@ -117,7 +128,8 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_data_") as work:
         if not a.skip_preprocess:
-            results["preprocessing"] = preprocessing_section(work, 3 if a.small else 12, a.repeats, a.vocab_size)
+            results["preprocessing"] = preprocessing_section(
+                work, a.corpus_mb or (3 if a.small else 12), a.repeats, a.vocab_size)
         if not a.skip_index:
             tokens, docs = (10**8, 10**6) if a.small else (10**9, 10**7)
             results["index"] = index_section(work, tokens, docs, 2048, a.repeats)

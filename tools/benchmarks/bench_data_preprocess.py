@@ -1,4 +1,5 @@
-"""Preprocessing half of bench_data.py: megalite's preprocess against the straightforward loop.
+"""Preprocessing half of bench_data.py: megalite's preprocess against the straightforward loop
+and against gigatoken's own encode_files.
 
 Every timed run is a fresh process (`python bench_data_preprocess.py --run METHOD ...`), so
 no run inherits another's warm caches, heap or threads; the times include interpreter start
@@ -15,6 +16,12 @@ time: json.loads, the tokenizer library's plain encode, append eod, write the do
 "Plain encode" is SentencePiece's own `encode` and, for GPT-2 BPE, regex pre-tokenisation
 then BPE per pre-token with a per-pre-token cache (Megatron's GPT-2 algorithm). Both paths
 write byte-identical datasets, which the benchmark checks.
+
+The gigatoken peer is what Megatron-LM's tools/preprocess_data_fast.py does: gigatoken's
+Tokenizer.encode_files over the JSONL file (Rust reads, parses and encodes on its thread
+pool, here 2 threads on the 2 cores), then the ids with eod appended written as .bin/.idx.
+Its "busiest" CPU time is its CPU time over its 2 threads. megalite runs with gigatoken
+(where installed: per-worker, ids checked at start-up) and with the library path alone.
 """
 
 import json
@@ -77,11 +84,38 @@ def straightforward_loop(corpus: str, prefix: str, tokenizer, encode) -> None:
                 writer.add_document(np.array(ids, dtype=dtype))
 
 
-def run_megalite(corpus: str, prefix: str, tok_args: dict, workers: int) -> None:
+def run_megalite(corpus: str, prefix: str, tok_args: dict, workers: int, use_gigatoken: bool = True) -> None:
     config = PreprocessConfig(input=[corpus], output_prefix=prefix, append_eod=True, workers=workers,
-                              log_interval=10**9, **tok_args)
+                              log_interval=10**9, use_gigatoken=use_gigatoken, **tok_args)
     with open(os.devnull, "w") as quiet:
         preprocess(config, stream=quiet)
+
+
+def run_gigatoken_files(corpus: str, prefix: str, tok_args: dict) -> None:
+    """gigatoken's encode_files over the file, then the ids (eod after each non-empty
+    document, as megalite writes) as an indexed dataset."""
+    import gigatoken
+
+    from megalite.data.gigatoken_encoder import _build
+
+    args = {k: v for k, v in tok_args.items() if k != "tokenizer_type"}
+    tokenizer = build_tokenizer(tok_args["tokenizer_type"], **args)  # for eod and the vocabulary size
+    gt = _build(gigatoken, tok_args["tokenizer_type"], args.get("tokenizer_model"), args.get("vocab_file"),
+                args.get("merge_file"))
+    layout = gt.encode_files(gigatoken.JsonlFileSource([corpus], "text")).layout
+    offsets = np.asarray(layout.offsets.data)
+    flat = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+    lengths = np.diff(offsets)
+    lengths = lengths[lengths > 0] + 1
+    ends = np.cumsum(lengths)
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    is_eod = np.zeros(len(out), bool)
+    is_eod[ends - 1] = True
+    out[is_eod] = tokenizer.eod
+    out[~is_eod] = flat
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        writer.add_documents(out.tobytes(), lengths.tolist())
 
 
 def run_method(method: str, corpus: str, prefix: str, tok_args: dict) -> tuple[float, float, float]:
@@ -97,15 +131,29 @@ def run_method(method: str, corpus: str, prefix: str, tok_args: dict) -> tuple[f
     own = json.loads(out.stdout.strip().splitlines()[-1])
     workers = int(method[-1]) if method.startswith("megalite") else 1
     busiest = max(own["main"], own["workers"] / (workers - 1)) if workers > 1 else own["main"]
+    if method == "gigatoken-files":
+        busiest = own["main"] / GIGATOKEN_THREADS
     return seconds, cpu, busiest
 
 
+GIGATOKEN_THREADS = 2
 METHODS = {
     "loop-library": "straightforward loop (library encode)",
     "loop-megalite": "straightforward loop (megalite encode)",
+    "megalite-library-2": "megalite preprocess, 2 workers, no gigatoken",
     "megalite-1": "megalite preprocess, 1 worker",
     "megalite-2": "megalite preprocess, 2 workers",
+    "gigatoken-files": "gigatoken encode_files (2 threads) + .bin",
 }
+
+
+def available_methods() -> dict:
+    """METHODS, less those that need gigatoken when it is not installed."""
+    from megalite.data.gigatoken_encoder import gigatoken_module
+
+    if gigatoken_module() is not None:
+        return dict(METHODS)
+    return {k: v for k, v in METHODS.items() if k not in ("gigatoken-files", "megalite-library-2")}
 
 
 def cli_peak_rss_mb(corpus: str, work: str, tok_files: dict) -> float:
@@ -128,17 +176,23 @@ def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, l
     peak_rss = cli_peak_rss_mb(corpus, work, tok_files)
     rows = []
     for name, tok_args in tok_files.items():
-        best = {m: (float("inf"), float("inf"), float("inf")) for m in METHODS.values()}
+        methods = available_methods()
+        best = {m: (float("inf"), float("inf"), float("inf")) for m in methods.values()}
         outputs = {}
         for rep in range(repeats):
-            for key, method in METHODS.items():
+            for key, method in methods.items():
                 prefix = os.path.join(work, f"out_{key}_{rep}")
                 seconds, cpu, busiest = run_method(key, corpus, prefix, tok_args)
                 outputs[method] = output_prefix_for(prefix, "text") if key.startswith("megalite") else prefix
                 best[method] = tuple(min(a, b) for a, b in zip(best[method], (seconds, cpu, busiest)))
                 log(f"  {name:13s} {method:40s} {seconds:7.2f} s (cpu {cpu:.2f} s, busiest process {busiest:.2f} s)")
         reference = outputs["straightforward loop (library encode)"]
+        differing = {}
         for method, final in outputs.items():
+            if method == METHODS["gigatoken-files"]:  # counted, not asserted: see differing_documents
+                differing[method] = differing_documents(reference, final)
+                log(f"  {name}: {method} differs from the tokenizer's own ids in {differing[method]}")
+                continue
             for ext in (".bin", ".idx"):
                 with open(reference + ext, "rb") as a, open(final + ext, "rb") as b:
                     assert a.read() == b.read(), f"{method} wrote a different dataset than the loop"
@@ -148,8 +202,21 @@ def bench_preprocessing(corpus: str, work: str, tok_files: dict, repeats: int, l
             rows.append(dict(tokenizer=name, method=method, seconds=seconds, cpu_seconds=cpu, busiest_cpu_seconds=busiest,
                              cli_peak_rss_mb=peak_rss, tokens_per_s=tokens / seconds, mb_per_s=size / seconds / 1e6,
                              speedup=base / seconds, cpu_speedup=base_cpu / busiest, tokens=tokens,
-                             corpus_mb=size / 1e6))
+                             corpus_mb=size / 1e6, differing=differing.get(method, "none")))
     return rows
+
+
+def differing_documents(reference: str, other: str) -> str:
+    """'none' or 'N of M documents (first: document i)': gigatoken reads SentencePiece's
+    control tokens (<s>, </s>) in text as those tokens, SentencePiece (and Megatron, and
+    megalite) as text, so a document holding '<s>' gets other ids from encode_files."""
+    from megalite.data.indexed_dataset import IndexedDataset
+
+    a, b = IndexedDataset(reference), IndexedDataset(other)
+    if len(a) != len(b):
+        return f"the number of documents ({len(b)} vs {len(a)})"
+    bad = [i for i in range(len(a)) if not np.array_equal(a[i], b[i])]
+    return f"{len(bad)} of {len(a)} documents (first: document {bad[0]})" if bad else "none"
 
 
 def _loop(corpus, prefix, tok_args, reference: bool):
@@ -176,8 +243,11 @@ def main():
     tok_args = json.loads(a.tokenizer)
     if a.run.startswith("loop"):
         _loop(a.corpus, a.prefix, tok_args, reference=a.run == "loop-library")
+    elif a.run == "gigatoken-files":
+        os.environ["RAYON_NUM_THREADS"] = str(GIGATOKEN_THREADS)  # before gigatoken builds its pool
+        run_gigatoken_files(a.corpus, a.prefix, tok_args)
     else:
-        run_megalite(a.corpus, a.prefix, tok_args, int(a.run[-1]))
+        run_megalite(a.corpus, a.prefix, tok_args, int(a.run[-1]), use_gigatoken="library" not in a.run)
     main_cpu, workers_cpu = cpu_times()
     print(json.dumps({"main": main_cpu, "workers": workers_cpu}))
 

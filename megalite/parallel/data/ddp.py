@@ -59,19 +59,27 @@ class DistributedDataParallel(nn.Module):
         self.bucket_size = bucket_size
         self._sync_enabled = True
 
-        by_dtype: dict = {}
+        # Expert parameters (param.expert_parallel) sit in their own buffers, averaged over the
+        # expert-data-parallel group: each EP rank's experts already summed every EP rank's tokens.
+        expert = pstate.expert
+        by_kind: dict = {}
         for param in module.parameters():
             if param.requires_grad:
-                by_dtype.setdefault(param.dtype, []).append(param)
+                by_kind.setdefault((param.dtype, getattr(param, "expert_parallel", False)), []).append(param)
+
+        def reduction(is_expert):
+            if is_expert and expert is not None:
+                return {"dp_group": expert.edp_group, "grad_scale": 1.0 / expert.ep_size}
+            return {"dp_group": self.dp_group}
 
         def own_bucket(param):
             # A tied embedding copy must be laid out identically on the first and last stage so
             # that its embedding-group all-reduce adds matching shards.
             return use_distributed_optimizer and getattr(param, "shared_embedding", False)
 
-        self.buffers_ = [GradBuffer(params, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_group=self.dp_group,
-                                    sharded=use_distributed_optimizer, own_bucket=own_bucket)
-                         for params in by_dtype.values()]
+        self.buffers_ = [GradBuffer(params, grad_dtype=grad_dtype, bucket_size=bucket_size,
+                                    sharded=use_distributed_optimizer, own_bucket=own_bucket, **reduction(is_expert))
+                         for (_, is_expert), params in by_kind.items()]
         self._bucket_of = {p: b for buffer in self.buffers_ for p, b in buffer.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
         self._param_gather_hooks = []

@@ -37,13 +37,13 @@ class Bucket:
     """Parameters whose gradients are reduced together, and their slice of the buffers."""
 
     def __init__(self, index: int, param_ranges: dict, grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, dp_group, sharded: bool):
+                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0):
         self.index = index
         self.param_ranges = param_ranges  # param -> (start, end) within this bucket
         self.params = list(param_ranges)
         self.grad_data, self.param_data = grad_data, param_data
         self.numel = grad_data.numel()
-        self.dp_group, self.sharded = dp_group, sharded
+        self.dp_group, self.sharded, self.grad_scale = dp_group, sharded, grad_scale
         self.dp_size = comm.group_size(dp_group)
         shards = self.dp_size if sharded else 1
         self.shard_size = self.numel // shards
@@ -83,6 +83,8 @@ class Bucket:
         if self.grad_started:
             return
         self.grad_started = True
+        if self.grad_scale != 1.0:
+            self.grad_data.mul_(self.grad_scale)
         if self.dp_size == 1:
             return
         op, prescale = _averaging(self.dp_group)
@@ -130,9 +132,12 @@ class GradBuffer:
         dp_group: data-parallel process group (None: one rank).
         sharded: lay out for the distributed optimizer (padded buckets, a parameter buffer).
         own_bucket: predicate for parameters that must sit alone in a bucket.
+        grad_scale: factor applied before averaging (expert gradients: 1 / EP size, so that
+            averaging over the expert-data-parallel group divides by the whole DP size).
     """
 
-    def __init__(self, params, *, grad_dtype, bucket_size, dp_group, sharded, own_bucket=lambda p: False):
+    def __init__(self, params, *, grad_dtype, bucket_size, dp_group, sharded, own_bucket=lambda p: False,
+                 grad_scale: float = 1.0):
         params = list(params)
         if not params:
             raise ValueError("GradBuffer: no parameters")
@@ -167,7 +172,7 @@ class GradBuffer:
         self.bucket_of: dict = {}
         for index, (start, end, ranges) in enumerate(layouts):
             param_data = self.param_data[start:end] if sharded else None
-            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded)
+            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale)
             self.buckets.append(bucket)
             for param, (lo, hi) in ranges.items():
                 self.bucket_of[param] = bucket

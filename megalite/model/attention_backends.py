@@ -1,0 +1,74 @@
+"""Core attention by --attention-backend: scaled_dot_product_attention restricted to the
+kernels a backend names, or megalite's explicit math path.
+
+    auto             SDPA picks (flash, cuDNN, memory-efficient or math)
+    flash            SDPA's flash kernel (on CPU too: torch has a CPU flash kernel)
+    fused            SDPA's cuDNN or memory-efficient kernel on CUDA (Megatron: TE's fused
+                     attention); on CPU, where neither exists, SDPA's CPU flash kernel
+    unfused, local   explicit softmax(q k^T * scale + mask) v in fp32, dropout on the
+                     probabilities (Megatron's unfused / local DotProductAttention)
+
+Tensors are [b, n, s, d] as SDPA takes them; `mask` is bool [b or 1, 1, s_q, s_k] with True
+where attention is allowed, None for causal.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_SDPA_KERNELS = {
+    ("flash", "cuda"): [SDPBackend.FLASH_ATTENTION],
+    ("fused", "cuda"): [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    ("flash", "cpu"): [SDPBackend.FLASH_ATTENTION],
+    ("fused", "cpu"): [SDPBackend.FLASH_ATTENTION],
+}
+EXPLICIT_BACKENDS = ("unfused", "local")
+
+
+def sdpa_kernels(backend: str, device_type: str) -> list | None:
+    """The SDPA kernels `backend` allows on `device_type`; None means SDPA's own choice."""
+    if backend == "auto":
+        return None
+    return _SDPA_KERNELS.get((backend, device_type))
+
+
+def how_served(backend: str, device_type: str) -> str | None:
+    """One start-up line saying how megalite serves --attention-backend, or None for auto."""
+    if backend == "auto":
+        return None
+    if backend in EXPLICIT_BACKENDS:
+        return (f"--attention-backend {backend}: megalite's explicit attention (q k^T, fp32 softmax, "
+                "dropout, @ v), not scaled_dot_product_attention")
+    kernels = _SDPA_KERNELS[(backend, device_type)]
+    names = " / ".join(k.name for k in kernels)
+    cpu = " (CPU has no cuDNN or memory-efficient kernel)" if (backend, device_type) == ("fused", "cpu") else ""
+    return f"--attention-backend {backend}: scaled_dot_product_attention restricted to {names}{cpu}"
+
+
+def explicit_attention(q, k, v, mask, *, dropout: float, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v with the softmax in fp32; grouped k/v heads are repeated. No
+    mask is causal aligned as SDPA's is_causal (query i sees keys 0..i)."""
+    if k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, dropout, training=True)
+    return torch.matmul(probs, v)
+
+
+def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float) -> torch.Tensor:
+    """Attention of q [b, nq, s, d] over k, v [b, ng, s_k, d] with the chosen backend."""
+    if backend in EXPLICIT_BACKENDS:
+        return explicit_attention(q, k, v, mask, dropout=dropout, scale=scale)
+    call = dict(attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1])
+    kernels = sdpa_kernels(backend, q.device.type)
+    if kernels is None:
+        return F.scaled_dot_product_attention(q, k, v, **call)
+    with sdpa_kernel(kernels):
+        return F.scaled_dot_product_attention(q, k, v, **call)

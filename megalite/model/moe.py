@@ -1,0 +1,198 @@
+"""Mixture-of-experts MLP (Megatron's MoELayer): a router picks each token's top-k experts, a
+token dispatcher moves the tokens to the EP ranks holding those experts, the experts (SwiGLU or
+GeLU MLPs without biases, tensor-parallel over TP) run as one grouped matmul, and the weighted
+outputs come back; an optional shared expert sees every token.
+
+Expert e is `local_experts.e` (its global number) on whichever EP rank holds it, so
+checkpoints reshard across EP sizes by name. Under sequence parallelism the layer gathers the
+sequence, routes every token on every TP rank alike, and returns its own slice.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import kernels
+from megalite.model.mlp import MLP
+from megalite.model.moe_router import TopKRouter
+from megalite.parallel import comm
+from megalite.parallel.expert.dispatch import build_dispatcher
+from megalite.parallel.expert.grouped_gemm import grouped_mm
+from megalite.parallel.expert.groups import ExpertState
+from megalite.parallel.sharding import mark_sequence_parallel, mark_sharded, shard_of_full
+from megalite.parallel.tensor.layers import output_init_std
+
+
+class ExpertWeight(nn.Module):
+    """One expert linear's weight [out(/tp), in], a TP shard of the full weight like
+    ColumnParallelLinear (partition_dim 0) or RowParallelLinear (partition_dim 1)."""
+
+    def __init__(self, out_size, in_size, partition_dim, stride, init_std, tp_group, dtype, device):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        self.full_shape, self.init_std, self.tp_group = (out_size, in_size), init_std, tp_group
+        shape = [out_size, in_size]
+        shape[partition_dim] //= tp
+        self.weight = mark_sharded(nn.Parameter(torch.empty(shape, dtype=dtype, device=device)), partition_dim, stride)
+        self.weight.expert_parallel = True
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        w = self.weight
+        full = torch.empty(self.full_shape, device=w.device).normal_(0.0, self.init_std, generator=generator)
+        with torch.no_grad():
+            w.copy_(shard_of_full(full, w.partition_dim, w.partition_stride,
+                                  comm.group_rank(self.tp_group), comm.group_size(self.tp_group)))
+
+
+class Expert(nn.Module):
+    """One routed expert: linear_fc1 (SwiGLU's [gate; up]) and linear_fc2, no biases."""
+
+    def __init__(self, config, ffn, tp_group, device):
+        super().__init__()
+        dtype = getattr(torch, config.params_dtype)
+        swiglu = config.activation == "swiglu"
+        self.linear_fc1 = ExpertWeight(ffn * (2 if swiglu else 1), config.hidden_size, 0, 2 if swiglu else 1,
+                                       config.init_method_std, tp_group, dtype, device)
+        self.linear_fc2 = ExpertWeight(config.hidden_size, ffn, 1, 1,
+                                       output_init_std(config.init_method_std, config.num_layers),
+                                       tp_group, dtype, device)
+
+
+class SharedExpert(MLP):
+    """The dense MLP every token passes through, optionally scaled by sigmoid(x . gate_weight)."""
+
+    def __init__(self, config, tp_group, device):
+        moe = config.moe
+        super().__init__(config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size), tp_group, device)
+        self.gate_weight = None
+        if moe.shared_expert_gate:
+            dtype = getattr(torch, config.params_dtype)
+            self.gate_weight = mark_sequence_parallel(
+                nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype, device=device)), config.sequence_parallel)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        if self.gate_weight is not None:
+            with torch.no_grad():
+                self.gate_weight.copy_(torch.empty(self.gate_weight.shape, device=self.gate_weight.device)
+                                       .normal_(0.0, self.config.init_method_std, generator=generator))
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+class MoELayer(nn.Module):
+    """The MoE MLP of one transformer layer; input and output [s(/tp), b, h]."""
+
+    def __init__(self, config, tp_group=None, expert_state: ExpertState | None = None, device=None):
+        super().__init__()
+        moe = config.moe
+        self.config, self.moe, self.tp_group = config, moe, tp_group
+        expert_state = expert_state or ExpertState.single()
+        if config.add_bias_linear:
+            raise ValueError("--num-experts needs --disable-bias-linear: megalite's experts have no biases")
+        self.router = TopKRouter(config.hidden_size, moe, config.init_method_std,
+                                 getattr(torch, config.params_dtype), device)
+        self.dispatcher = build_dispatcher(moe.token_dispatcher_type, moe.num_experts, expert_state.ep_group)
+        start, count = self.dispatcher.local_start, self.dispatcher.num_local
+        self.local_expert_ids = list(range(start, start + count))
+        self.local_experts = nn.ModuleDict({str(e): Expert(config, moe.ffn_hidden_size, tp_group, device)
+                                            for e in self.local_expert_ids})
+        self.shared_experts = (SharedExpert(config, tp_group, device)
+                               if moe.shared_expert_intermediate_size else None)
+        self.last_tokens_per_expert = None
+        """Rows each local expert received in the last forward (padding included)."""
+
+    def _stacked(self, which: str) -> torch.Tensor:
+        """[local experts, in, out(/tp)] weights of linear_fc1 or linear_fc2."""
+        return torch.stack([getattr(self.local_experts[str(e)], which).weight
+                            for e in self.local_expert_ids]).transpose(1, 2)
+
+    def run_experts(self, rows, counts):
+        rows = comm.copy_to_tensor_parallel_region(rows, self.tp_group)
+        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, self.moe.grouped_gemm)
+        if self.config.activation == "swiglu":
+            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
+        out = grouped_mm(hidden, self._stacked("linear_fc2"), counts, self.moe.grouped_gemm)
+        return comm.reduce_from_tensor_parallel_region(out, self.tp_group)
+
+    def forward(self, x):
+        sequence_parallel = self.config.sequence_parallel
+        full = comm.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
+            if sequence_parallel else x
+        s, b, h = full.shape
+        tokens = full.reshape(s * b, h)
+        probs, routing_map = self.router(tokens, s, b)
+        rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
+        self.last_tokens_per_expert = counts
+        out = self.dispatcher.combine(self.run_experts(rows, counts)).view(s, b, h)
+        if sequence_parallel:
+            out = comm.scatter_to_sequence_parallel_region(out, self.tp_group)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def moe_layers(chunks) -> list[MoELayer]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def set_loss_backward_scale(chunks, scale: float) -> None:
+    """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches)."""
+    for layer in moe_layers(chunks):
+        layer.router.loss_backward_scale = scale
+
+
+@torch.no_grad()
+def update_expert_bias(chunks, dp_group) -> None:
+    """After each optimizer step: move each expert's bias by rate toward balance (up for experts
+    below the mean token count over the data-parallel group, down above it)."""
+    for layer in moe_layers(chunks):
+        router = layer.router
+        if router.expert_bias is None:
+            continue
+        counts = comm.all_reduce(router.tokens_per_expert, dp_group)
+        router.expert_bias += torch.sign(counts.mean() - counts) * layer.moe.bias_update_rate
+        counts.zero_()
+
+
+def pop_logged_losses(chunks) -> dict[str, dict[int, float]]:
+    """{loss name: {layer number: mean since the last call}} of this rank's MoE layers."""
+    out = {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, MoELayer):
+                layer_number = int(name.split(".")[-2])
+                for loss, (total, calls) in module.router.logged.items():
+                    out.setdefault(loss, {})[layer_number] = total / calls
+                module.router.logged = {}
+    return out
+
+
+LOGGED_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
+def reduce_logged_losses(chunks, num_layers: int, group) -> dict[str, float]:
+    """The auxiliary losses (unscaled by their coefficients) since the last call, averaged over
+    the ranks holding each layer: {name: mean over MoE layers, 'name/layer_N': layer N's}.
+    A collective over `group` (the world: layers live on different pipeline stages)."""
+    logged = pop_logged_losses(chunks)
+    sums = torch.zeros(len(LOGGED_LOSSES), num_layers, dtype=torch.float64)
+    counts = torch.zeros_like(sums)
+    for i, name in enumerate(LOGGED_LOSSES):
+        for layer_number, value in logged.get(name, {}).items():
+            sums[i, layer_number], counts[i, layer_number] = value, 1
+    device = next(p for c in chunks for p in c.parameters()).device
+    both = comm.all_reduce(torch.stack([sums, counts]).to(device), group).cpu()
+    out = {}
+    for i, name in enumerate(LOGGED_LOSSES):
+        seen = both[1, i] > 0
+        if seen.any():
+            per_layer = both[0, i][seen] / both[1, i][seen]
+            out[name] = float(per_layer.mean())
+            out.update({f"{name}/layer_{n}": float(v) for n, v in zip(seen.nonzero().flatten().tolist(), per_layer)})
+    return out

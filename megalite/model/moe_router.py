@@ -1,0 +1,178 @@
+"""The MoE router: top-k expert choice per token, with Megatron's score functions,
+group-limited routing, capacity dropping, load-balancing losses and expert bias.
+
+Tokens are rows [T, h], in [seq, batch] order (row = s * batch + b).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class AttachLoss(torch.autograd.Function):
+    """Identity on `x` whose backward also sends d(loss) = `scale` into `loss`'s graph, so an
+    auxiliary loss trains the router without being added to the returned loss (Megatron's
+    MoEAuxLossAutoScaler). `scale` is the main loss's backward scale (loss scale / micro-batches)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def group_limited_topk(scores, topk: int, num_groups: int, group_topk: int):
+    """Top-k over the experts of the `group_topk` groups whose best topk/group_topk scores sum
+    highest (experts split into `num_groups` equal consecutive groups)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(-1)
+    chosen = group_scores.topk(group_topk, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def topk_routing(logits, moe, expert_bias=None):
+    """(probs [T, E], routing_map bool [T, E]): each token's top-k experts and their weights."""
+    k = moe.router_topk
+
+    def select(scores):
+        if moe.group_topk:
+            return group_limited_topk(scores, k, moe.num_groups, moe.group_topk)
+        return scores.topk(k, dim=-1)
+
+    if moe.score_function == "softmax":
+        if moe.pre_softmax:
+            probs, indices = select(torch.softmax(logits, dim=-1, dtype=torch.float32))
+        else:
+            top, indices = select(logits)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32)
+    else:  # sigmoid
+        scores = torch.sigmoid(logits.float())
+        if expert_bias is not None:
+            _, indices = select(scores + expert_bias.float())
+            top = scores.gather(1, indices)
+        else:
+            top, indices = select(scores)
+        probs = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
+    if moe.topk_scaling_factor:
+        probs = probs * moe.topk_scaling_factor
+    probs = probs.type_as(logits)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return torch.zeros_like(logits).scatter(1, indices, probs), routing_map
+
+
+def expert_capacity(num_tokens: int, moe) -> int:
+    return math.ceil(num_tokens * moe.router_topk / moe.num_experts * moe.capacity_factor)
+
+
+def drop_over_capacity(probs, routing_map, moe):
+    """Keep at most capacity tokens per expert: the highest-probability ones ('probs') or the
+    first routed ones ('position'). With pad_to_capacity every expert gets exactly capacity
+    rows: the kept tokens plus unrouted ones with weight 0."""
+    capacity = expert_capacity(probs.shape[0], moe)
+    if capacity >= probs.shape[0]:
+        keep = torch.ones_like(routing_map)
+    else:
+        key = probs if moe.token_drop_policy == "probs" else routing_map.to(torch.int32)
+        # Equal keys: topk keeps the lower token index first, stable=True makes that a promise.
+        order = torch.sort(key, dim=0, descending=True, stable=True).indices[:capacity]
+        keep = torch.zeros_like(routing_map).scatter(0, order, True)
+    final_map = keep if moe.pad_to_capacity else routing_map & keep
+    return probs * final_map, final_map
+
+
+def aux_loss_scores(logits, moe):
+    """Scores over all experts and their plain top-k map, as the balancing losses use them."""
+    if moe.score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    indices = scores.topk(moe.router_topk, dim=-1).indices
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+
+
+def switch_aux_loss(scores, routing_map, topk: int, coeff: float):
+    """E * sum_i f_i * P_i * coeff with f_i the fraction of routed (token, expert) pairs and P_i
+    the mean score of expert i (Switch Transformer), over the rows given."""
+    tokens, experts = scores.shape
+    return (scores.sum(0) * routing_map.sum(0)).sum() * (experts * coeff / (topk * tokens * tokens))
+
+
+def seq_aux_loss(scores, routing_map, topk: int, coeff: float, seq_length: int, batch: int):
+    """The Switch loss of each sequence alone, averaged over the batch."""
+    experts = scores.shape[1]
+    per_seq_scores = scores.view(seq_length, batch, experts)
+    per_seq_map = routing_map.view(seq_length, batch, experts)
+    load = (per_seq_scores.sum(0) * per_seq_map.sum(0)).sum()
+    return load * (experts * coeff / (topk * seq_length * seq_length)) / batch
+
+
+def z_loss(logits, coeff: float):
+    return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
+
+
+class TopKRouter(nn.Module):
+    """Router weights [E, h] (replicated over TP) and, with expert bias, the bias and the token
+    counts it is updated from (buffers: saved in checkpoints, never trained by the optimizer)."""
+
+    def __init__(self, hidden_size: int, moe, init_std: float, dtype=torch.float32, device=None):
+        super().__init__()
+        self.moe, self.init_std = moe, init_std
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype, device=device))
+        if moe.enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.float32,
+                                                                  device=device), persistent=False)
+        else:
+            self.expert_bias = None
+        self.loss_backward_scale = 1.0
+        self.logged = {}
+        """Per loss name, [sum over forward calls, calls] of the unscaled losses (for logging)."""
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        with torch.no_grad():
+            full = torch.empty(self.weight.shape, device=self.weight.device).normal_(0.0, self.init_std, generator=generator)
+            self.weight.copy_(full)
+
+    def _log(self, name, value):
+        total = self.logged.setdefault(name, [0.0, 0])
+        total[0] += float(value.detach())
+        total[1] += 1
+
+    def forward(self, tokens, seq_length: int, batch: int):
+        moe = self.moe
+        dtype = ROUTER_DTYPES[moe.router_dtype] or tokens.dtype
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        training = self.training and torch.is_grad_enabled()
+        if training and moe.z_loss_coeff:
+            loss = z_loss(logits, moe.z_loss_coeff)
+            self._log("z_loss", loss / moe.z_loss_coeff)
+            logits = AttachLoss.apply(logits, loss, self.loss_backward_scale)
+        probs, routing_map = topk_routing(logits, moe, self.expert_bias)
+        if moe.capacity_factor is not None:
+            probs, routing_map = drop_over_capacity(probs, routing_map, moe)
+        if training and moe.load_balancing_type != "none" and moe.aux_loss_coeff:
+            scores, top_map = aux_loss_scores(logits, moe)
+            if moe.load_balancing_type == "aux_loss":
+                name, loss = "load_balancing_loss", switch_aux_loss(scores, top_map, moe.router_topk,
+                                                                    moe.aux_loss_coeff)
+            else:
+                name, loss = "seq_load_balancing_loss", seq_aux_loss(
+                    scores, top_map, moe.router_topk, moe.aux_loss_coeff, seq_length, batch)
+            self._log(name, loss / moe.aux_loss_coeff)
+            probs = AttachLoss.apply(probs, loss, self.loss_backward_scale)
+        if training and self.expert_bias is not None:
+            self.tokens_per_expert += routing_map.sum(0)
+        return probs, routing_map

@@ -1,0 +1,108 @@
+"""The global batch size of each iteration: constant, Megatron's --rampup-batch-size, or its
+--step-batch-size-schedule. Both depend on the samples consumed so far, as in Megatron's
+num-microbatches calculators:
+
+    rampup (start, increment, ramp samples) to B:
+        B_now = B                                  once consumed > ramp samples
+        B_now = start + increment * floor(consumed / (ramp samples / ((B - start) / increment)))
+    step schedule "T0:B0 T1:B1 ..." (thresholds in tokens, T0 = 0):
+        B_now = B_k for the largest T_k / seq_length <= consumed
+
+    schedule = batch_schedule_from_args(args)
+    for each iteration: b = schedule.at(consumed_samples); micro-batches = b / (mbs x DP)
+"""
+
+
+def parse_threshold(text: str, fail) -> int:
+    """'250B' -> 250_000_000_000; suffixes K M B T as Megatron reads them."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+    text = text.strip().upper()
+    factor = scale.get(text[-1:], 1)
+    number = text[:-1] if factor > 1 else text
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        fail(f"--step-batch-size-schedule: {text!r} is not a number (suffixes K, M, B, T)")
+
+
+class BatchSchedule:
+    def __init__(self, final: int, *, rampup: tuple[int, int, int] | None = None,
+                 steps: list[tuple[int, int]] | None = None):
+        """`final`: the global batch size after any ramp-up; `steps`: (threshold in samples,
+        batch size) sorted, the first at 0."""
+        self.final, self.rampup, self.steps = final, rampup, steps
+        if rampup is not None:
+            start, increment, samples = rampup
+            increments = (final - start) // increment
+            self.samples_per_increment = samples / increments if increments else float("inf")
+
+    @property
+    def varies(self) -> bool:
+        return self.rampup is not None or self.steps is not None
+
+    def at(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples`."""
+        if self.steps is not None:
+            size = self.steps[0][1]
+            for threshold, batch in self.steps:
+                if consumed_samples >= threshold:
+                    size = batch
+            return size
+        if self.rampup is None or consumed_samples > self.rampup[2]:
+            return self.final
+        start, increment, _ = self.rampup
+        return min(self.final, start + increment * int(consumed_samples / self.samples_per_increment))
+
+    def train_iters(self, train_samples: int) -> int:
+        """Iterations of a --train-samples run, counted as Megatron's update_train_iters counts
+        them: the ramp-up's iterations, then whole batches of the final size; a step schedule's
+        iterations until the samples are reached."""
+        iterations = consumed = 0
+        if self.steps is not None:
+            while consumed < train_samples:
+                consumed += self.at(consumed)
+                iterations += 1
+            return iterations
+        if self.rampup is not None:
+            while consumed <= self.rampup[2] and consumed <= train_samples:
+                consumed += self.at(consumed)
+                iterations += 1
+        return iterations + (train_samples - consumed) // self.final
+
+    def sizes(self, train_samples: int) -> list[int]:
+        """Every batch size a run of `train_samples` uses."""
+        seen, consumed = [], 0
+        for _ in range(self.train_iters(train_samples)):
+            size = self.at(consumed)
+            if size not in seen:
+                seen.append(size)
+            consumed += size
+        return seen or [self.final]
+
+
+def parse_step_schedule(text: str, seq_length: int, parse_threshold) -> list[tuple[int, int]]:
+    """'0:768 250B:1536' -> [(0, 768), (250e9 // seq_length, 1536)] (thresholds to samples)."""
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, batch = entry.split(":", 1)
+        steps.append((parse_threshold(threshold) // seq_length, parse_threshold(batch)))
+    return sorted(steps)
+
+
+def batch_schedule_from_args(args, fail=None) -> BatchSchedule:
+    def default_fail(message):
+        raise ValueError(message)
+
+    fail = fail or default_fail
+    if args.step_batch_size_schedule is not None:
+        steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length,
+                                    lambda t: parse_threshold(t, fail))
+        if steps[0][0] != 0:
+            fail(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: the first threshold must be 0")
+        if len({t for t, _ in steps}) != len(steps) or any(b <= 0 for _, b in steps):
+            fail(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: thresholds must differ "
+                 "and batch sizes be positive")
+        return BatchSchedule(steps[-1][1], steps=steps)
+    if args.rampup_batch_size is not None:
+        return BatchSchedule(args.global_batch_size, rampup=tuple(int(v) for v in args.rampup_batch_size))
+    return BatchSchedule(args.global_batch_size)

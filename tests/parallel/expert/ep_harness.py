@@ -1,0 +1,157 @@
+"""Train a tiny MoE GPT for a few steps at any TP / PP / DP / EP layout and return what the
+expert-parallel tests compare with the single-process EP = 1 run: per-step losses, the first
+step's full gradients, the final full parameters (and expert biases) and eval logits."""
+
+import contextlib
+
+import torch
+
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import masked_mean_loss
+from megalite.model.moe import set_loss_backward_scale, update_expert_bias
+from megalite.model.moe_config import MoEConfig
+from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
+from megalite.optimizer.mixed_precision import build_optimizer
+from megalite.parallel import comm
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.expert.groups import ExpertState
+from megalite.parallel.pipeline.executor import PipelineExecutor
+from megalite.parallel.sharding import gather_tp_full
+from megalite.parallel.state import ParallelLayout, ParallelState
+
+VOCAB, SEQ, MICRO, GLOBAL, HIDDEN, STEPS = 64, 8, 2, 8, 16, 2
+OPTIM = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, clip_grad=1.0)
+
+# Two routers: softmax with the auxiliary and z-losses and a gated shared expert; sigmoid with
+# expert bias, the sequence auxiliary loss and group-limited routing.
+ROUTERS = {
+    "softmax": dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_expert_intermediate_size=12,
+                    shared_expert_gate=True),
+    "sigmoid": dict(score_function="sigmoid", enable_expert_bias=True, bias_update_rate=1e-2,
+                    load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-2, num_groups=4, group_topk=2),
+}
+
+
+def moe_model_config(dispatcher: str, router: str, sequence_parallel=False, **moe) -> GPTConfig:
+    moe = MoEConfig(num_experts=8, ffn_hidden_size=24, router_topk=2, token_dispatcher_type=dispatcher,
+                    **{**ROUTERS[router], **moe})
+    return GPTConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=VOCAB,
+                     max_position_embeddings=SEQ, ffn_hidden_size=32, activation="swiglu",
+                     normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                     untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
+                     sequence_parallel=sequence_parallel, moe=moe)
+
+
+def rank_batches(step: int, dp_rank: int, dp_size: int) -> list[dict]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
+    mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.2).float()
+    per_rank = GLOBAL // dp_size
+    lo = dp_rank * per_rank
+    return [dict(tokens=tokens[i:i + MICRO], labels=labels[i:i + MICRO], loss_mask=mask[i:i + MICRO])
+            for i in range(lo, lo + per_rank, MICRO)]
+
+
+def eval_tokens():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+
+
+def full_state(chunks, tp_group, grads=False) -> dict:
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.module.named_parameters():
+            value = param.main_grad if grads else param.detach()
+            out[name] = gather_tp_full(param, value.float(), tp_group).clone()
+        if not grads:
+            out.update({n: b.clone() for n, b in chunk.module.named_buffers() if n.endswith("expert_bias")})
+    return out
+
+
+def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS) -> dict:
+    chunks = [DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt)
+              for c in build_model_chunks(config, pstate, init_seed=7)]
+    optimizer = build_optimizer(chunks, pstate, use_distributed_optimizer=dist_opt, **OPTIM)
+    batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size)  # noqa: E731
+    m = len(batches_of(0))
+    executor = None
+    if pstate.pp_size > 1:
+        executor = PipelineExecutor(chunks, pstate, "1f1b", num_microbatches=m, seq_length=SEQ,
+                                    micro_batch_size=MICRO, hidden_size=HIDDEN,
+                                    sequence_parallel=config.sequence_parallel, forward_step=gpt_forward_step)
+    result = {"losses": []}
+    for step in range(steps):
+        optimizer.zero_grad()
+        set_loss_backward_scale(chunks, 1.0 / m)
+        if executor is not None:
+            loss = executor.run(batches_of(step))
+        else:
+            loss = 0.0
+            for i, batch in enumerate(batches_of(step)):
+                with contextlib.nullcontext() if i == m - 1 else chunks[0].no_sync():
+                    micro_loss = gpt_forward_step(chunks[0], batch, None) / m
+                    micro_loss.backward()
+                loss += float(micro_loss.detach())
+        finalize_model_grads(chunks, pstate)
+        result["losses"].append(None if loss is None else float(loss))
+        if step == 0 and not dist_opt:
+            result["grads"] = full_state(chunks, pstate.tp_group, grads=True)
+        optimizer.step()
+        update_expert_bias([c.module for c in chunks], pstate.dp_group)
+    result["params"] = full_state(chunks, pstate.tp_group)
+    if pstate.pp_size == 1:
+        model = chunks[0].module.eval()
+        with torch.no_grad():
+            logits = model(eval_tokens())
+        result["logits"] = comm.gather_dim(logits, 2, pstate.tp_group)[..., :VOCAB].clone()
+    return result
+
+
+def expert_state(tp=1, pp=1, ep=1, world=None) -> ParallelState:
+    """A ParallelState (collective) with its ExpertState attached."""
+    world = world or torch.distributed.get_world_size()
+    pstate = ParallelState.create(ParallelLayout(world, tensor=tp, pipeline=pp))
+    pstate.expert = ExpertState.create(pstate, ep, num_experts=8)
+    return pstate
+
+
+def reference(config: GPTConfig) -> dict:
+    pstate = ParallelState.single()
+    pstate.expert = ExpertState.single()
+    return train(pstate, config)
+
+
+def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
+    """One MoE layer at this EP size against the EP = 1 layer on the same tokens, a different
+    number of tokens on each rank (3 + rank sequences positions): relative errors of the output,
+    the input gradient, the router gradient and each local expert's gradient (the EP = 1
+    gradients summed over the EP group, as every rank's tokens reach the expert)."""
+    from megalite.model.moe import MoELayer
+    from tests.model.moe_reference import tiny_config
+    from tests.numerics import rel_error
+
+    config = tiny_config(token_dispatcher_type=dispatcher, **moe)
+    reference, layer = MoELayer(config), MoELayer(config, expert_state=pstate.expert)
+    for model in (reference, layer):
+        for name, module in model.named_modules():
+            if hasattr(module, "reset_parameters") and module is not model:
+                module.reset_parameters(torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name))))
+    g = torch.Generator().manual_seed(pstate.rank)
+    x = torch.randn(3 + pstate.rank, 2, HIDDEN, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    outs, grads = [], []
+    for model in (reference, layer):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.backward(grad)
+        outs.append(out.detach())
+        grads.append(xi.grad)
+    errors = {"output": rel_error(outs[1], outs[0]), "input grad": rel_error(grads[1], grads[0])}
+    wanted = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    for name, grad in wanted.items():  # every expert, in the same order on every rank
+        if name.startswith("local_experts."):
+            comm.all_reduce(grad, pstate.expert.ep_group)
+    for name, param in layer.named_parameters():
+        errors[name] = rel_error(param.grad, wanted[name])
+    errors["counts"] = layer.last_tokens_per_expert
+    return errors

@@ -1,0 +1,50 @@
+"""Mixture of experts through the training driver (four rank processes on gloo): an 8-iteration
+run at DP = 4 with EP = 2 (alltoall, distributed optimizer, MoE on every other layer, the
+auxiliary and z-losses logged per layer) saves at iteration 4; resuming that checkpoint at
+EP = 4 with the allgather dispatcher, and at TP = 2 with EP = 2, gives the same losses as the
+uninterrupted run (1e-5 relative: only the order of floating-point sums differs)."""
+
+import shutil
+
+import pytest
+
+from megalite.training.metrics import read_metrics
+from tests.training.launch import BASE, run, train_losses
+
+ITERS = 8
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "48",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--use-distributed-optimizer",
+       "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(ITERS),
+       "--eval-iters", "0", "--eval-interval", "1000"]
+
+
+def _copy_iteration(src, dst, iteration):
+    (dst / "ckpt").mkdir(parents=True)
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(src / "ckpt" / name, dst / "ckpt" / name)
+    (dst / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+@pytest.mark.slow
+def test_moe_driver_resume_at_another_ep_size(tmp_path):
+    original = tmp_path / "original"
+    run(BASE + MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                      "--save", str(original / "ckpt"), "--save-interval", "4",
+                      "--metrics-file", str(original / "metrics.jsonl")], 4, original / "logs")
+    a = train_losses(original / "metrics.jsonl")
+    assert sorted(a) == list(range(1, ITERS + 1))
+    records = list(read_metrics(original / "metrics.jsonl")[0].values())
+    assert all(0.5 < r["load_balancing_loss"] < 4 and r["z_loss"] > 0 for r in records)
+    assert {"load_balancing_loss/layer_0", "load_balancing_loss/layer_2"} <= set(records[0])
+    assert "load_balancing_loss/layer_1" not in records[0]
+    for name, extra in (("ep4", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "allgather"]),
+                        ("tp2-ep2", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel"])):
+        resumed = tmp_path / name
+        _copy_iteration(original, resumed, 4)
+        run(BASE + MOE + extra + ["--load", str(resumed / "ckpt"), "--metrics-file",
+                                  str(resumed / "metrics.jsonl")], 4, resumed / "logs")
+        b = train_losses(resumed / "metrics.jsonl")
+        assert sorted(b) == list(range(5, ITERS + 1))
+        for it in b:
+            assert abs(b[it] - a[it]) <= 1e-5 * abs(a[it]), f"{name} iteration {it}: {b[it]} vs {a[it]}"
