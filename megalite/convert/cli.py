@@ -5,6 +5,7 @@
     python tools/checkpoint/convert.py --loader megalite --saver hf --load-dir CKPT --save-dir HF_OUT
     python tools/checkpoint/convert.py --loader megalite --saver megalite --load-dir CKPT --save-dir OUT \\
         --target-tensor-parallel-size 4
+    python tools/checkpoint/convert.py --loader megatron --saver {megalite,hf} --load-dir MEGATRON_SAVE --save-dir OUT
 
 Exit status 0 on success; 2 with one line on stderr naming the file, tensor, flag or config
 field for bad input (nothing is then left under --save-dir).
@@ -17,6 +18,7 @@ import sys
 from megalite.convert.converters import hf_to_megalite, megalite_to_hf, megalite_to_megalite
 from megalite.convert.hints import hint_text
 from megalite.convert.megalite_reader import read_common
+from megalite.convert.megatron_converters import megatron_to_hf, megatron_to_megalite
 from megalite.convert.publish import ConversionError
 from megalite.convert.safetensors_io import parse_size
 from megalite.convert.target_layout import TargetLayout
@@ -31,7 +33,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tools/checkpoint/convert.py", description="Convert GPT checkpoints between Hugging Face "
                 "transformers and megalite, and between megalite parallel layouts, on CPU.")
-    p.add_argument("--loader", required=True, choices=("hf", "megalite"), help="format of --load-dir")
+    p.add_argument("--loader", required=True, choices=("hf", "megalite", "megatron"),
+                   help="format of --load-dir (megatron: a Megatron-LM --save directory, torch or torch_dist)")
     p.add_argument("--saver", required=True, choices=("hf", "megalite"), help="format to write to --save-dir")
     p.add_argument("--load-dir", required=True, help="Hugging Face model directory or megalite --save directory")
     p.add_argument("--save-dir", required=True, help="output directory (must not exist, or be empty)")
@@ -59,16 +62,22 @@ def convert(args) -> list[str]:
     """Run the conversion `args` asks for; the lines to print."""
     if args.loader == "hf" and args.saver == "hf":
         raise ConversionError("--loader hf --saver hf: nothing to convert (one side must be megalite)")
+    if args.loader == "megatron" and args.iteration is not None:
+        raise ConversionError("--iteration: the megatron loader reads the iteration latest_checkpointed_iteration.txt names")
     if args.saver == "hf":
         if any(v is not None for v in (args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                                        args.target_num_virtual_stages)):
             raise ConversionError("--target-* sizes apply to --saver megalite only")
-        summary = megalite_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size), args.iteration)
+        if args.loader == "megatron":
+            summary = megatron_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size))
+        else:
+            summary = megalite_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size), args.iteration)
         lines = [f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) to {summary.output}"]
         return lines + [f"  {n}" for n in summary.notes]
-    if args.loader == "hf":
+    if args.loader in ("hf", "megatron"):
         layout = _target(args, None)
-        summary = hf_to_megalite(args.load_dir, args.save_dir, layout)
+        convert_to = hf_to_megalite if args.loader == "hf" else megatron_to_megalite
+        summary = convert_to(args.load_dir, args.save_dir, layout)
     else:
         try:
             common, _ = read_common(args.load_dir, args.iteration)

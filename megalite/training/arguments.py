@@ -27,6 +27,7 @@ from megalite.training.arguments_megatron_logging import MegatronLoggingArgs
 from megalite.training.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
 from megalite.training.arguments_megatron_training import MegatronTrainingArgs
 from megalite.training.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
+from megalite.training.arguments_megatron_checkpoint import MegatronCheckpointArgs
 from megalite.training.arguments_moe import MoEArgs, moe_config_from_args
 from megalite.training.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
@@ -39,8 +40,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, RecomputeArgs, PrecisionArgs,
-                TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronTrainingArgs, MegatronDataArgs,
-                MegatronLoggingArgs, DryRunArgs, DerivedArgs):
+                TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
+                MegatronDataArgs, MegatronLoggingArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -68,7 +69,9 @@ _GROUPS = (
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
     ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
-    ("Megatron logging", MegatronLoggingArgs), ("shard initialisation and dry runs", DryRunArgs),
+    ("Megatron logging", MegatronLoggingArgs),
+    ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
+    ("shard initialisation and dry runs", DryRunArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
 _METAVARS = {int: "N", float: "X", str: "STR"}

@@ -122,9 +122,10 @@ class CheckpointArgs:
     load: str | None = arg(None, "Directory to load a checkpoint from.")
     save_interval: int | None = arg(None, "Save every this many iterations.")
     ckpt_format: str = arg(
-        "dcp", "Checkpoint format: torch.distributed.checkpoint (torch_dist is accepted as the "
-        "same).", choices=("dcp", "torch_dist", "torch", "zarr", "fsdp_dtensor"),
-        unsupported=("torch", "zarr", "fsdp_dtensor"))
+        "dcp", "Checkpoint format: torch_dist (= dcp) is megalite's torch.distributed.checkpoint "
+        "format, which --save writes; torch is Megatron's legacy iter_*/mp_rank_* files, which "
+        "--load reads.", choices=("dcp", "torch_dist", "torch", "zarr", "fsdp_dtensor"),
+        unsupported=("zarr", "fsdp_dtensor"))
     async_save: bool = arg(False, "Write checkpoints in the background.")
     no_save_optim: bool = arg(False, "Do not save the optimizer state.")
     no_save_rng: bool = arg(False, "Do not save the random-number generator states.")

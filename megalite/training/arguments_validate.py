@@ -15,6 +15,7 @@ from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_context import check_context_args
 from megalite.training.arguments_dry_run import check_dry_run_args
 from megalite.training.arguments_field import flag_of
+from megalite.training.arguments_megatron_checkpoint import check_megatron_checkpoint_args
 from megalite.training.arguments_megatron_data import apply_megatron_data_args
 from megalite.training.arguments_megatron_logging import check_megatron_logging_args
 from megalite.training.arguments_megatron_model import check_megatron_model_args
@@ -342,6 +343,7 @@ def validate_args(args, world_size: int):
     check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)
     check_dry_run_args(args, _fail)
+    check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size"))
     _check_ranges(args)

@@ -166,14 +166,18 @@ def _finish_interrupted_overwrites(root: Path) -> None:
 
 
 def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
-                    async_save: bool = False, group=None) -> PendingSave:
+                    async_save: bool = False, group=None, fully_parallel: bool = True,
+                    cache_plan: bool = False) -> PendingSave:
     """Write a checkpoint of `chunks` (and `optimizer`) at `iteration`; every rank calls this.
 
     Returns a PendingSave; synchronous saves are already published, asynchronous ones are
     published by `finalize()`. `common` holds JSON-able run state (iteration, consumed samples,
     scheduler and optimizer scalars, args) and is written by rank 0. `group` carries DCP's
     collectives: asynchronous saves need one of their own (a gloo group), since they run in a
-    background thread while training uses the default group."""
+    background thread while training uses the default group. `fully_parallel`
+    (--ckpt-fully-parallel-save) spreads the writing of replicated tensors over the ranks holding
+    them; without it the lowest such rank writes each. `cache_plan`
+    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan."""
     root = Path(root)
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
     if _rank() == 0:
@@ -192,13 +196,14 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     common = {**common, "iteration": iteration, "optimizer": optimizer_state,
               "layout": layout_record(pstate)}
     writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=not fully_parallel, enable_plan_caching=cache_plan)
     no_dist = not _distributed()
     with single_process_dcp():
         if async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
             return PendingSave(root, iteration, tmp, common, rng_file, future)
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
     pending = PendingSave(root, iteration, tmp, common, rng_file)
     pending.finalize()
     return pending

@@ -18,6 +18,7 @@ from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, up
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.checkpointing import save_checkpoint
+from megalite.training.megatron_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
 from megalite.training.rerun import RerunState
@@ -121,21 +122,31 @@ class Trainer:
         self.logger.close()
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def save(self):
+    def save(self, non_persistent: bool = False):
+        """A checkpoint under --save, or (`non_persistent`) under non_persistent_dir, which keeps
+        only its latest."""
         run, args = self.run, self.args
-        if not args.save:
+        root = non_persistent_dir(args) if non_persistent else args.save
+        if not root:
             return
         self.finish_pending_save()
         run.optimizer.finish_param_sync()
+        async_save = args.async_save and not non_persistent
         with self.timers("save-checkpoint"):
             self.pending_save = save_checkpoint(
-                args.save, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
+                root, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
                 pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker,
-                common=common_state(run), async_save=args.async_save, group=self.save_group)
-        if not args.async_save:
+                common=common_state(run), async_save=async_save, group=self.save_group,
+                fully_parallel=args.ckpt_fully_parallel_save, cache_plan=args.ckpt_assume_constant_structure)
+        if not async_save:
             self.pending_save = None
-            self.say(f"saved checkpoint at iteration {run.iteration} to {args.save}")
+            self.say(f"saved checkpoint at iteration {run.iteration} to {root}")
+            self._prune(root, None if non_persistent else args.save_retain_interval, non_persistent)
         self.hooks.after_save(run.iteration, run.consumed_train_samples)
+
+    def _prune(self, root, retain_interval, always: bool = False):
+        if (always or retain_interval) and self.run.pstate.rank == 0:
+            prune_checkpoints(root, retain_interval)
 
     def finish_pending_save(self, only_if_done: bool = False):
         if self.pending_save is None or (only_if_done and not self.pending_save.done()):
@@ -143,6 +154,7 @@ class Trainer:
         path = self.pending_save.finalize()
         self.pending_save = None
         self.say(f"saved checkpoint (asynchronously) to {path}")
+        self._prune(self.args.save, self.args.save_retain_interval)
 
     def say(self, text: str):
         if self.run.pstate.rank == 0:
@@ -311,6 +323,8 @@ class Trainer:
                 saved = True
             else:
                 saved = False
+                if args.non_persistent_save_interval and run.iteration % args.non_persistent_save_interval == 0:
+                    self.save(non_persistent=True)
             reason = None
             if got_signal:
                 reason = f"signal {signal.Signals(int(got_signal)).name}"

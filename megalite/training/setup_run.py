@@ -23,15 +23,17 @@ from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.training.arguments_megatron_data import megatron_data_notes
 from megalite.training.arguments_megatron_logging import megatron_logging_notes
 from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
 from megalite.training.arguments_megatron_training import megatron_training_notes
-from megalite.training.checkpointing import load_checkpoint, load_optimizer_state
+from megalite.training.checkpointing import load_optimizer_state
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
 from megalite.training.run_hooks import apply_deterministic_mode
+from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, restore_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +132,11 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
         notes.append("--sequence-parallel: no effect at --tensor-model-parallel-size 1 (nothing to split "
                      "the sequence over); running without it, as Megatron does")
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
-            + megatron_logging_notes(args))
+            + megatron_logging_notes(args) + checkpoint_flag_notes(args))
 
 
 def build_run(args) -> Run:
+    checkpoint_notes = apply_checkpoint_args(args)  # --use-checkpoint-args, before validation
     if args.deterministic_mode:
         apply_deterministic_mode()
     pstate, device = init_distributed(args)
@@ -141,7 +144,7 @@ def build_run(args) -> Run:
         pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
                                            args.distributed_timeout_minutes)
     if pstate.rank == 0:
-        for note in startup_notes(args, device.type):
+        for note in checkpoint_notes + startup_notes(args, device.type):
             print(note, flush=True)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
@@ -158,10 +161,8 @@ def build_run(args) -> Run:
             for layer in model.layers.values():
                 layer.compile()
     common = None
-    if args.load:
-        common = load_checkpoint(args.load, chunks=models, pstate=pstate, rng_tracker=tracker,
-                                 load_rng=not (args.no_load_rng or args.finetune),
-                                 fallback=args.ckpt_fallback_to_previous)
+    if args.load or args.pretrained_checkpoint:
+        common = load_for_run(args, models, pstate, tracker)
         if common is None and pstate.rank == 0:
             log.warning("no checkpoint under --load %s: starting from scratch", args.load)
     chunks = _wrap(models, args, pstate)
@@ -184,13 +185,13 @@ def build_run(args) -> Run:
               peak[1] if peak else None, make_executor=make_executor, per_token=per_token)
     if common is not None:
         run.loaded_from = common["path"]
-        if not args.finetune:
+        if not (args.finetune or common["finetune"]):
             run.iteration = common["iteration"]
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
             if not args.no_load_optim and optimizer is not None:
                 load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
-                scheduler.load_state_dict(common["lr_scheduler"])
+                restore_scheduler(scheduler, common["lr_scheduler"], args)
     info, line = memory_report(chunks, optimizer, pstate)
     if pstate.dp_rank == 0:
         print(line, flush=True)

@@ -152,7 +152,7 @@ def test_missing_config_file_is_named(tmp_path):
     ("--recompute-activations --recompute-granularity full", 1,
      ["--recompute-activations", "--recompute-granularity full"]),
     ("--recompute-granularity full --recompute-num-layers 5", 1, ["--recompute-num-layers 5", "4"]),
-    ("--ckpt-format torch", 1, ["--ckpt-format", "torch"]),
+    ("--ckpt-format zarr", 1, ["--ckpt-format", "zarr"]),
     ("--rampup-batch-size 16 16 1000", 1, ["--rampup-batch-size"]),
     ("--tensor-model-parallel-size 3", 3, ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
     ("--tensor-model-parallel-size 2", 3, ["world size 3", "--tensor-model-parallel-size 2"]),
