@@ -178,6 +178,27 @@ def _hf_config(config, dtype: torch.dtype, eod: int | None) -> dict:
     return out
 
 
+def write_hf_weights(staging: Path, specs, stream, max_shard_bytes: int, summary: Summary) -> None:
+    """Write the (name, tensor) `stream`, whose names, shapes and dtypes `specs` lists in order,
+    as Hugging Face safetensors shards of at most `max_shard_bytes` (with their index when there
+    are several) under `staging`, one tensor in memory at a time."""
+    shards = plan_shards(specs, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        writer = SafetensorsWriter(staging / file_name, shard)
+        for _ in shard:
+            name, tensor = next(stream)
+            writer.write(name, tensor)
+            summary.count(tensor)
+            weight_map[name] = file_name
+        writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
 def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iteration: int | None = None) -> Summary:
     """A megalite checkpoint -> a transformers directory: config.json, safetensors (sharded
     with model.safetensors.index.json beyond `max_shard_bytes`) and the tokenizer files."""
@@ -194,25 +215,11 @@ def megalite_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9, iterati
     if unused:
         raise ConversionError(f"{source.path}: model tensor {unused[0].removeprefix('model/')} has no place in the "
                               f"Hugging Face {hf_mapping.family_of(config)} model{and_more(unused)}")
-    shards = plan_shards(specs, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     final = Path(save_dir).absolute()
     summary = Summary(final, config=config)
     with staged_output(final) as staging:
-        stream = hf_mapping.megalite_to_hf(source.get_model, config)
-        weight_map = {}
-        for file_name, shard in zip(names, shards):
-            writer = SafetensorsWriter(staging / file_name, shard)
-            for _ in shard:
-                name, tensor = next(stream)
-                writer.write(name, tensor)
-                summary.count(tensor)
-                weight_map[name] = file_name
-            writer.close()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        write_hf_weights(staging, specs, hf_mapping.megalite_to_hf(source.get_model, config), max_shard_bytes,
+                         summary)
         entry = source.common.get("tokenizer") or {}
         copied, missing = export_tokenizer(entry, source.root, staging)
         eod, _ = tokenizer_eod(resolved_entry(entry, source.root), (source.common.get("args") or {}).get("vocab_size"))

@@ -13,13 +13,12 @@ import json
 from pathlib import Path
 
 from megalite.convert.converters import (
-    PARAMS_DTYPES, Summary, _hf_config, _meta_getter, _publish_checkpoint, _stream_to_dcp,
+    PARAMS_DTYPES, Summary, _hf_config, _meta_getter, _publish_checkpoint, _stream_to_dcp, write_hf_weights,
 )
 from megalite.convert.dcp_writer import StreamingDCPWriter
 from megalite.convert.hints import args_dict, training_flags
 from megalite.convert.megatron_reader import MegatronCheckpoint
 from megalite.convert.publish import ConversionError, staged_output
-from megalite.convert.safetensors_io import SafetensorsWriter, plan_shards
 from megalite.convert.target_layout import TargetLayout, TensorPlacement
 from megalite.convert.tokenizer_files import NO_TOKENIZER
 from megalite.model import hf_mapping
@@ -84,25 +83,10 @@ def megatron_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9) -> Summ
     except ValueError as e:
         raise ConversionError(f"the checkpoint's model cannot be a Hugging Face model: {e}") from None
     source.check_all_used()
-    shards = plan_shards(specs, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     final = Path(save_dir).absolute()
     summary = Summary(final, config=config)
     with staged_output(final) as staging:
-        stream = hf_mapping.megalite_to_hf(source.get, config)
-        weight_map = {}
-        for file_name, shard in zip(names, shards):
-            writer = SafetensorsWriter(staging / file_name, shard)
-            for _ in shard:
-                name, tensor = next(stream)
-                writer.write(name, tensor)
-                summary.count(tensor)
-                weight_map[name] = file_name
-            writer.close()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        write_hf_weights(staging, specs, hf_mapping.megalite_to_hf(source.get, config), max_shard_bytes, summary)
         (staging / "config.json").write_text(json.dumps(_hf_config(config, summary.dtype, None), indent=1))
     summary.notes.append(_source_note(source))
     return summary
