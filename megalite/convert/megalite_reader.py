@@ -5,7 +5,6 @@ the chunks the ranks of the saving run wrote. The files are checked against comm
 digests first, and metadata is unpickled only through megalite's allowlist reader.
 """
 
-import io
 import json
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from megalite.convert.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.training.checkpoint_format import (
-    CheckpointError, SafeFileSystemReader, and_more, read_metadata_file, single_process_dcp, verify_files,
+    CheckpointError, SafeFileSystemReader, and_more, read_metadata_file, read_record, single_process_dcp,
+    verify_files,
 )
 from megalite.training.checkpointing import TRACKER, published_iteration_dir, read_tracker
 
@@ -95,16 +95,7 @@ class MegaliteCheckpoint:
         if any(info is None or getattr(info, "transform_descriptors", None) for info in infos):
             return self._get_through_dcp(key, tensor)  # compressed or unusual storage: DCP's reader
         for chunk, info in zip(chunks, infos):
-            with open(self.path / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                record = f.read(info.length)
-            if len(record) != info.length:
-                raise ConversionError(f"{self.path / info.relative_path}: truncated (tensor {key})")
-            try:
-                piece = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - a record that does not load is damage
-                raise ConversionError(f"{self.path / info.relative_path}: tensor {key} unreadable ({e})") from None
-            del record
+            piece = read_record(self.path / info.relative_path, info, f"tensor {key}", ConversionError)
             region = tensor[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
             if tuple(piece.shape) != tuple(region.shape):
                 raise ConversionError(f"{self.path}: tensor {key} chunk at {list(chunk.offsets)} has shape "

@@ -12,7 +12,6 @@ is stored at its full shape, the layers of `decoder.layers.*` stacked along a le
 Files are unpickled only through megatron_pickle's allowlist.
 """
 
-import io
 import re
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from megalite.convert.megatron_names import (
 from megalite.convert.megatron_pickle import read_dist_metadata, safe_torch_load
 from megalite.convert.publish import ConversionError
 from megalite.convert.target_layout import sharding_by_pattern
-from megalite.training.checkpoint_format import VOCAB_PARAMS, CheckpointError, and_more
+from megalite.training.checkpoint_format import VOCAB_PARAMS, CheckpointError, and_more, read_record
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -222,15 +221,7 @@ class _DistFiles:
         if info is None or getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{self.folder}: tensor {key} chunk at {list(chunk.offsets)} has no plain record")
         path = self.folder / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            record = f.read(info.length)
-        if len(record) != info.length:
-            raise CheckpointError(f"{path}: truncated (tensor {key})")
-        try:
-            piece = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - a record that does not load is damage
-            raise CheckpointError(f"{path}: tensor {key} unreadable ({str(e).splitlines()[0][:200]})") from None
+        piece = read_record(path, info, f"tensor {key}")
         if list(piece.shape) != list(chunk.sizes):
             raise CheckpointError(f"{path}: tensor {key} chunk at {list(chunk.offsets)} has shape "
                                   f"{list(piece.shape)}, expected {list(chunk.sizes)}")

@@ -19,8 +19,8 @@ class TrainingArgs:
     global_batch_size: int | None = arg(
         None, "Sequences per optimizer step B = b x DP x micro-batches (default b x DP).")
     rampup_batch_size: list[str] | None = arg(
-        None, "Megatron's batch-size ramp-up (start increment samples); not implemented in "
-        "megalite.")
+        None, "Megatron's batch-size ramp-up: START INCREMENT SAMPLES (the global batch grows from "
+        "START by INCREMENT over SAMPLES samples; needs --train-samples).")
     train_iters: int | None = arg(None, "Optimizer steps to train for (or --train-samples).")
     train_samples: int | None = arg(None, "Samples to train for (or --train-iters).")
     lr: float | None = arg(None, "Peak learning rate.")

@@ -281,6 +281,20 @@ class SafeFileSystemReader(FileSystemReader):
 
 # --- integrity --------------------------------------------------------------------------------
 
+def read_record(path: Path, info, what: str, error=CheckpointError) -> torch.Tensor:
+    """One DCP storage record (`info`: its _StorageInfo in .metadata) read from `path` and loaded
+    with weights_only; a short or unreadable record raises `error` naming the file and `what`."""
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        record = f.read(info.length)
+    if len(record) != info.length:
+        raise error(f"{path}: truncated ({what})")
+    try:
+        return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a record that does not load is damage
+        raise error(f"{path}: {what} unreadable ({str(e).splitlines()[0][:200]})") from None
+
+
 def file_digest(path: Path) -> dict:
     crc = 0
     with open(path, "rb") as f:
