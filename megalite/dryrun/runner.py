@@ -29,6 +29,7 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args
+from megalite.training.arguments_context import cp_comm_type_of
 from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -130,9 +131,15 @@ def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
     mt.track_external(optimizer.inner)
 
 
-def comm_checks(args, config, pstate, models) -> dict:
-    """Bytes a formula predicts beside what the dispatchers counted (MoE all-to-all)."""
+def comm_checks(args, config, pstate, models, counted: dict) -> dict:
+    """Bytes a formula predicts beside what was counted: MoE all-to-all (the dispatchers' count
+    of rows sent to other ranks) and all_gather context parallelism."""
     checks = {}
+    if pstate.cp_size > 1 and cp_comm_type_of(args) == "all_gather" and not args.recompute_activations \
+            and args.recompute_granularity is None:
+        layers = sum(len(m.layers) for m in models)
+        checks["cp all-gather K,V"] = (
+            counted.get(("cp", "all-gather"), 0), all_gather_cp_bytes(args, config, pstate.tp_size, pstate.cp_size, layers))
     moe = moe_layers(models)
     if moe and isinstance(moe[0].dispatcher, AllToAllDispatcher) and pstate.expert.ep_size > 1:
         tokens = args.seq_length // pstate.cp_size * args.micro_batch_size
@@ -142,6 +149,17 @@ def comm_checks(args, config, pstate, models) -> dict:
             alltoall_formula_bytes(args.num_micro_batches, len(moe), tokens, config.moe.router_topk,
                                    pstate.expert.ep_size, config.hidden_size, element))
     return checks
+
+
+def all_gather_cp_bytes(args, config, tp: int, cp: int, layers: int) -> int:
+    """Bytes this rank hands the CP all-gather per iteration with --cp-comm-type all_gather: its
+    K and V ([b, groups/tp, s/cp, head dim] each) per layer, forward and again in backward, so
+    that each rank receives (CP-1)/CP of every layer's K,V twice per micro-batch."""
+    groups = config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    element = 2 if args.bf16 or args.fp16 else 4
+    local_kv = 2 * args.micro_batch_size * (groups // tp) * (args.seq_length // cp) * head_dim * element
+    return 2 * args.num_micro_batches * layers * local_kv
 
 
 def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.device,
@@ -223,7 +241,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.formula = expected_bytes(
             args, [(b.grad_data.numel(), expert.edp_size if getattr(b.buckets[0].params[0], "expert_parallel", False)
                     else pstate.dp_size) for c in chunks for b in getattr(c, "buffers_", [])], optimizer)
-        report.checks = comm_checks(args, config, pstate, models)
+        report.checks = comm_checks(args, config, pstate, models, report.comm)
         return report
     finally:
         if not real:
