@@ -17,10 +17,10 @@ E, K, F_MOE = 4, 2, 32
 MOE = f"--num-experts {E} --moe-router-topk {K} --moe-ffn-hidden-size {F_MOE}".split()
 
 
-def _cp(comm_type, cp=2, pp=2, extra=""):
+def _cp(comm_type, cp=2, pp=2, global_batch=8):
     world = cp * pp * 2
     return reports(BASE + f"--context-parallel-size {cp} --cp-comm-type {comm_type} --pipeline-model-parallel-size "
-                          f"{pp} --dry-run-world-size {world} --global-batch-size 8 {extra}".split())
+                          f"{pp} --dry-run-world-size {world} --global-batch-size {global_batch}".split())
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
@@ -55,7 +55,7 @@ def test_context_parallel_dry_run(comm_type):
 def test_context_parallel_four_ranks_and_activation_memory():
     cp1 = reports(BASE + "--pipeline-model-parallel-size 1 --dry-run-world-size 2 --global-batch-size 4".split())
     for comm_type in ("p2p", "all_gather"):
-        cp4 = _cp(comm_type, cp=4, pp=1, extra="--global-batch-size 4")
+        cp4 = _cp(comm_type, cp=4, pp=1, global_batch=4)
         assert all(r.resident == r.formula for r in cp4)
         assert cp4[0].resident["parameters"] == cp1[0].resident["parameters"]  # CP does not shard weights
         assert cp4[0].peak["activations"] < cp1[0].peak["activations"] / 2
