@@ -2,10 +2,15 @@
 dispatcher): every distinct rank runs on fake tensors with its cp / ep groups; bytes held equal
 formulas.md's (every local expert counted), bytes moved equal independent formulas."""
 
+import re
+import subprocess
+import sys
+
 import pytest
 
 from megalite.dryrun.balanced_routing import balanced_counts
 from tests.dryrun.dry_run_json import reports
+from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 S, B, H, L, HEAD_DIM, GROUPS = 32, 2, 64, 2, 16, 2
 BASE = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --num-layers 2 --hidden-size 64 "
@@ -98,3 +103,24 @@ def test_expert_parallel_dry_run(dispatcher):
 def test_balanced_counts():
     assert balanced_counts(128, 4) == [32] * 4
     assert balanced_counts(10, 4) == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("extra", [
+    MOE + "--moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 --moe-grouped-gemm "
+          "--dry-run-world-size 4 --global-batch-size 8".split(),
+    "--context-parallel-size 2 --cp-comm-type all_gather --tensor-model-parallel-size 2 --sequence-parallel "
+    "--dry-run-world-size 8 --global-batch-size 4".split()], ids=["ep", "cp"])
+def test_cp_and_ep_dry_runs_on_fake_cuda(extra):
+    base = [a for a in BASE if a not in ("--dry-run-device", "cpu")]
+    out = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *base, *extra], env=fake_cuda_env(),
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "device cuda (fake)" in out.stdout
+    held = re.findall(r"^\s+0\s+\(0, 0, 0, 0\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+([\d,]+)\s+"
+                      r"([\d,]+)", out.stdout, re.M)
+    assert len(held) == 1 and held[0][:3] == held[0][3:], out.stdout
+    check = re.search(r"^\s+0\s+(ep all-to-all tokens to other ranks|cp all-gather K,V): ([\d,]+) bytes, "
+                      r"formula ([\d,]+)$", out.stdout, re.M)
+    assert check and check.group(2) == check.group(3) and check.group(2) != "0", out.stdout
+    if "--num-experts" in extra:
+        assert "balanced routing assumed" in out.stdout
