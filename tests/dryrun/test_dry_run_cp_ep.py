@@ -124,3 +124,15 @@ def test_cp_and_ep_dry_runs_on_fake_cuda(extra):
     assert check and check.group(2) == check.group(3) and check.group(2) != "0", out.stdout
     if "--num-experts" in extra:
         assert "balanced routing assumed" in out.stdout
+
+
+def test_default_world_size_holds_cp_and_ep():
+    from megalite.dryrun.cli import default_world_size
+    from megalite.training.arguments import parse_args
+
+    base = [a for a in BASE if a != "--dry-run-device" and a != "cpu"]
+    args = parse_args(base + "--context-parallel-size 2 --tensor-model-parallel-size 2 --global-batch-size 2".split())
+    assert default_world_size(args) == 4
+    args = parse_args(base + MOE + "--expert-model-parallel-size 4 --pipeline-model-parallel-size 2 "
+                                   "--global-batch-size 8".split())
+    assert default_world_size(args) == 8
