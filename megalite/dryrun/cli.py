@@ -14,16 +14,24 @@ from megalite.training.arguments import layout_from_args, validate_args
 
 def distinct_ranks(layout, all_stages: bool) -> list[int]:
     """TP rank 0, DP rank 0 of the first, a middle and the last pipeline stage (every stage
-    with all_stages): other TP and DP ranks hold the same shapes."""
+    with all_stages): other TP, CP and DP ranks hold the same shapes (every EP rank as many
+    experts, and under the balanced-routing assumption as many tokens)."""
     p = layout.pipeline
     stages = range(p) if all_stages else sorted({0, p // 2, p - 1})
     return [layout.rank_of(0, 0, s) for s in stages]
 
 
+def default_world_size(args) -> int:
+    """The smallest world the layout needs: TP x CP x PP, with DP = the EP size (EP is carved
+    from the data-parallel ranks)."""
+    ep = args.expert_model_parallel_size if args.num_experts is not None else 1
+    return args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size * ep
+
+
 def run_dry(args, argv: list[str]) -> int:
     if args.dry_run_device == "cuda" and not fake_cuda_ready():
         reexec_with_fake_cuda("megalite.pretrain_gpt", argv)  # does not return
-    world = args.dry_run_world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = args.dry_run_world_size or default_world_size(args)
     from megalite.data.tokenizers import build_tokenizer
 
     validate_args(args, world)

@@ -33,13 +33,22 @@ def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
                                                                   scale=scale)[0]
 
 
+MODELLED_CAPABILITY = (9, 0)
+"""The GPU a dry run models (an H100): what torch.cuda.get_device_capability answers, so that the
+choices made on it (torch._grouped_mm for the MoE experts) are those of that GPU."""
+_CAPABILITY = torch.cuda.get_device_capability
+
+
 class GpuAttention:
     """Within this context F.scaled_dot_product_attention on CUDA tensors is `gpu_sdpa` (a
-    function replaced, not a mode: activation recompute in backward must take the same path)."""
+    function replaced, not a mode: activation recompute in backward must take the same path),
+    and torch.cuda.get_device_capability answers MODELLED_CAPABILITY (a CPU-only torch has none)."""
 
     def __enter__(self):
         F.scaled_dot_product_attention = gpu_sdpa
+        torch.cuda.get_device_capability = lambda device=None: MODELLED_CAPABILITY
         return self
 
     def __exit__(self, *exc):
         F.scaled_dot_product_attention = _SDPA
+        torch.cuda.get_device_capability = _CAPABILITY

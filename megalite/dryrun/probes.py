@@ -29,7 +29,7 @@ _COLLECTIVES = {
 class CommCounter(TorchDispatchMode):
     """Per process group (named by `names`: group -> 'tp', 'dp', ...) and kind, the bytes of this
     rank's contribution (all-reduce and broadcast: the tensor; all-gather: its input shard;
-    reduce-scatter: its full input; send / recv: the message) and the number of calls."""
+    reduce-scatter and all-to-all: its full input; send / recv: the message) and the number of calls."""
 
     def __init__(self, names: dict):
         super().__init__()
@@ -48,7 +48,7 @@ class CommCounter(TorchDispatchMode):
         kind = _COLLECTIVES.get(func._schema.name.split("::")[-1]) if func.namespace == "c10d" else None
         if kind is not None:
             named = {a.name: v for a, v in zip(func._schema.arguments, args)}
-            payload = next(named[n] for n in ("input_tensor", "input_tensors", "tensors") if n in named)
+            payload = next(named[n] for n in ("input_tensor", "input_tensors", "tensors", "input") if n in named)
             key = (self._group_name(func, args), kind)
             self.bytes[key] += sum(t.numel() * t.element_size() for t in tree_flatten(payload)[0]
                                    if isinstance(t, torch.Tensor))

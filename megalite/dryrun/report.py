@@ -1,6 +1,8 @@
 """The dry run's printed table: per rank, peak memory by category and bytes per process group."""
 
+from megalite.dryrun.balanced_routing import ASSUMPTION
 from megalite.dryrun.runner import CATEGORIES
+from megalite.training.arguments_context import cp_comm_type_of
 
 MIB = 1024 ** 2
 
@@ -11,24 +13,31 @@ def _mib(n: int) -> str:
 
 def format_report(args, layout, reports) -> str:
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    lines = [f"dry run: world {layout.world_size} = TP {layout.tensor} x PP {layout.pipeline} "
-             f"(x{layout.virtual_pipeline} virtual) x DP {layout.data}, {dtype}, "
+    cp = f" x CP {layout.context} ({cp_comm_type_of(args)})" if layout.context > 1 else ""
+    ep = (f"; {args.num_experts} experts top-{args.moe_router_topk}, EP {args.expert_model_parallel_size} "
+          f"({args.moe_token_dispatcher_type})" if args.num_experts is not None else "")
+    lines = [f"dry run: world {layout.world_size} = TP {layout.tensor}{cp} x PP {layout.pipeline} "
+             f"(x{layout.virtual_pipeline} virtual) x DP {layout.data}{ep}, {dtype}, "
              f"{args.num_micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_length}, "
              f"device {args.dry_run_device} (fake)",
+             *([ASSUMPTION] if args.num_experts is not None else []),
              "peak memory per rank (MiB, MemTracker categories at the peak):",
-             f"{'rank':>6} {'(tp,dp,pp)':>12} " + " ".join(f"{c:>11}" for c in CATEGORIES) + f" {'total':>11}"]
+             f"{'rank':>6} {'(tp,dp,pp,cp)':>15} " + " ".join(f"{c:>11}" for c in CATEGORIES) + f" {'total':>11}"]
     for r in reports:
-        lines.append(f"{r.rank:>6} {str(r.coords):>12} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
+        lines.append(f"{r.rank:>6} {str(r.coords):>15} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
                      + f" {_mib(r.peak_total):>11}")
     lines.append("held after the step (bytes): parameters, gradients, optimizer state; formulas.md for the "
                  "rank's parameters (padded as in its gradient buffers) beside them")
     for r in reports:
         held = " ".join(f"{r.resident.get(c, 0):>14,d}" for c in CATEGORIES[:3])
         formula = " ".join(f"{r.formula.get(c, 0):>14,d}" for c in CATEGORIES[:3])
-        lines.append(f"{r.rank:>6} {str(r.coords):>12} {held}   formula {formula}   "
+        lines.append(f"{r.rank:>6} {str(r.coords):>15} {held}   formula {formula}   "
                      f"({r.num_params:,d} parameters, {r.num_buffer:,d} padded)")
     lines.append("bytes each rank sends into each process group per iteration (MiB, calls):")
     for r in reports:
         parts = [f"{g} {k} {_mib(b).strip()} ({r.calls[(g, k)]})" for (g, k), b in sorted(r.comm.items())]
         lines.append(f"{r.rank:>6}  " + ("; ".join(parts) or "none"))
+    for r in reports:
+        for name, (counted, formula) in r.checks.items():
+            lines.append(f"{r.rank:>6}  {name}: {counted:,d} bytes, formula {formula:,d}")
     return "\n".join(lines)

@@ -15,14 +15,21 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.module_tracker import ModuleTracker
 
+from megalite.dryrun.balanced_routing import alltoall_formula_bytes, assume_balanced_routing
 from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
+from megalite.model.moe import moe_layers
+from megalite.parallel import comm
+from megalite.parallel.context import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.expert.dispatch import AllToAllDispatcher
+from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args
+from megalite.training.arguments_context import cp_comm_type_of
 from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -46,7 +53,7 @@ class StepMemTracker(MemTracker):
 @dataclass
 class RankReport:
     rank: int
-    coords: tuple  # (tp, dp, pp)
+    coords: tuple  # (tp, dp, pp, cp)
     chunks: list  # per chunk: (layers, pre_process, post_process)
     peak: dict = field(default_factory=dict)  # category -> bytes at the peak
     peak_total: int = 0
@@ -56,40 +63,55 @@ class RankReport:
     formula: dict = field(default_factory=dict)  # formulas.md's bytes for num_buffer (see expected_bytes)
     comm: dict = field(default_factory=dict)  # (group, kind) -> bytes
     calls: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)  # name -> (bytes counted, formula's bytes)
+    ep_coords: tuple | None = None  # (ep, edp) with experts
 
 
-def expected_bytes(args, psi: int, d: int, optimizer) -> dict:
-    """formulas.md's per-rank bytes for psi parameters (bf16/fp16/fp32 weights, fp32 or fp16
-    main gradients, Adam's fp32 main parameters and moments, over d ranks with the distributed
-    optimizer), plus the 4-byte step count Adam keeps per parameter tensor it updates."""
+def expected_bytes(args, shards: list, optimizer) -> dict:
+    """formulas.md's per-rank bytes for `shards`, (psi, d) pairs: psi parameters (bf16/fp16/fp32
+    weights, fp32 or fp16 main gradients, Adam's fp32 main parameters and moments, over d ranks
+    with the distributed optimizer; MoE: every local expert's parameters, over the
+    expert-data-parallel ranks), plus the 4-byte step count Adam keeps per parameter tensor."""
     weight = 2 if args.bf16 or args.fp16 else 4
     grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
     main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
     moments = 8 if args.optimizer == "adam" else 4 if args.sgd_momentum else 0
     main_state = main + moments + (4 if grad == 2 else 0)  # fp16 gradients: an fp32 copy to step with
-    shards = d if args.use_distributed_optimizer else 1
+    psi = sum(n for n, _ in shards)
+    state = sum(main_state * n // (d if args.use_distributed_optimizer else 1) for n, d in shards)
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
-    return {"parameters": weight * psi, "gradients": grad * psi, "optimizer": main_state * psi // shards + steps}
+    return {"parameters": weight * psi, "gradients": grad * psi, "optimizer": state + steps}
 
 
-def _state(layout, rank: int) -> ParallelState:
+def _own_group(lists, rank: int):
+    ranks = next((r for r in lists if rank in r), None)  # middle stages hold no embedding
+    return None if ranks is None else dist.new_group(ranks, use_local_synchronization=True)
+
+
+def _state(layout, rank: int, args) -> ParallelState:
     """This rank's groups only (the fake group needs no peers to agree on the others)."""
     groups = {"world": dist.group.WORLD}
     for name, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()),
-                        ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups())):
-        ranks = next((r for r in lists if rank in r), None)  # middle stages hold no embedding
-        if ranks is not None:
-            groups[name] = dist.new_group(ranks, use_local_synchronization=True)
-    return ParallelState(layout, rank, groups)
+                        ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups()),
+                        *((("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups()),
+                           ("cp_slice", layout.cp_slice_groups())) if layout.context > 1 else ())):
+        groups[name] = _own_group(lists, rank)
+    pstate = ParallelState(layout, rank, {n: g for n, g in groups.items() if g is not None})
+    if args.num_experts is not None:
+        expert = ExpertLayout(layout, args.expert_model_parallel_size, args.num_experts)
+        pstate.expert = ExpertState(expert, rank, _own_group(expert.ep_groups(), rank) if expert.expert > 1 else None,
+                                    _own_group(expert.edp_groups(), rank) if expert.expert_data > 1 else None)
+    return pstate
 
 
-def _microbatches(args, device, count: int, vocab: int):
+def _microbatches(args, device, count: int, vocab: int, pstate):
+    """Micro-batches as the loader gives them: this context-parallel rank's two chunks."""
     for _ in range(count):
-        shape = (args.micro_batch_size, args.seq_length)
+        shape = (args.micro_batch_size, args.seq_length // pstate.cp_size)
         yield {"tokens": torch.randint(0, vocab, shape, device=device),
                "labels": torch.randint(0, vocab, shape, device=device),
                "loss_mask": torch.ones(shape, device=device),
-               "position_ids": torch.arange(args.seq_length, device=device).expand(shape),
+               "position_ids": local_positions(args.seq_length, pstate.cp_size, pstate.cp_rank, device).expand(shape),
                "attention_mask": None}
 
 
@@ -109,6 +131,37 @@ def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
     mt.track_external(optimizer.inner)
 
 
+def comm_checks(args, config, pstate, models, counted: dict) -> dict:
+    """Bytes a formula predicts beside what was counted: MoE all-to-all (the dispatchers' count
+    of rows sent to other ranks) and all_gather context parallelism."""
+    checks = {}
+    if pstate.cp_size > 1 and cp_comm_type_of(args) == "all_gather" and not args.recompute_activations \
+            and args.recompute_granularity is None:
+        layers = sum(len(m.layers) for m in models)
+        checks["cp all-gather K,V"] = (
+            counted.get(("cp", "all-gather"), 0), all_gather_cp_bytes(args, config, pstate.tp_size, pstate.cp_size, layers))
+    moe = moe_layers(models)
+    if moe and isinstance(moe[0].dispatcher, AllToAllDispatcher) and pstate.expert.ep_size > 1:
+        tokens = args.seq_length // pstate.cp_size * args.micro_batch_size
+        element = 2 if args.bf16 or args.fp16 else 4
+        checks["ep all-to-all tokens to other ranks"] = (
+            sum(layer.dispatcher.traffic[0] for layer in moe),
+            alltoall_formula_bytes(args.num_micro_batches, len(moe), tokens, config.moe.router_topk,
+                                   pstate.expert.ep_size, config.hidden_size, element))
+    return checks
+
+
+def all_gather_cp_bytes(args, config, tp: int, cp: int, layers: int) -> int:
+    """Bytes this rank hands the CP all-gather per iteration with --cp-comm-type all_gather: its
+    K and V ([b, groups/tp, s/cp, head dim] each) per layer, forward and again in backward, so
+    that each rank receives (CP-1)/CP of every layer's K,V twice per micro-batch."""
+    groups = config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    element = 2 if args.bf16 or args.fp16 else 4
+    local_kv = 2 * args.micro_batch_size * (groups // tp) * (args.seq_length // cp) * head_dim * element
+    return 2 * args.num_micro_batches * layers * local_kv
+
+
 def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.device,
              strict: bool = True, real: bool = False) -> RankReport:
     """One training iteration of global rank `rank` of a `world_size`-process run of `args`
@@ -120,16 +173,23 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         layout = layout_from_args(args, world_size)
-        pstate = ParallelState.create(layout) if real else _state(layout, rank)
+        pstate = ParallelState.create(layout) if real else _state(layout, rank, args)
+        if real and args.num_experts is not None:
+            pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts)
         config = model_config_from_args(args, vocab_size)
         fake = contextlib.nullcontext() if real else FakeTensorMode()
         modules = ModuleTracker()
-        counter = CommCounter({pstate.tp_group: "tp", pstate.dp_group: "dp", pstate.pp_group: "pp",
-                               pstate.mp_group: "mp", pstate.embedding_group: "embedding",
-                               pstate.world_group: "world"})
+        expert = pstate.expert
+        counter = CommCounter({pstate.cp_slice_group: "cp_slice", pstate.dp_cp_group: "dp_cp",
+                               pstate.tp_group: "tp", pstate.cp_group: "cp", pstate.dp_group: "dp",
+                               pstate.pp_group: "pp", pstate.mp_group: "mp", pstate.embedding_group: "embedding",
+                               pstate.world_group: "world", **({expert.ep_group: "ep", expert.edp_group: "edp"}
+                                                               if expert is not None else {})})
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
                                     device="meta")
+        if not real:
+            assume_balanced_routing(models)
         with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():
             for m in models:
                 materialize_(m, device, init=real)
@@ -152,7 +212,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 try:
                     optimizer.zero_grad()
                     executor.loss_scale = optimizer.loss_scale
-                    executor.run(_microbatches(args, device, args.num_micro_batches, config.vocab_size))
+                    executor.run(_microbatches(args, device, args.num_micro_batches, config.vocab_size, pstate))
                     finalize_model_grads(chunks, pstate)
                     optimizer.step(iteration=1)
                 finally:
@@ -166,8 +226,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 category = _FROM_MEMTRACKER[info.reftype]
                 if info.device.type == device.type and category in ("parameters", "gradients", "optimizer"):
                     held[category] = held.get(category, 0) + storage.nbytes()
-        report = RankReport(rank, layout.coords(rank),
-                            [(list(m.layers), m.pre_process, m.post_process) for m in models])
+        report = RankReport(rank, (*layout.coords(rank), layout.cp_rank_of(rank)),
+                            [(list(m.layers), m.pre_process, m.post_process) for m in models],
+                            ep_coords=(expert.ep_rank, expert.edp_rank) if expert is not None else None)
         dev_snap = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
         for ref, category in _FROM_MEMTRACKER.items():
             report.peak[category] = report.peak.get(category, 0) + dev_snap.get(ref, 0)
@@ -176,7 +237,11 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
-        report.formula = expected_bytes(args, report.num_buffer, pstate.dp_size, optimizer)
+        # dense parameters shard over DP (their gradients also summed over CP), experts over EDP
+        report.formula = expected_bytes(
+            args, [(b.grad_data.numel(), expert.edp_size if getattr(b.buckets[0].params[0], "expert_parallel", False)
+                    else pstate.dp_size) for c in chunks for b in getattr(c, "buffers_", [])], optimizer)
+        report.checks = comm_checks(args, config, pstate, models, report.comm)
         return report
     finally:
         if not real:

@@ -27,8 +27,8 @@ class DryRunArgs:
         "1 naming the op, module and tensors when an op mixes devices or matmul dtypes. Needs no data "
         "files and no GPU.", origin=MEGALITE)
     dry_run_world_size: int | None = arg(
-        None, "With --dry-run: the number of processes of the run to simulate (default: TP x PP, "
-        "i.e. DP = 1).", origin=MEGALITE)
+        None, "With --dry-run: the number of processes of the run to simulate (default: TP x CP x PP, "
+        "times the expert-parallel size with --num-experts: the smallest world the layout needs).", origin=MEGALITE)
     dry_run_device: str = arg(
         "cuda", "With --dry-run: the fake device the run is simulated on (cpu to compare with CPU runs).",
         choices=DRY_RUN_DEVICES, origin=MEGALITE)

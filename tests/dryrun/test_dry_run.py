@@ -34,13 +34,13 @@ def test_dry_run_on_fake_cuda_prints_formula_bytes_per_rank():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "device cuda (fake)" in out.stdout
-    held = re.findall(r"^\s+(\d+)\s+\((\d), (\d), (\d)\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+"
+    held = re.findall(r"^\s+(\d+)\s+\((\d), (\d), (\d), (\d)\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+"
                       r"([\d,]+)\s+([\d,]+)", out.stdout, re.M)
     assert [int(h[0]) for h in held] == [0, 4], out.stdout
     for h in held:
-        numbers = [int(x.replace(",", "")) for x in h[4:]]
+        numbers = [int(x.replace(",", "")) for x in h[5:]]
         assert numbers[:3] == numbers[3:] and min(numbers) > 0, h
-    peaks = re.findall(r"^\s+(\d+)\s+\(\d, \d, \d\)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+    peaks = re.findall(r"^\s+(\d+)\s+\(\d, \d, \d, \d\)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
                        out.stdout, re.M)
     assert len(peaks) == 2 and all(float(p[4]) > 0 for p in peaks), out.stdout  # activations
 
