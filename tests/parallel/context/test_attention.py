@@ -1,5 +1,6 @@
 """Context-parallel attention against unsharded causal attention: every comm type, grouped-
-query and multi-head, forward and gradients, at CP = 2 and 4 (one spawn per world size)."""
+query and multi-head, forward and gradients, at CP = 2 and 4 (one spawn per world size);
+and with a document mask (--reset-attention-mask) whose documents cross the chunk borders."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel.context import context_parallel_attention, gather_sequence, local_positions, split_sequence
-from megalite.parallel.context.split import natural_order
+from megalite.parallel.context.split import natural_order, split_attention_mask
 from tests.distributed import run_distributed
 from tests.numerics import rel_error
 
@@ -28,32 +29,44 @@ def test_load_balanced_split():
         local_positions(12, 4, 0)
 
 
-def _reference(q, k, v, scale):
+def document_mask():
+    """[BATCH, 1, SEQ, SEQ], True = masked out, as the dataset builds it for
+    --reset-attention-mask: documents of lengths 3, 10, 19 in row 0 and 13, 2, 17 in row 1,
+    so that documents start inside chunks and span several (chunks are 4 or 8 long here)."""
+    docs = torch.tensor([[0] * 3 + [1] * 10 + [2] * 19, [0] * 13 + [1] * 2 + [2] * 17])
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return ~(causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+def _reference(q, k, v, scale, mask=None):
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1])
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=None if mask is None else ~mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1])
     return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
 
 
 def _check_all(rank, world_size):
-    """Max relative error of output and each gradient, per (comm type, heads, overlap)."""
+    """Max relative error of output and each gradient, per (comm type, heads, overlap, masked)."""
     group = dist.group.WORLD
     errors = {}
-    for hq, hg in HEAD_SHAPES:
+    for hq, hg, masked in [(*shape, False) for shape in HEAD_SHAPES] + [(4, 2, True), (8, 1, True)]:
+        mask = document_mask() if masked else None
+        local_mask = None if mask is None else split_attention_mask(mask, world_size, rank)
         gen = torch.Generator().manual_seed(hq * 10 + hg)
         q = torch.randn(SEQ, BATCH, hq, DIM, generator=gen, requires_grad=True)
         k = torch.randn(SEQ, BATCH, hg, DIM, generator=gen, requires_grad=True)
         v = torch.randn(SEQ, BATCH, hg, DIM, generator=gen, requires_grad=True)
         weight = torch.randn(SEQ, BATCH, hq * DIM, generator=gen)
         scale = DIM ** -0.5
-        ref = _reference(q, k, v, scale)
+        ref = _reference(q, k, v, scale, mask)
         (ref * weight).sum().backward()
         for comm_type, overlap in (("p2p", True), ("p2p", False), ("all_gather", True), ("a2a", True)):
             local = [split_sequence(t.detach(), 0, world_size, rank).requires_grad_() for t in (q, k, v)]
-            out = context_parallel_attention(*local, group, comm_type, scale, overlap=overlap)
+            out = context_parallel_attention(*local, group, comm_type, scale, overlap=overlap, mask=local_mask)
             (out * split_sequence(weight, 0, world_size, rank)).sum().backward()
             full = [gather_sequence(t, 0, group) for t in (out.detach(), *(t.grad for t in local))]
             expected = (ref.detach(), q.grad, k.grad, v.grad)
-            errors[(comm_type, overlap, hq, hg)] = max(rel_error(a, b) for a, b in zip(full, expected))
+            errors[(comm_type, overlap, hq, hg, masked)] = max(rel_error(a, b) for a, b in zip(full, expected))
     return errors
 
 
@@ -62,4 +75,4 @@ def test_context_parallel_attention_matches_unsharded(world_size):
     for errors in run_distributed(_check_all, world_size):
         bad = {key: err for key, err in errors.items() if err > 1e-5}
         assert not bad, bad
-        assert len(errors) == 4 * len(HEAD_SHAPES)
+        assert len(errors) == 4 * (len(HEAD_SHAPES) + 2)
