@@ -59,11 +59,12 @@ class SelfAttention(nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         scale = self.head_dim ** -0.5
         if comm.group_size(self.cp_group) > 1:
-            if attention_mask is not None or dropout > 0:
-                raise ValueError("context parallelism supports causal attention without attention "
-                                 "dropout only (--attention-dropout 0, no --reset-attention-mask)")
+            if dropout > 0:
+                raise ValueError("context parallelism supports attention without attention dropout "
+                                 "only (--attention-dropout 0)")
+            # attention_mask: this rank's query rows of the whole sequence's mask [b, 1, s, s * cp]
             return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
-                                              overlap=self.config.cp_ring_overlap)
+                                              overlap=self.config.cp_ring_overlap, mask=attention_mask)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses
