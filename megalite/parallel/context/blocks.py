@@ -41,11 +41,13 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def block_forward(q, k, v, scale: float, causal: bool, mask=None):
-    """(out [b, hq, sq, d], lse [b, hq, sq]) of q attending to k, v."""
+def block_forward(q, k, v, scale: float, causal: bool, mask=None, keep=None):
+    """(out [b, hq, sq, d], lse [b, hq, sq]) of q attending to k, v. `keep` (attention dropout,
+    dropout.py): [b, hq, sq, sk] factors on the probabilities; the lse is dropout's input's."""
     s = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), _expand(v, q.shape[1]).float())
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    out = torch.matmul(p if keep is None else p * keep, _expand(v, q.shape[1]).float())
     return out, lse
 
 
@@ -62,14 +64,17 @@ def merge(acc, out, lse):
     return new_out, new_lse
 
 
-def block_backward(q, k, v, dout, delta, lse, scale: float, causal: bool, mask=None):
+def block_backward(q, k, v, dout, delta, lse, scale: float, causal: bool, mask=None, keep=None):
     """Gradients (dq [b, hq, sq, d], dk and dv [b, hg, sk, d]) of this block's share of the
-    attention output, given the final `lse` and delta = rowsum(dout * out) of the merged output."""
+    attention output, given the final `lse` and delta = rowsum(dout * out) of the merged output
+    (with dropout too: rowsum(p * keep * dout v^T) is that same rowsum)."""
     hq, hg = q.shape[1], k.shape[1]
     p = torch.exp(_scores(q, k, scale, causal, mask) - _finite(lse).unsqueeze(-1))
     dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dv = torch.matmul(p.transpose(-1, -2) if keep is None else (p * keep).transpose(-1, -2), dout)
     dp = torch.matmul(dout, _expand(v, hq).float().transpose(-1, -2))
+    if keep is not None:
+        dp = dp * keep
     ds = p * (dp - delta.unsqueeze(-1))
     dq = torch.matmul(ds, _expand(k, hq).float()) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
