@@ -2,7 +2,7 @@
 order of the parallel dimensions.
 
 Names and defaults are Megatron-LM's. What megalite does not run yet (per-layer comm types,
-hierarchical a2a+p2p, attention dropout under CP, FSDP2 with CP) stops the
+hierarchical a2a+p2p, FSDP2 with CP) stops the
 run naming the flag (check_context_args).
 """
 
@@ -56,8 +56,6 @@ def check_context_args(args, fail) -> None:
     if cp == 1:
         return
     checks = (
-        (args.attention_dropout > 0, f"--context-parallel-size {cp} runs attention without dropout "
-                                     f"only: give --attention-dropout 0 (got {args.attention_dropout})"),
         (args.use_torch_fsdp2, f"--use-torch-fsdp2 with --context-parallel-size {cp} is not "
                                "implemented in megalite yet"),
         (args.use_flash_attn, f"--use-flash-attn with --context-parallel-size {cp} is not "

@@ -2,7 +2,9 @@
 CP = 1 model, both families, every --cp-comm-type: loss, logits and every parameter's
 gradient (reduced by megalite.parallel.data over DP x CP), fp32, within 1e-5 relative; and
 with position ids that restart mid-sequence (--reset-position-ids), and those together with
-a document mask (--reset-attention-mask) for every comm type."""
+a document mask (--reset-attention-mask) for every comm type. With attention dropout on, the
+CP = 4 runs of every comm type equal the CP = 2 ring run (the masks are a function of where
+each probability sits, megalite.parallel.context.dropout) and differ from dropout off."""
 
 import pytest
 import torch
@@ -95,6 +97,26 @@ def _cp_worker(rank, world_size):
         try:
             compare(run_cp_model(make_config("llama", cp_comm_type=comm_type), states[0], reset_positions(),
                                  document_mask()), reference, f"document mask {comm_type} cp={world_size}")
+        except AssertionError as e:
+            failures.append(str(e))
+    if world_size == 4:
+        failures += _dropout_failures(states[0])
+    return failures
+
+
+def _dropout_failures(cp4_state):
+    cp2_state = ParallelState.create(ParallelLayout(4, context=2))
+    config = make_config("llama", attention_dropout=0.3)
+    torch.manual_seed(11)  # the seed each attention call draws (equal on every rank)
+    reference = run_cp_model(config, cp2_state)
+    failures = []
+    if abs(reference["loss"] - run_model(make_config("llama"), ParallelState.single())["loss"]) < 1e-3:
+        failures.append("attention dropout 0.3 left the CP loss unchanged")
+    for comm_type in COMM_TYPES:
+        torch.manual_seed(11)
+        try:
+            compare(run_cp_model(make_config("llama", attention_dropout=0.3, cp_comm_type=comm_type), cp4_state),
+                    reference, f"attention dropout {comm_type} cp=4 against p2p cp=2")
         except AssertionError as e:
             failures.append(str(e))
     return failures

@@ -10,7 +10,6 @@ from tests.training.test_arguments import parsed, refused
     ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type a2a+p2p", ["--cp-comm-type a2a+p2p", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a", ["--cp-comm-type p2p a2a", "per layer"]),
     ("--hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes", "not implemented"]),
-    ("--context-parallel-size 2", ["--context-parallel-size 2", "--attention-dropout 0"]),
     ("--context-parallel-size 2 --attention-dropout 0 --use-torch-fsdp2", ["--use-torch-fsdp2", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
