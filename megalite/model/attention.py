@@ -68,7 +68,7 @@ class SelfAttention(nn.Module):
             # attention_mask: this rank's query rows of the whole sequence's mask [b, 1, s, s * cp]
             return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
                                               overlap=self.config.cp_ring_overlap, mask=attention_mask,
-                                              dropout=drop)
+                                              dropout=drop, a2a_size=self.config.cp_a2a_size)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses

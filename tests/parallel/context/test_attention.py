@@ -1,7 +1,8 @@
 """Context-parallel attention against unsharded causal attention: every comm type, grouped-
 query and multi-head, forward and gradients, at CP = 2 and 4 (one spawn per world size);
 and with a document mask (--reset-attention-mask) whose documents cross the chunk borders,
-and with attention dropout (the whole-sequence mask of dropout.AttentionDropout)."""
+and with attention dropout (the whole-sequence mask of dropout.AttentionDropout); a2a+p2p
+(hierarchical: a2a inside groups of A ranks, a ring across them) included."""
 
 import pytest
 import torch
@@ -18,6 +19,11 @@ from tests.numerics import rel_error
 # than CP ranks (a2a then copies kv heads).
 HEAD_SHAPES = ((4, 4), (4, 2), (8, 1))
 SEQ, BATCH, DIM = 32, 2, 8
+# (comm type, overlap, a2a size): a2a+p2p (hierarchical) as A x P = 2 x 2 at CP 4, and at CP 2
+# as 2 x 1 and 1 x 2 (all a2a, all ring).
+_FLAT = (("p2p", True, 1), ("p2p", False, 1), ("all_gather", True, 1), ("a2a", True, 1))
+COMM_CASES = {2: _FLAT + (("a2a+p2p", True, 2), ("a2a+p2p", True, 1)),
+              4: _FLAT + (("a2a+p2p", True, 2), ("a2a+p2p", False, 2))}
 
 
 def test_load_balanced_split():
@@ -72,14 +78,14 @@ def _check_all(rank, world_size):
         scale = DIM ** -0.5
         ref = _reference(q, k, v, scale, mask, dropout)
         (ref * weight).sum().backward()
-        for comm_type, overlap in (("p2p", True), ("p2p", False), ("all_gather", True), ("a2a", True)):
+        for comm_type, overlap, a2a_size in COMM_CASES[world_size]:
             local = [split_sequence(t.detach(), 0, world_size, rank).requires_grad_() for t in (q, k, v)]
             out = context_parallel_attention(*local, group, comm_type, scale, overlap=overlap, mask=local_mask,
-                                             dropout=dropout)
+                                             dropout=dropout, a2a_size=a2a_size)
             (out * split_sequence(weight, 0, world_size, rank)).sum().backward()
             full = [gather_sequence(t, 0, group) for t in (out.detach(), *(t.grad for t in local))]
             expected = (ref.detach(), q.grad, k.grad, v.grad)
-            errors[(comm_type, overlap, hq, hg, masked, dropout and dropout.p)] = max(rel_error(a, b) for a, b in zip(full, expected))
+            errors[(comm_type, a2a_size, overlap, hq, hg, masked, dropout and dropout.p)] = max(rel_error(a, b) for a, b in zip(full, expected))
     return errors
 
 
@@ -88,7 +94,7 @@ def test_context_parallel_attention_matches_unsharded(world_size):
     for errors in run_distributed(_check_all, world_size):
         bad = {key: err for key, err in errors.items() if err > 1e-5}
         assert not bad, bad
-        assert len(errors) == 4 * (len(HEAD_SHAPES) + 4)
+        assert len(errors) == len(COMM_CASES[world_size]) * (len(HEAD_SHAPES) + 4)
 
 
 def test_dropout_mask_is_bernoulli_and_seeded():
