@@ -4,7 +4,8 @@ gradient (reduced by megalite.parallel.data over DP x CP), fp32, within 1e-5 rel
 with position ids that restart mid-sequence (--reset-position-ids), and those together with
 a document mask (--reset-attention-mask) for every comm type. With attention dropout on, the
 CP = 4 runs of every comm type equal the CP = 2 ring run (the masks are a function of where
-each probability sits, megalite.parallel.context.dropout) and differ from dropout off."""
+each probability sits, megalite.parallel.context.dropout) and differ from dropout off. At CP =
+4, a2a+p2p with --hierarchical-context-parallel-sizes 2 2, both families."""
 
 import pytest
 import torch
@@ -101,6 +102,12 @@ def _cp_worker(rank, world_size):
             failures.append(str(e))
     if world_size == 4:
         failures += _dropout_failures(states[0])
+        for family in ("gpt2", "llama"):  # a2a+p2p: a2a inside pairs of CP ranks, a ring across the pairs
+            try:
+                compare(run_cp_model(make_config(family, cp_comm_type="a2a+p2p", cp_a2a_size=2), states[0]),
+                        run_model(make_config(family), ParallelState.single()), f"{family} a2a+p2p 2 x 2")
+            except AssertionError as e:
+                failures.append(str(e))
     return failures
 
 
