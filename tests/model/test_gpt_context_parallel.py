@@ -119,11 +119,13 @@ def _dropout_failures(cp4_state):
     failures = []
     if abs(reference["loss"] - run_model(make_config("llama"), ParallelState.single())["loss"]) < 1e-3:
         failures.append("attention dropout 0.3 left the CP loss unchanged")
-    for comm_type in COMM_TYPES:
+    # selective recompute re-runs core attention: it must redraw the same seed (the tracker's fork)
+    for comm_type, recompute in [(c, None) for c in COMM_TYPES] + [("p2p", "selective")]:
         torch.manual_seed(11)
         try:
-            compare(run_cp_model(make_config("llama", attention_dropout=0.3, cp_comm_type=comm_type), cp4_state),
-                    reference, f"attention dropout {comm_type} cp=4 against p2p cp=2")
+            config = make_config("llama", attention_dropout=0.3, cp_comm_type=comm_type, recompute_granularity=recompute)
+            compare(run_cp_model(config, cp4_state), reference,
+                    f"attention dropout {comm_type} recompute={recompute} cp=4 against p2p cp=2")
         except AssertionError as e:
             failures.append(str(e))
     return failures

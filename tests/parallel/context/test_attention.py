@@ -85,7 +85,8 @@ def _check_all(rank, world_size):
             (out * split_sequence(weight, 0, world_size, rank)).sum().backward()
             full = [gather_sequence(t, 0, group) for t in (out.detach(), *(t.grad for t in local))]
             expected = (ref.detach(), q.grad, k.grad, v.grad)
-            errors[(comm_type, a2a_size, overlap, hq, hg, masked, dropout and dropout.p)] = max(rel_error(a, b) for a, b in zip(full, expected))
+            key = (comm_type, a2a_size, overlap, hq, hg, masked, dropout and dropout.p)
+            errors[key] = max(rel_error(a, b) for a, b in zip(full, expected))
     return errors
 
 
