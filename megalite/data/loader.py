@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from megalite.parallel.context import split_sequence
+from megalite.parallel.context.split import split_attention_mask
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 BATCH_DTYPES = (torch.int64, torch.int64, torch.float32, torch.int64, torch.bool)
@@ -85,11 +86,11 @@ def build_data_iterator(dataset, *, consumed_samples: int, micro_batch_size: int
 
 
 def _cp_split_iterator(loader_iter, pstate):
-    """This CP rank's chunks of every [batch, seq] tensor of each micro-batch."""
+    """This CP rank's chunks of every [batch, seq] tensor of each micro-batch, and its query
+    rows of the attention mask ([batch, 1, seq / cp, seq]: keys anywhere in the sequence)."""
     for batch in loader_iter:
-        if "attention_mask" in batch:
-            raise ValueError("--reset-attention-mask with context parallelism is not implemented")
-        yield {key: split_sequence(value, 1, pstate.cp_size, pstate.cp_rank) for key, value in batch.items()}
+        yield {key: split_attention_mask(value, pstate.cp_size, pstate.cp_rank) if key == "attention_mask"
+               else split_sequence(value, 1, pstate.cp_size, pstate.cp_rank) for key, value in batch.items()}
 
 
 def _broadcast_device(group, device):
@@ -101,7 +102,8 @@ def _broadcast_device(group, device):
 
 
 def _tp_broadcast_iterator(loader_iter, pstate, device):
-    """TP rank 0 sends a header (has batch, batch size, seq length, has attention mask), then
+    """TP rank 0 sends a header (has batch, batch size, seq length, attention mask's key length
+    or 0 without one: the whole sequence's under context parallelism), then
     each tensor; the other TP ranks receive. An empty header ends the stream everywhere."""
     group, src = pstate.tp_group, pstate.tp_src_rank
     device = _broadcast_device(group, device)
@@ -112,16 +114,17 @@ def _tp_broadcast_iterator(loader_iter, pstate, device):
             batch = next(loader_iter, None)
             if batch is not None:
                 b, s = batch["tokens"].shape
-                header = torch.tensor([1, b, s, int("attention_mask" in batch)], dtype=torch.int64, device=device)
+                keys = batch["attention_mask"].shape[-1] if "attention_mask" in batch else 0
+                header = torch.tensor([1, b, s, keys], dtype=torch.int64, device=device)
         dist.broadcast(header, src=src, group=group)
-        has_batch, b, s, has_mask = header.tolist()
+        has_batch, b, s, mask_keys = header.tolist()
         if not has_batch:
             return
         out = {}
         for key, dtype in zip(BATCH_KEYS, BATCH_DTYPES):
-            if key == "attention_mask" and not has_mask:
+            if key == "attention_mask" and not mask_keys:
                 continue
-            shape = (b, 1, s, s) if key == "attention_mask" else (b, s)
+            shape = (b, 1, s, mask_keys) if key == "attention_mask" else (b, s)
             wire = torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool broadcast
             if batch is not None:
                 tensor = batch[key].to(device=device, dtype=wire).contiguous()

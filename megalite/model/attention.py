@@ -15,6 +15,7 @@ from megalite.model.recompute import checkpointed
 from megalite.model.rope import apply_rotary_interleaved
 from megalite.parallel import comm
 from megalite.parallel.context import context_parallel_attention
+from megalite.parallel.context.dropout import AttentionDropout
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
@@ -59,11 +60,15 @@ class SelfAttention(nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         scale = self.head_dim ** -0.5
         if comm.group_size(self.cp_group) > 1:
-            if attention_mask is not None or dropout > 0:
-                raise ValueError("context parallelism supports causal attention without attention "
-                                 "dropout only (--attention-dropout 0, no --reset-attention-mask)")
+            drop = None
+            if dropout > 0:  # one seed per call from the model-parallel stream, equal on every CP rank
+                with rng_fork_if(self.rng_tracker, True):
+                    seed = int(torch.randint(0, 2 ** 31, (), device=q.device).item())
+                drop = AttentionDropout(dropout, seed)
+            # attention_mask: this rank's query rows of the whole sequence's mask [b, 1, s, s * cp]
             return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
-                                              overlap=self.config.cp_ring_overlap)
+                                              overlap=self.config.cp_ring_overlap, mask=attention_mask,
+                                              dropout=drop, a2a_size=self.config.cp_a2a_size)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses

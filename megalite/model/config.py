@@ -94,7 +94,9 @@ class GPTConfig:
     mask): an error when flash_attn is not importable."""
     cp_comm_type: str = "p2p"
     """Attention across the context-parallel group (--cp-comm-type): 'p2p' (ring),
-    'all_gather' or 'a2a'; unused without context parallelism."""
+    'all_gather', 'a2a' or 'a2a+p2p'; unused without context parallelism."""
+    cp_a2a_size: int = 1
+    """With 'a2a+p2p': the a2a (inner) group size A of --hierarchical-context-parallel-sizes A P."""
     cp_ring_overlap: bool = True
     """With 'p2p': compute each key/value block while the next one travels (False waits for
     each transfer first; tools/benchmarks/bench_context_parallel.py measures the difference)."""
@@ -136,7 +138,7 @@ class GPTConfig:
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
-            "cp_comm_type": ("p2p", "all_gather", "a2a"),
+            "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),
         }
         unknown = set(self.unfused_kernels) - set(UNFUSABLE_OPS)
         if unknown:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 import yaml
 
 from megalite.model.config import GPTConfig
-from megalite.training.arguments_context import ContextArgs, cp_comm_type_of
+from megalite.training.arguments_context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
 from megalite.training.arguments_dry_run import DryRunArgs
 from megalite.training.arguments_field import MEGALITE, arg, flag_of
 from megalite.training.arguments_megatron_data import MegatronDataArgs
@@ -286,4 +286,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         **megatron_model_fields(args),
         moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
         cp_comm_type=cp_comm_type_of(args),
+        cp_a2a_size=cp_a2a_size_of(args),
     )

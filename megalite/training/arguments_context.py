@@ -2,8 +2,7 @@
 order of the parallel dimensions.
 
 Names and defaults are Megatron-LM's. What megalite does not run yet (per-layer comm types,
-hierarchical a2a+p2p, attention dropout or document masks under CP, FSDP2 with CP) stops the
-run naming the flag (check_context_args).
+FSDP2 with CP) stops the run naming the flag (check_context_args).
 """
 
 from dataclasses import dataclass
@@ -11,7 +10,6 @@ from dataclasses import dataclass
 from megalite.training.arguments_field import arg
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-RUNNABLE_CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 @dataclass
@@ -25,7 +23,7 @@ class ContextArgs:
         "default), all_gather, a2a (Ulysses) or a2a+p2p (hierarchical); one value, or one per layer.")
     hierarchical_context_parallel_sizes: list[str] | None = arg(
         None, "Sizes of the a2a (inner) and p2p (outer) context-parallel groups with "
-        "--cp-comm-type a2a+p2p.")
+        "--cp-comm-type a2a+p2p (A x P = --context-parallel-size; a2a among A consecutive CP ranks).")
     use_tp_pp_dp_mapping: bool = arg(
         False, "Order ranks TP, CP, PP, DP (innermost first) instead of TP, CP, DP, PP.")
 
@@ -33,6 +31,34 @@ class ContextArgs:
 def cp_comm_type_of(args) -> str:
     """The one --cp-comm-type of the run (p2p when not given)."""
     return args.cp_comm_type[0] if args.cp_comm_type else "p2p"
+
+
+def cp_a2a_size_of(args) -> int:
+    """A of --hierarchical-context-parallel-sizes A P with --cp-comm-type a2a+p2p, else 1."""
+    if cp_comm_type_of(args) != "a2a+p2p" or not args.hierarchical_context_parallel_sizes:
+        return 1
+    return int(args.hierarchical_context_parallel_sizes[0])
+
+
+def _check_hierarchical(args, fail) -> None:
+    cp, sizes = args.context_parallel_size, args.hierarchical_context_parallel_sizes
+    if sizes is None:
+        if cp_comm_type_of(args) == "a2a+p2p":
+            fail("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P")
+        return
+    try:
+        values = [int(v) for v in sizes]
+    except ValueError:
+        fail(f"--hierarchical-context-parallel-sizes expects integers, got {' '.join(sizes)!r}")
+    if len(values) != 2 or min(values) < 1:
+        fail(f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: expected two positive sizes, "
+             "A (a2a, inner) and P (p2p, outer)")
+    if values[0] * values[1] != cp:
+        fail(f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: {values[0]} x {values[1]} is not "
+             f"--context-parallel-size {cp}")
+    if cp_comm_type_of(args) != "a2a+p2p":
+        fail(f"--hierarchical-context-parallel-sizes is used only with --cp-comm-type a2a+p2p "
+             f"(got {cp_comm_type_of(args)})")
 
 
 def check_context_args(args, fail) -> None:
@@ -47,19 +73,10 @@ def check_context_args(args, fail) -> None:
         if len(set(args.cp_comm_type)) > 1:
             fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: a different type per layer is not "
                  "implemented in megalite yet (give one)")
-        if cp_comm_type_of(args) not in RUNNABLE_CP_COMM_TYPES:
-            fail(f"--cp-comm-type {cp_comm_type_of(args)}: hierarchical context parallelism is not "
-                 f"implemented in megalite yet ({', '.join(RUNNABLE_CP_COMM_TYPES)})")
-    if args.hierarchical_context_parallel_sizes is not None:
-        fail("--hierarchical-context-parallel-sizes: hierarchical context parallelism (a2a+p2p) is "
-             "not implemented in megalite yet")
+    _check_hierarchical(args, fail)
     if cp == 1:
         return
     checks = (
-        (args.attention_dropout > 0, f"--context-parallel-size {cp} runs attention without dropout "
-                                     f"only: give --attention-dropout 0 (got {args.attention_dropout})"),
-        (args.reset_attention_mask, f"--reset-attention-mask with --context-parallel-size {cp} is "
-                                    "not implemented in megalite yet"),
         (args.use_torch_fsdp2, f"--use-torch-fsdp2 with --context-parallel-size {cp} is not "
                                "implemented in megalite yet"),
         (args.use_flash_attn, f"--use-flash-attn with --context-parallel-size {cp} is not "
@@ -78,3 +95,8 @@ def check_context_args(args, fail) -> None:
     if cp_comm_type_of(args) == "a2a" and heads is not None and heads % cp:
         fail(f"--cp-comm-type a2a needs --num-attention-heads {args.num_attention_heads} divisible by "
              f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp}")
+    a2a = cp_a2a_size_of(args)
+    if cp_comm_type_of(args) == "a2a+p2p" and heads is not None and heads % a2a:
+        fail(f"--cp-comm-type a2a+p2p needs --num-attention-heads {args.num_attention_heads} divisible by "
+             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x the a2a size {a2a} of "
+             "--hierarchical-context-parallel-sizes")

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from megalite.data import PretrainingSampler, build_data_iterator, build_gpt_datasets
+from megalite.parallel.context import split_sequence
+from megalite.parallel.context.split import split_attention_mask
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.data.test_gpt_dataset import write_dataset
 from tests.distributed import run_distributed
@@ -113,6 +115,18 @@ def _distributed_loading(rank, world_size, corpus, cache_dir):
         }
         assert batches[0]["attention_mask"].dtype == torch.bool and batches[0]["attention_mask"].shape == (2, 1, 16, 16)
         assert batches[0]["loss_mask"].dtype == torch.float32
+    # CP = 2 with TP = 2: each CP rank gets its chunks of the tokens and its query rows of the
+    # whole sequence's document mask (--reset-attention-mask), broadcast to its TP partner.
+    state = ParallelState.create(ParallelLayout(4, tensor=2, context=2))
+    it = build_data_iterator(train, consumed_samples=0, micro_batch_size=2, global_batch_size=4, pstate=state,
+                             num_workers=0)
+    got = next(it)
+    samples = [train[i] for i in range(2)]
+    full_tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in samples])
+    full_mask = torch.stack([torch.as_tensor(x["attention_mask"]) for x in samples])
+    assert torch.equal(got["tokens"], split_sequence(full_tokens, 1, 2, state.cp_rank))
+    assert got["attention_mask"].shape == (2, 1, 8, 16)
+    assert torch.equal(got["attention_mask"], split_attention_mask(full_mask, 2, state.cp_rank))
     return out
 
 

@@ -1,7 +1,11 @@
 """The GPT model at CP = 2 and 4 (and CP = 2 with TP = 2 and sequence parallelism) against the
 CP = 1 model, both families, every --cp-comm-type: loss, logits and every parameter's
 gradient (reduced by megalite.parallel.data over DP x CP), fp32, within 1e-5 relative; and
-with position ids that restart mid-sequence (--reset-position-ids)."""
+with position ids that restart mid-sequence (--reset-position-ids), and those together with
+a document mask (--reset-attention-mask) for every comm type. With attention dropout on, the
+CP = 4 runs of every comm type equal the CP = 2 ring run (the masks are a function of where
+each probability sits, megalite.parallel.context.dropout) and differ from dropout off. At CP =
+4, a2a+p2p with --hierarchical-context-parallel-sizes 2 2, both families."""
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from megalite.model.pipeline_chunks import gpt_forward_step
 from megalite.model.weights import gather_full_weights
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, split_sequence
+from megalite.parallel.context.split import split_attention_mask
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
@@ -25,17 +30,26 @@ def reset_positions():
     return torch.tensor([list(range(5)) + list(range(SEQ - 5)), list(range(11)) + list(range(SEQ - 11))])
 
 
-def run_reference_with_positions(config):
+def document_mask():
+    """The --reset-attention-mask mask of the documents reset_positions() starts: [b, 1, s, s],
+    True = masked out."""
+    docs = (reset_positions() == 0).long().cumsum(1)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return ~(causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+def run_reference_with_positions(config, attention_mask=None):
     model = GPTModel(config, ParallelState.single(), init_seed=7)
     tokens, labels, mask = batch()
-    loss = masked_mean_loss(model(tokens, position_ids=reset_positions(), labels=labels), mask)
+    loss = masked_mean_loss(model(tokens, position_ids=reset_positions(), labels=labels,
+                                  attention_mask=attention_mask), mask)
     loss.backward()
     with torch.no_grad():
-        logits = model(tokens, position_ids=reset_positions())[..., :config.vocab_size]
+        logits = model(tokens, position_ids=reset_positions(), attention_mask=attention_mask)[..., :config.vocab_size]
     return {"loss": loss.detach(), "logits": logits, "grads": gather_full_weights(model, grads=True)}
 
 
-def run_cp_model(config, state, position_ids=None):
+def run_cp_model(config, state, position_ids=None, attention_mask=None):
     """Loss, gathered logits and full gradients of one CP forward/backward through
     gpt_forward_step and the DDP gradient buffers."""
     model = GPTModel(config, state, init_seed=7)
@@ -43,14 +57,17 @@ def run_cp_model(config, state, position_ids=None):
     tokens, labels, mask = (split_sequence(t, 1, state.cp_size, state.cp_rank) for t in batch())
     if position_ids is not None:
         position_ids = split_sequence(position_ids, 1, state.cp_size, state.cp_rank)
+    if attention_mask is not None:
+        attention_mask = split_attention_mask(attention_mask, state.cp_size, state.cp_rank)
     loss = gpt_forward_step(ddp, {"tokens": tokens, "labels": labels, "loss_mask": mask,
-                                  "position_ids": position_ids}, None)
+                                  "position_ids": position_ids, "attention_mask": attention_mask}, None)
     loss.backward()
     finalize_model_grads([ddp], state)
     for param in model.parameters():
         param.grad = param.main_grad.view_as(param)
     with torch.no_grad():
-        logits = comm.gather_dim(model(tokens, position_ids=position_ids), -1, state.tp_group)[..., :config.vocab_size]
+        logits = model(tokens, position_ids=position_ids, attention_mask=attention_mask)
+        logits = comm.gather_dim(logits, -1, state.tp_group)[..., :config.vocab_size]
         logits = gather_sequence(logits, 1, state.cp_group)
     return {"loss": loss.detach(), "logits": logits, "grads": gather_full_weights(model, grads=True)}
 
@@ -76,6 +93,41 @@ def _cp_worker(rank, world_size):
                 run_reference_with_positions(make_config("gpt2")), f"reset positions cp={world_size}")
     except AssertionError as e:
         failures.append(str(e))
+    reference = run_reference_with_positions(make_config("llama"), document_mask())
+    for comm_type in COMM_TYPES:  # documents split across chunks (--reset-attention-mask)
+        try:
+            compare(run_cp_model(make_config("llama", cp_comm_type=comm_type), states[0], reset_positions(),
+                                 document_mask()), reference, f"document mask {comm_type} cp={world_size}")
+        except AssertionError as e:
+            failures.append(str(e))
+    if world_size == 4:
+        failures += _dropout_failures(states[0])
+        for family in ("gpt2", "llama"):  # a2a+p2p: a2a inside pairs of CP ranks, a ring across the pairs
+            try:
+                compare(run_cp_model(make_config(family, cp_comm_type="a2a+p2p", cp_a2a_size=2), states[0]),
+                        run_model(make_config(family), ParallelState.single()), f"{family} a2a+p2p 2 x 2")
+            except AssertionError as e:
+                failures.append(str(e))
+    return failures
+
+
+def _dropout_failures(cp4_state):
+    cp2_state = ParallelState.create(ParallelLayout(4, context=2))
+    config = make_config("llama", attention_dropout=0.3)
+    torch.manual_seed(11)  # the seed each attention call draws (equal on every rank)
+    reference = run_cp_model(config, cp2_state)
+    failures = []
+    if abs(reference["loss"] - run_model(make_config("llama"), ParallelState.single())["loss"]) < 1e-3:
+        failures.append("attention dropout 0.3 left the CP loss unchanged")
+    # selective recompute re-runs core attention: it must redraw the same seed (the tracker's fork)
+    for comm_type, recompute in [(c, None) for c in COMM_TYPES] + [("p2p", "selective")]:
+        torch.manual_seed(11)
+        try:
+            config = make_config("llama", attention_dropout=0.3, cp_comm_type=comm_type, recompute_granularity=recompute)
+            compare(run_cp_model(config, cp4_state), reference,
+                    f"attention dropout {comm_type} recompute={recompute} cp=4 against p2p cp=2")
+        except AssertionError as e:
+            failures.append(str(e))
     return failures
 
 

@@ -7,11 +7,7 @@ from tests.training.test_arguments import parsed, refused
 
 
 @pytest.mark.parametrize("extra, words", [
-    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type a2a+p2p", ["--cp-comm-type a2a+p2p", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a", ["--cp-comm-type p2p a2a", "per layer"]),
-    ("--hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes", "not implemented"]),
-    ("--context-parallel-size 2", ["--context-parallel-size 2", "--attention-dropout 0"]),
-    ("--context-parallel-size 2 --attention-dropout 0 --reset-attention-mask", ["--reset-attention-mask", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --use-torch-fsdp2", ["--use-torch-fsdp2", "not implemented"]),
     ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
@@ -33,6 +29,12 @@ def test_context_parallel_options_reach_the_layout_and_model():
     assert (layout.context, layout.data, args.data_parallel_size) == (2, 2, 2)
     assert layout.cp_groups()[0] == [0, 2]  # TP innermost, then CP
     assert model_config_from_args(args, 100).cp_comm_type == "a2a"
+    assert model_config_from_args(args, 100).cp_a2a_size == 1
+    # attention dropout (default 0.1) and document masks run under CP; a2a+p2p reaches the model
+    args = parsed("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
+                  "--reset-attention-mask", 8)
+    config = model_config_from_args(args, 100)
+    assert (config.cp_comm_type, config.cp_a2a_size, config.attention_dropout) == ("a2a+p2p", 2, 0.1)
     mapped = layout_from_args(parsed("--context-parallel-size 2 --attention-dropout 0 "
                                      "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", 8), 8)
     assert mapped.pp_groups()[0] == [0, 2] and mapped.dp_groups()[0] == [0, 4]
@@ -42,6 +44,17 @@ def test_context_parallel_options_reach_the_layout_and_model():
     ("--context-parallel-size 2 --attention-dropout 0 --seq-length 30", ["--seq-length 30", "2 x --context-parallel-size", "= 4"]),
     ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a --num-attention-heads 2 --hidden-size 64",
      ["--cp-comm-type a2a", "--num-attention-heads 2"]),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p", ["--cp-comm-type a2a+p2p", "--hierarchical-context-parallel-sizes"]),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 3",
+     ["--hierarchical-context-parallel-sizes 2 3", "--context-parallel-size 4"]),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4",
+     ["--hierarchical-context-parallel-sizes 4", "two"]),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 x",
+     ["--hierarchical-context-parallel-sizes", "integers"]),
+    ("--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2", ["--hierarchical-context-parallel-sizes",
+                                                                             "a2a+p2p"]),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 1 "
+     "--num-attention-heads 2 --hidden-size 64", ["--cp-comm-type a2a+p2p", "--num-attention-heads 2"]),
 ])
 def test_context_parallel_shapes_refused(extra, words):
     message = refused(extra, 8)

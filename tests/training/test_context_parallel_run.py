@@ -2,7 +2,10 @@
 processes on gloo): five iterations' losses at CP = 2 with TP = 2 and sequence parallelism,
 with PP = 2 interleaved, with DP = 2 and the distributed optimizer, and at CP = 4, each equal
 to the single-process run within 1e-5; a checkpoint saved at CP = 2 resumes at CP = 1 and at
-CP = 4 with the uninterrupted run's losses."""
+CP = 4 with the uninterrupted run's losses. Also: documents split across chunks
+(--reset-attention-mask --reset-position-ids, CP = 2 with TP = 2) and a2a+p2p (CP = 4 as 2 x 2)
+equal their single-process runs; with attention dropout on, CP = 2 and CP = 4 draw the same
+masks (equal losses), which differ from dropout off."""
 
 import shutil
 
@@ -55,3 +58,30 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path, single_process
         run(COMMON + extra + ["--context-parallel-size", cp, "--load", str(resumed / "ckpt"),
                               "--metrics-file", str(resumed / "metrics.jsonl")], world, resumed / "logs")
         _close(train_losses(resumed / "metrics.jsonl"), single_process, range(4, ITERS + 1))
+
+
+@pytest.mark.slow
+def test_document_masks_and_hierarchical_equal_single_process(tmp_path, single_process):
+    docs = ["--reset-attention-mask", "--reset-position-ids"]
+    run(COMMON + docs + ["--metrics-file", str(tmp_path / "docs1.jsonl")], 1, tmp_path / "logs_docs1")
+    run(COMMON + docs + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--metrics-file", str(tmp_path / "docs2.jsonl")], 4, tmp_path / "logs_docs2")
+    reference = train_losses(tmp_path / "docs1.jsonl")
+    _close(train_losses(tmp_path / "docs2.jsonl"), reference, range(1, ITERS + 1))
+    assert any(abs(reference[it] - single_process[it]) > 1e-4 for it in reference)  # the masks mattered
+    run(COMMON + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                  "2", "2", "--metrics-file", str(tmp_path / "hier.jsonl")], 4, tmp_path / "logs_hier")
+    _close(train_losses(tmp_path / "hier.jsonl"), single_process, range(1, ITERS + 1))
+
+
+@pytest.mark.slow
+def test_attention_dropout_same_masks_at_cp2_and_cp4(tmp_path, single_process):
+    losses = {}
+    for world, cp, comm in ((2, "2", "p2p"), (4, "4", "a2a")):
+        out = tmp_path / f"cp{cp}.jsonl"
+        assert COMMON[-2:] == ["--attention-dropout", "0"]
+        run(COMMON[:-1] + ["0.2", "--context-parallel-size", cp, "--cp-comm-type", comm,
+                      "--metrics-file", str(out)], world, tmp_path / f"logs{cp}")
+        losses[cp] = train_losses(out)
+    _close(losses["4"], losses["2"], range(1, ITERS + 1))
+    assert any(abs(losses["2"][it] - single_process[it]) > 1e-4 for it in losses["2"])  # dropout was on

@@ -4,7 +4,10 @@ What lives here: the load-balanced split of a sequence into 2N chunks (rank i ho
 and 2N-1-i, so causal attention costs every rank the same), and causal self-attention across
 the CP group in three ways: `p2p` (ring attention, key/value blocks passed around a ring,
 partial results merged by their log-sum-exp, the backward pass a ring too), `all_gather`
-(keys and values gathered) and `a2a` (Ulysses: heads scattered, sequence gathered).
+(keys and values gathered), `a2a` (Ulysses: heads scattered, sequence gathered) and
+`a2a+p2p` (hierarchical.py: a2a inside groups of CP ranks, a ring across them); each with
+document masks (--reset-attention-mask: each rank's query rows of the whole sequence's mask)
+and attention dropout (dropout.py: masks hashed from positions, the same at every CP size).
 
 Imports: torch and megalite.parallel's shared modules (comm, state) only; never
 megalite.model, megalite.training or megalite.optimizer.

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from megalite.parallel import comm
 from megalite.parallel.context.blocks import block_backward, block_forward, merge
-from megalite.parallel.context.split import chunk_ids, natural_order
+from megalite.parallel.context.dropout import block_keep
+from megalite.parallel.context.split import chunk_ids, gather_sequence, mask_block, natural_order
 
 
 def _chunk_place(chunk: int, cp_size: int) -> tuple[int, int]:
@@ -27,7 +28,7 @@ class AllGatherAttention(torch.autograd.Function):
     their gradients home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, mask, group, scale, dropout):
         n, rank = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
         kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)  # [n, 2, b, hg, s, d]
@@ -37,19 +38,21 @@ class AllGatherAttention(torch.autograd.Function):
             for kv_id in range(q_id + 1):
                 owner, half = _chunk_place(kv_id, n)
                 block = kv[owner, :, :, :, half * c:(half + 1) * c]
-                acc = merge(acc, *block_forward(q[:, :, qa * c:(qa + 1) * c], block[0], block[1], scale,
-                                                causal=kv_id == q_id))
+                q_part = q[:, :, qa * c:(qa + 1) * c]
+                acc = merge(acc, *block_forward(q_part, block[0], block[1], scale, kv_id == q_id,
+                                                mask_block(mask, qa, kv_id, c),
+                                                block_keep(dropout, q_part, q_id, kv_id, c)))
             outs.append(acc[0])
             lses.append(acc[1])
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.mask, ctx.group, ctx.scale, ctx.dropout = mask, group, scale, dropout
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        mask, group, scale, dropout = ctx.mask, ctx.group, ctx.scale, ctx.dropout
         n, rank = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
         kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)
@@ -64,17 +67,20 @@ class AllGatherAttention(torch.autograd.Function):
                 cols = slice(half * c, (half + 1) * c)
                 dq_part, dk_part, dv_part = block_backward(
                     q[:, :, rows], kv[owner, 0, :, :, cols], kv[owner, 1, :, :, cols], dout[:, :, rows],
-                    delta[:, :, rows], lse[:, :, rows], scale, causal=kv_id == q_id)
+                    delta[:, :, rows], lse[:, :, rows], scale, kv_id == q_id, mask_block(mask, qa, kv_id, c),
+                    block_keep(dropout, q[:, :, rows], q_id, kv_id, c))
                 dq[:, :, rows] += dq_part
                 dkv[owner, 0, :, :, cols] += dk_part
                 dkv[owner, 1, :, :, cols] += dv_part
         dkv = comm.reduce_scatter_dim0(dkv, group)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def all_gather_attention(q, k, v, group, scale: float) -> torch.Tensor:
-    """q [b, hq, s, d], k and v [b, hg, s, d] -> [b, hq, s, d]."""
-    return AllGatherAttention.apply(q, k, v, group, scale)
+def all_gather_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torch.Tensor:
+    """q [b, hq, s, d], k and v [b, hg, s, d] -> [b, hq, s, d]; `mask` this rank's rows of
+    the document mask (split.split_attention_mask) or None; `dropout` a
+    dropout.AttentionDropout or None."""
+    return AllGatherAttention.apply(q, k, v, mask, group, scale, dropout)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -123,8 +129,11 @@ def _heads_to_seq(x, group):
     return parts.permute(1, 2, 0, 3, 4).reshape(ns // n, b, n * hn, d)
 
 
-def a2a_attention(q, k, v, group, scale: float) -> torch.Tensor:
-    """q [s, b, hq, d], k and v [s, b, hg, d] -> [b, hq, s, d]."""
+def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torch.Tensor:
+    """q [s, b, hq, d], k and v [s, b, hg, d] -> [b, hq, s, d]; `mask` this rank's rows of the
+    document mask (split.split_attention_mask) or None; `dropout` a dropout.AttentionDropout
+    or None (then the whole-sequence attention of this rank's heads is computed explicitly,
+    its mask that of heads rank * hq / n onwards)."""
     n = comm.group_size(group)
     s, b, hq, d = q.shape
     if hq % n:
@@ -134,7 +143,15 @@ def a2a_attention(q, k, v, group, scale: float) -> torch.Tensor:
         k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
     order = natural_order(s, n, q.device)
     q, k, v = (_SeqToHeads.apply(t, group).index_select(0, order).permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])  # [b, hq/n, n*s, d]
+    allowed = None
+    if mask is not None:  # every rank attends over the whole sequence: it needs every row
+        full = gather_sequence(mask.to(torch.uint8), 2, group).bool()  # (gloo gathers no bool)
+        allowed = ~full & torch.ones(full.shape[-2:], dtype=torch.bool, device=full.device).tril()
+    if dropout is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=mask is None, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])  # [b, hq/n, n*s, d]
+    else:
+        keep = block_keep(dropout, q, 0, 0, n * s, head_offset=comm.group_rank(group) * q.shape[1])
+        out = block_forward(q, k, v, scale, True, None if allowed is None else ~allowed, keep)[0].to(q.dtype)
     out = out.permute(2, 0, 1, 3).index_select(0, torch.argsort(order))
     return _HeadsToSeq.apply(out, group).permute(1, 2, 0, 3)  # [b, hq, s, d]

@@ -5,27 +5,50 @@ computed. The backward pass is a ring too: keys and values go round again, each 
 key/value gradient travelling with it and collecting every rank's contribution, arriving
 home after one more hop.
 
-Layouts: q [b, hq, s, d], k and v [b, hg, s, d], s this rank's two chunks (split.py).
+Layouts: q [b, hq, s, d], k and v [b, hg, s, d], s this rank's two chunks (split.py), or
+(hierarchical.py) any equal chunks a Ring names.
 """
+
+from dataclasses import dataclass
+
 
 import torch
 import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.context.blocks import CAUSAL, SKIP, block_backward, block_forward, merge, relation
-from megalite.parallel.context.split import chunk_ids
+from megalite.parallel.context.dropout import block_keep
+from megalite.parallel.context.split import chunk_ids, mask_block
 
 _KV_TAG, _GRAD_TAG = 0, 1
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Which ranks of `group` form the ring, in ring order (`members`), the sequence chunks
+    each member holds (`chunks[i]` for members[i], in the order its tensors hold them), and
+    the index of this rank's first head among the heads the dropout masks number."""
+
+    members: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    head_offset: int = 0
+
+    @classmethod
+    def whole_group(cls, group) -> "Ring":
+        n = comm.group_size(group)
+        return cls(tuple(range(n)), tuple(chunk_ids(n, r) for r in range(n)))
 
 
 class _RingStep:
     """One hop of a tensor around the ring: started at once, waited for when needed."""
 
-    def __init__(self, tensor, group, tag, overlap):
-        n, rank = comm.group_size(group), comm.group_rank(group)
+    def __init__(self, tensor, group, ring, tag, overlap):
+        n, pos = len(ring.members), ring.members.index(comm.group_rank(group))
         self.received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % n), group, tag),
-               dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % n), group, tag)]
+        send_to = dist.get_global_rank(group, ring.members[(pos + 1) % n])
+        receive_from = dist.get_global_rank(group, ring.members[(pos - 1) % n])
+        ops = [dist.P2POp(dist.isend, tensor, send_to, group, tag),
+               dist.P2POp(dist.irecv, self.received, receive_from, group, tag)]
         self.requests = dist.batch_isend_irecv(ops)
         if not overlap:
             self.wait()
@@ -37,73 +60,86 @@ class _RingStep:
         return self.received
 
 
-def _pairs(cp_size, cp_rank, src_rank):
-    """(query chunk index, key chunk index, causal) for each pair that is not skipped."""
-    q_ids, kv_ids = chunk_ids(cp_size, cp_rank), chunk_ids(cp_size, src_rank)
+def _pairs(ring, pos, src):
+    """(query chunk index, key chunk index, query chunk id, key chunk id, causal) for each pair
+    that is not skipped, ring member `pos`'s queries against member `src`'s keys."""
+    q_ids, kv_ids = ring.chunks[pos], ring.chunks[src]
     for qa, q_id in enumerate(q_ids):
         for kb, kv_id in enumerate(kv_ids):
             kind = relation(q_id, kv_id)
             if kind != SKIP:
-                yield qa, kb, kind == CAUSAL
+                yield qa, kb, q_id, kv_id, kind == CAUSAL
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, overlap):
-        n, rank = comm.group_size(group), comm.group_rank(group)
-        c = q.shape[2] // 2
-        q_chunks = (q[:, :, :c], q[:, :, c:])
-        acc = [None, None]
+    def forward(ctx, q, k, v, mask, group, scale, overlap, dropout, ring):
+        n, rank = len(ring.members), ring.members.index(comm.group_rank(group))
+        parts = len(ring.chunks[rank])
+        c = q.shape[2] // parts
+        q_chunks = [q[:, :, i * c:(i + 1) * c] for i in range(parts)]
+        acc = [None] * parts
         kv = torch.stack((k, v)).contiguous()
         for step in range(n):
-            hop = _RingStep(kv, group, _KV_TAG, overlap) if step < n - 1 else None
+            hop = _RingStep(kv, group, ring, _KV_TAG, overlap) if step < n - 1 else None
             src = (rank - step) % n
-            for qa, kb, causal in _pairs(n, rank, src):
+            for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
                 kv_chunk = kv[:, :, :, kb * c:(kb + 1) * c]
-                acc[qa] = merge(acc[qa], *block_forward(q_chunks[qa], kv_chunk[0], kv_chunk[1], scale, causal))
+                acc[qa] = merge(acc[qa], *block_forward(q_chunks[qa], kv_chunk[0], kv_chunk[1], scale, causal,
+                                                        mask_block(mask, qa, kv_id, c),
+                                                        block_keep(dropout, q_chunks[qa], q_id, kv_id, c,
+                                                                   ring.head_offset)))
             if hop is not None:
                 kv = hop.wait()
-        out = torch.cat((acc[0][0], acc[1][0]), dim=2)
-        lse = torch.cat((acc[0][1], acc[1][1]), dim=2)
+        out = torch.cat([a[0] for a in acc], dim=2)
+        lse = torch.cat([a[1] for a in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.overlap = group, scale, overlap
+        ctx.mask, ctx.group, ctx.scale, ctx.overlap, ctx.dropout, ctx.ring = mask, group, scale, overlap, dropout, ring
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, overlap = ctx.group, ctx.scale, ctx.overlap
-        n, rank = comm.group_size(group), comm.group_rank(group)
-        c = q.shape[2] // 2
+        mask, group, scale, overlap, dropout, ring = ctx.mask, ctx.group, ctx.scale, ctx.overlap, ctx.dropout, ctx.ring
+        n, rank = len(ring.members), ring.members.index(comm.group_rank(group))
+        parts = len(ring.chunks[rank])
+        c = q.shape[2] // parts
         dout = dout.float()
         delta = (dout * out).sum(-1)
-        halves = lambda t: (t[:, :, :c], t[:, :, c:])  # noqa: E731
-        q_chunks, dout_chunks, lse_chunks, delta_chunks = halves(q), halves(dout), halves(lse), halves(delta)
+        pieces = lambda t: [t[:, :, i * c:(i + 1) * c] for i in range(parts)]  # noqa: E731
+        q_chunks, dout_chunks, lse_chunks, delta_chunks = pieces(q), pieces(dout), pieces(lse), pieces(delta)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         grad_hop = None
         for step in range(n):
-            hop = _RingStep(kv, group, _KV_TAG, overlap) if step < n - 1 else None
+            hop = _RingStep(kv, group, ring, _KV_TAG, overlap) if step < n - 1 else None
             src = (rank - step) % n
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for qa, kb, causal in _pairs(n, rank, src):
+            for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
                 sl = slice(kb * c, (kb + 1) * c)
                 dq_part, dk_part, dv_part = block_backward(
                     q_chunks[qa], kv[0, :, :, sl], kv[1, :, :, sl], dout_chunks[qa], delta_chunks[qa],
-                    lse_chunks[qa], scale, causal)
+                    lse_chunks[qa], scale, causal, mask_block(mask, qa, kv_id, c),
+                    block_keep(dropout, q_chunks[qa], q_id, kv_id, c, ring.head_offset))
                 dq[:, :, qa * c:(qa + 1) * c] += dq_part
                 dkv[0, :, :, sl] += dk_part
                 dkv[1, :, :, sl] += dv_part
             if grad_hop is not None:
                 dkv += grad_hop.wait()  # the earlier ranks' share of this same block
-            grad_hop = _RingStep(dkv, group, _GRAD_TAG, overlap)
+            if n > 1:
+                grad_hop = _RingStep(dkv, group, ring, _GRAD_TAG, overlap)
             if hop is not None:
                 kv = hop.wait()
-        dkv = grad_hop.wait()  # this rank's own block, every rank's share summed
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        if n > 1:
+            dkv = grad_hop.wait()  # this rank's own block, every rank's share summed
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float, overlap: bool = True) -> torch.Tensor:
+def ring_attention(q, k, v, group, scale: float, overlap: bool = True, mask=None, dropout=None,
+                   ring: Ring | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries against every CP rank's keys and values.
-    `overlap` False waits for each transfer before computing (to measure the overlap)."""
-    return RingAttention.apply(q, k, v, group, scale, overlap)
+    `overlap` False waits for each transfer before computing (to measure the overlap).
+    `mask`: this rank's rows of the document mask (split.split_attention_mask) or None;
+    `dropout`: a dropout.AttentionDropout or None; `ring`: the ring and its chunks (default:
+    every rank of `group`, each holding its two load-balanced chunks)."""
+    return RingAttention.apply(q, k, v, mask, group, scale, overlap, dropout, ring or Ring.whole_group(group))

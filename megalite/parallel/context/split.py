@@ -50,3 +50,19 @@ def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     gathered = comm.gather_dim(x, dim, group)
     return gathered.index_select(dim, natural_order(x.shape[dim], n, x.device))
+
+
+def split_attention_mask(mask: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """`cp_rank`'s rows (its queries) of a full [b, 1, s, s] attention mask; the columns (keys)
+    stay the whole sequence in order: [b, 1, s / cp_size, s]."""
+    if cp_size == 1:
+        return mask
+    return mask.index_select(2, local_positions(mask.shape[2], cp_size, cp_rank, mask.device))
+
+
+def mask_block(mask: torch.Tensor | None, q_half: int, kv_chunk: int, chunk: int):
+    """The part of a split_attention_mask for this rank's query half `q_half` (0 or 1) against
+    sequence chunk `kv_chunk` (chunks of length `chunk`); None without a mask."""
+    if mask is None:
+        return None
+    return mask[:, :, q_half * chunk:(q_half + 1) * chunk, kv_chunk * chunk:(kv_chunk + 1) * chunk]
