@@ -74,6 +74,26 @@ def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
+class _Paired(torch.autograd.Function):
+    """forward(x, *args) forward, backward(grad, *args) backward (see `paired`)."""
+
+    @staticmethod
+    def forward(ctx, x, forward, backward, *args):
+        ctx.backward_fn, ctx.args = backward, args
+        return forward(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (ctx.backward_fn(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
+
+
+def paired(x: torch.Tensor, forward, backward, *args) -> torch.Tensor:
+    """forward(x, *args), differentiated as backward(grad, *args): for a pair of communication
+    ops each of which is the other's gradient (all-to-all one way and back, gather and
+    reduce-scatter); `args` are not differentiated."""
+    return _Paired.apply(x, forward, backward, *args)
+
+
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 

@@ -90,31 +90,6 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[s, b, h, d] split over the sequence -> [n*s, b, h/n, d] split over heads (rank order
-    of the sequence parts); backward the inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
-
-
 def _seq_to_heads(x, group):
     n = comm.group_size(group)
     s, b, h, d = x.shape
@@ -142,7 +117,8 @@ def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torc
     if k.shape[2] % n:  # too few key/value heads to split: give every query head its own copy
         k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
     order = natural_order(s, n, q.device)
-    q, k, v = (_SeqToHeads.apply(t, group).index_select(0, order).permute(1, 2, 0, 3) for t in (q, k, v))
+    q, k, v = (comm.paired(t, _seq_to_heads, _heads_to_seq, group).index_select(0, order).permute(1, 2, 0, 3)
+               for t in (q, k, v))
     allowed = None
     if mask is not None:  # every rank attends over the whole sequence: it needs every row
         full = gather_sequence(mask.to(torch.uint8), 2, group).bool()  # (gloo gathers no bool)
@@ -154,4 +130,4 @@ def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torc
         keep = block_keep(dropout, q, 0, 0, n * s, head_offset=comm.group_rank(group) * q.shape[1])
         out = block_forward(q, k, v, scale, True, None if allowed is None else ~allowed, keep)[0].to(q.dtype)
     out = out.permute(2, 0, 1, 3).index_select(0, torch.argsort(order))
-    return _HeadsToSeq.apply(out, group).permute(1, 2, 0, 3)  # [b, hq, s, d]
+    return comm.paired(out, _heads_to_seq, _seq_to_heads, group).permute(1, 2, 0, 3)  # [b, hq, s, d]

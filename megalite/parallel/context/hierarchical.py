@@ -30,30 +30,6 @@ def _sub_all_to_all(parts: torch.Tensor, group, members: range) -> torch.Tensor:
     return out.reshape(parts.shape)
 
 
-class _SubSeqToHeads(torch.autograd.Function):
-    """[s, b, h, d] -> [A*s, b, h/A, d] within an a2a group; backward the inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group, members):
-        ctx.group, ctx.members = group, members
-        return _seq_to_heads(x, group, members)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, ctx.members), None, None
-
-
-class _SubHeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, members):
-        ctx.group, ctx.members = group, members
-        return _heads_to_seq(x, group, members)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group, ctx.members), None, None
-
-
 def _seq_to_heads(x, group, members):
     a = len(members)
     s, b, h, d = x.shape
@@ -86,7 +62,8 @@ def hierarchical_attention(q, k, v, group, a2a_size: int, scale: float, overlap:
         k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
     group_index, inner = divmod(rank, a)
     members = range(group_index * a, (group_index + 1) * a)
-    q, k, v = (_SubSeqToHeads.apply(t, group, members).permute(1, 2, 0, 3) for t in (q, k, v))
+    q, k, v = (comm.paired(t, _seq_to_heads, _heads_to_seq, group, members).permute(1, 2, 0, 3)
+               for t in (q, k, v))
     if mask is not None:  # this a2a group's query rows, in member order like the queries now
         rows = _sub_all_to_all(mask.to(torch.uint8).movedim(2, 0)[None].expand(a, *mask.movedim(2, 0).shape),
                                group, members)
@@ -95,4 +72,5 @@ def hierarchical_attention(q, k, v, group, a2a_size: int, scale: float, overlap:
                 chunks=tuple(tuple(c for m in range(g * a, (g + 1) * a) for c in chunk_ids(n, m)) for g in range(p)),
                 head_offset=inner * (hq // a))
     out = ring_attention(q, k, v, group, scale, overlap, mask, dropout, ring)  # [b, hq/a, a*s, d]
-    return _SubHeadsToSeq.apply(out.permute(2, 0, 1, 3), group, members).permute(1, 2, 0, 3)
+    out = comm.paired(out.permute(2, 0, 1, 3), _heads_to_seq, _seq_to_heads, group, members)
+    return out.permute(1, 2, 0, 3)

@@ -58,28 +58,6 @@ def _reduce_scatter_rows(x, sizes, group):
     return summed[start:start + sizes[comm.group_rank(group)]].contiguous()
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.sizes, ctx.group), None, None
-
-
 def row_counts(n: int, group, device=None) -> list[int]:
     """Every rank's `n`, in rank order."""
     if comm.group_size(group) == 1:
@@ -93,11 +71,11 @@ def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     gradients over the group and keeps this rank's rows."""
     if comm.group_size(group) == 1:
         return x
-    return _GatherRows.apply(x, list(sizes), group)
+    return comm.paired(x, _gather_rows, _reduce_scatter_rows, list(sizes), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Sum `x` (sum(sizes) rows) over the group and keep this rank's sizes[rank] rows."""
     if comm.group_size(group) == 1:
         return x
-    return _ReduceScatterRows.apply(x, list(sizes), group)
+    return comm.paired(x, _reduce_scatter_rows, _gather_rows, list(sizes), group)
