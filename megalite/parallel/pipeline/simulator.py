@@ -1,12 +1,15 @@
 """Run every pipeline rank's action list against a cost model: idle time, memory, deadlocks.
 
 Time model. All ranks start at time 0. A compute action occupies its rank for its cost
-(`Costs`): F costs `forward`, W costs `weight`, B costs `backward` when the schedule splits
+(`Costs`: one for every rank and chunk, or a table `costs[rank][chunk]` where stages differ,
+as a first stage with the embedding or a last one with the output layer do): F costs
+`forward`, W costs `weight`, B costs `backward` when the schedule splits
 the backward (a W exists for the same chunk and micro-batch on that rank) and
 `backward + weight` when it does not, so split and unsplit schedules are compared at equal
 total work. Communication follows the executor rule of actions.py: each maximal run
 of consecutive communication actions is posted as one batch when the rank reaches it, and the
-rank resumes when every operation of the batch has completed. Messages between two ranks are
+rank resumes when every operation of the batch has completed. A message takes the
+`p2p_latency` of its sender's chunk. Messages between two ranks are
 matched in order (the i-th send from a to b is the i-th receive at b from a, as NCCL and gloo
 do); a mismatch raises. Two send semantics:
 
@@ -97,6 +100,7 @@ class _Channel:
 
 
 def _cost(action: Action, split: set, costs: Costs):
+    """The time `action` occupies its rank (`costs` already that rank's and chunk's)."""
     if action.kind == F:
         return costs.forward
     if action.kind == W:
@@ -106,14 +110,27 @@ def _cost(action: Action, split: set, costs: Costs):
     return costs.backward + costs.weight
 
 
+def _cost_table(costs, p: int, num_chunks: int) -> list[list[Costs]]:
+    """costs[rank][chunk] from one Costs or a table of them, checked for shape."""
+    if isinstance(costs, Costs):
+        return [[costs] * num_chunks for _ in range(p)]
+    table = [list(row) for row in costs]
+    if len(table) != p or any(len(row) != num_chunks for row in table):
+        raise ValueError(f"costs table must be {p} ranks x {num_chunks} chunks, got "
+                         f"{len(table)} x {sorted({len(row) for row in table})}")
+    return table
+
+
 def simulate(actions_per_rank: list[list[Action]], num_chunks: int | None = None,
-             costs: Costs = Costs(), rendezvous: bool = False) -> SimulationReport:
+             costs: Costs | list[list[Costs]] = Costs(), rendezvous: bool = False) -> SimulationReport:
     """Run all ranks' action lists together (index = pipeline rank) and report timing and
     memory; raises DeadlockError naming the stuck ranks and actions, ScheduleError for
-    transfers that do not match."""
+    transfers that do not match. `costs` is one Costs for every rank and chunk or a table
+    costs[rank][chunk]."""
     p = len(actions_per_rank)
     if num_chunks is None:
         num_chunks = 1 + max((a.chunk for acts in actions_per_rank for a in acts), default=0)
+    table = _cost_table(costs, p, num_chunks)
     groups = [comm_batches(acts) for acts in actions_per_rank]
     splits = [{(a.chunk, a.microbatch) for a in acts if a.kind == W} for acts in actions_per_rank]
     channels = {(a, b): _Channel() for a in range(p) for b in range(p)}
@@ -149,11 +166,12 @@ def simulate(actions_per_rank: list[list[Action]], num_chunks: int | None = None
                 f"transfer #{index} from rank {src} to rank {dst} does not match: rank {src} "
                 f"sends for {send}, which rank {dst} must receive as {expected}, but rank {dst}'s "
                 f"#{index} receive from rank {src} is {recv}")
+        latency = table[src][send.chunk].p2p_latency
         if rendezvous:
-            return max(send_time, recv_time) + costs.p2p_latency
+            return max(send_time, recv_time) + latency
         if is_send:
             return send_time
-        return max(recv_time, send_time + costs.p2p_latency)
+        return max(recv_time, send_time + latency)
 
     def advance(rank) -> bool:
         moved = False
@@ -161,7 +179,7 @@ def simulate(actions_per_rank: list[list[Action]], num_chunks: int | None = None
             batch = groups[rank][position[rank]]
             if batch[0].is_compute:
                 action = batch[0]
-                cost = _cost(action, splits[rank], costs)
+                cost = _cost(action, splits[rank], table[rank][action.chunk])
                 reports[rank].timeline.append((action, clock[rank], clock[rank] + cost))
                 reports[rank].busy += cost
                 clock[rank] += cost

@@ -269,6 +269,22 @@ def test_simulator_p2p_latency():
     assert [r.idle for r in report.ranks] == [3, 3]
 
 
+def test_simulator_costs_per_rank_and_chunk():
+    # p=2, m=1: rank 0's F and B cost 1, rank 1's (a heavier last stage) 2, its messages take
+    # 1/2: F0 [0,1], transfer, F1 [1.5,3.5], B1 [3.5,5.5], transfer, B0 [6,7].
+    light, heavy = Costs(1, 1, 0, Fraction(1, 2)), Costs(2, 2, 0, Fraction(1, 2))
+    report = simulate(all_ranks("1f1b", 2, 1), costs=[[light], [heavy]])
+    assert report.makespan == 7
+    assert [r.busy for r in report.ranks] == [2, 4]
+    # interleaved: only the last chunk of the last rank is heavier; the table is rank x chunk
+    lists = all_ranks("interleaved_1f1b", 2, 2, 2)
+    uniform = simulate(lists, 2, Costs(1, 1)).makespan
+    tail = simulate(lists, 2, [[Costs(1, 1), Costs(1, 1)], [Costs(1, 1), Costs(3, 3)]]).makespan
+    assert (uniform, tail) == (10, 18)  # two micro-batches' F and B on the heavy chunk, 4 more each
+    with pytest.raises(ValueError, match="2 ranks x 2 chunks"):
+        simulate(lists, 2, [[Costs()], [Costs()]])
+
+
 def test_held_activations_counts_until_weight_gradient():
     split = [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(F, 0, 2), Action(W, 0, 0)]
     fused = [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(F, 0, 2)]
