@@ -1,0 +1,183 @@
+"""The machines a layout runs on: device speed and memory, node size, link bandwidths, and the
+time of a collective over a group of ranks placed on them.
+
+Two kinds of cluster: presets (and `Cluster(...)` built from flags), whose collectives follow
+the ring model below from a bandwidth and a latency per link kind; and a machine measured by
+`--calibrate` (megalite.planner.calibrate), which stores each collective's fitted latency and
+bandwidth per group size, as measured with every group of that size communicating at once.
+
+Ring model (per rank; S the bytes of the full tensor, n ranks, alpha the link latency, bw the
+bus bandwidth a rank gets):
+
+    all_reduce        2(n-1) alpha + 2(n-1)/n S / bw
+    all_gather, reduce_scatter, all_to_all
+                      (n-1) alpha + (n-1)/n S / bw
+    p2p (send one S)  alpha + S / bw
+
+Topology: a group whose ranks share a node uses the intra-node bandwidth; a group spanning
+nodes the inter-node one, times the group's ranks per node (each GPU of a DGX-style node has
+its own NIC and NCCL runs one ring per NIC), never more than the intra-node bandwidth. A
+pipeline neighbour on another node is one NIC's bandwidth.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster of identical devices. Rates are per device."""
+
+    name: str
+    num_gpus: int
+    gpus_per_node: int
+    memory_bytes: float
+    """Device memory a run may fill (the planner keeps --memory-fraction of it)."""
+    peak_flops: float
+    """Dense 16-bit peak FLOP/s (formulas.md); on a calibrated CPU the measured matmul rate."""
+    matmul_efficiency: float
+    """Fraction of peak_flops a large matmul reaches."""
+    memory_bandwidth: float
+    """Bytes/s that memory-bound kernels (norms, activations, softmax, optimizer) achieve."""
+    intra_node_bandwidth: float
+    """Bus bandwidth in bytes/s a rank gets in a collective inside a node."""
+    inter_node_bandwidth: float
+    """Bytes/s of one device's share of the inter-node network (its NIC)."""
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 10e-6
+    op_overhead: float = 0.0
+    """Seconds each operator costs beyond its kernel and is not hidden (host dispatch on a CPU;
+    0 where launches overlap long GPU kernels)."""
+    measured: dict = field(default_factory=dict, compare=False, hash=False)
+    """kind -> {group size: [latency s, bus bandwidth bytes/s]} from --calibrate; empty for a
+    preset (the ring model above)."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self):
+        for name in ("num_gpus", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"cluster {self.name}: {name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth",
+                     "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster {self.name}: {name} must be positive, got {getattr(self, name)!r}")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(f"cluster {self.name}: {self.num_gpus} GPUs do not fill nodes of {self.gpus_per_node}")
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.peak_flops * self.matmul_efficiency
+
+    def replace(self, **changes) -> "Cluster":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Cluster(**values)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(asdict(self), handle, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Cluster":
+        try:
+            with open(path, encoding="utf-8") as handle:
+                values = json.load(handle)
+        except OSError as error:
+            raise ValueError(f"--cluster {path}: cannot read it ({error.strerror})") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--cluster {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"--cluster {path}: unknown keys {', '.join(unknown)}")
+        values["measured"] = {kind: {int(n): tuple(v) for n, v in table.items()}
+                              for kind, table in values.get("measured", {}).items()}
+        return cls(**values)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def group_link(self, ranks: list[int]) -> tuple[float, float]:
+        """(latency, bus bandwidth) of a collective over `ranks`, by where they sit."""
+        nodes = {}
+        for r in ranks:
+            nodes[self.node_of(r)] = nodes.get(self.node_of(r), 0) + 1
+        if len(nodes) == 1:
+            return self.intra_node_latency, self.intra_node_bandwidth
+        per_node = min(nodes.values())
+        return self.inter_node_latency, min(self.intra_node_bandwidth, per_node * self.inter_node_bandwidth)
+
+    def p2p_link(self, src: int, dst: int) -> tuple[float, float]:
+        if self.node_of(src) == self.node_of(dst):
+            return self.intra_node_latency, self.intra_node_bandwidth
+        return self.inter_node_latency, self.inter_node_bandwidth
+
+    def collective_time(self, kind: str, nbytes: float, ranks: list[int]) -> float:
+        """Seconds one rank spends in `kind` over the group `ranks` (nbytes: the full tensor; for
+        p2p, ranks = [src, dst])."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
+        n = len(ranks)
+        if kind != "p2p" and n == 1 or nbytes == 0:
+            return 0.0
+        table = self.measured.get(kind)
+        if table:
+            latency, bandwidth = _nearest(table, 2 if kind == "p2p" else n)
+        elif kind == "p2p":
+            latency, bandwidth = self.p2p_link(ranks[0], ranks[-1])
+        else:
+            latency, bandwidth = self.group_link(ranks)
+        if kind == "p2p":
+            return latency + nbytes / bandwidth
+        steps = _STEPS[kind]
+        return steps * (n - 1) * latency + steps * (n - 1) / n * nbytes / bandwidth
+
+
+def _nearest(table: dict, n: int) -> tuple[float, float]:
+    """The measured (latency, bandwidth) for group size n, or the nearest size measured."""
+    if n in table:
+        return tuple(table[n])
+    return tuple(table[min(table, key=lambda size: (abs(size - n), size))])
+
+
+# Presets. Peak dense 16-bit FLOP/s from formulas.md (NVIDIA's data sheets). Matmul efficiency
+# is the "maximum achievable matmul FLOPS" (MAMF) measured with bf16 over a sweep of shapes and
+# published in Stas Bekman's ml-engineering (compute/accelerator/README.md, CUDA 12.1): A100
+# SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%; formulas.md's 8192^3 figure,
+# about 798, agrees). HBM: 2.039 TB/s (A100 80GB SXM) and 3.35 TB/s (H100 SXM) data-sheet
+# rates; that memory-bound kernels reach 90% of them is an assumption. NVLink: 300 GB/s per
+# direction per GPU on A100 (NVLink 3, 12 links x 25 GB/s), 450 GB/s on H100 (NVLink 4); the
+# bus bandwidth NCCL reaches on them is taken as 80% of that (assumption; a measured A100
+# send/recv over NVLink gives 195 GB/s at 1 GiB). Inter-node: one 200 Gb/s HDR NIC per A100
+# (DGX A100, 8 per node) and one 400 Gb/s NDR NIC per H100 (DGX H100), again at 80% (assumption).
+# Latencies are assumptions of the usual order (NVLink ~5 us, InfiniBand ~10 us per step).
+_LINK_EFFICIENCY = 0.8
+_HBM_EFFICIENCY = 0.9
+PRESETS = {
+    "a100": dict(name="A100-80GB SXM, 8 per node (NVLink 3, 8x200 Gb/s HDR InfiniBand)", gpus_per_node=8,
+                 memory_bytes=80 * GIB, peak_flops=312e12, matmul_efficiency=267.9 / 312,
+                 memory_bandwidth=2.039e12 * _HBM_EFFICIENCY, intra_node_bandwidth=300e9 * _LINK_EFFICIENCY,
+                 inter_node_bandwidth=25e9 * _LINK_EFFICIENCY,
+                 source="presets: formulas.md peak; ml-engineering MAMF; NVIDIA data sheets; 80%/90% link/HBM "
+                        "efficiency assumed"),
+    "h100": dict(name="H100-80GB SXM, 8 per node (NVLink 4, 8x400 Gb/s NDR InfiniBand)", gpus_per_node=8,
+                 memory_bytes=80 * GIB, peak_flops=989.4e12, matmul_efficiency=792.1 / 989.4,
+                 memory_bandwidth=3.35e12 * _HBM_EFFICIENCY, intra_node_bandwidth=450e9 * _LINK_EFFICIENCY,
+                 inter_node_bandwidth=50e9 * _LINK_EFFICIENCY,
+                 source="presets: formulas.md peak; ml-engineering MAMF; NVIDIA data sheets; 80%/90% link/HBM "
+                        "efficiency assumed"),
+}
+
+
+def preset(name: str, num_gpus: int, **overrides) -> Cluster:
+    """A preset cluster of `num_gpus` devices, fields overridden where given (not None)."""
+    if name not in PRESETS:
+        raise ValueError(f"--cluster {name!r}: not a preset ({', '.join(PRESETS)}) nor a calibration JSON file")
+    values = dict(PRESETS[name], num_gpus=num_gpus)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Cluster(**values)

@@ -1,0 +1,156 @@
+"""Candidate layouts: TP x CP x PP (x virtual stages) x DP (with EP carved from DP for MoE
+models) x sequence parallelism x recompute x distributed optimizer x micro-batch size x
+pipeline schedule, each valid for the model and the batch as megalite validates a run.
+
+`Space` restricts what is enumerated (every option of tools/plan.py that takes a list).
+"""
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from megalite.parallel.pipeline.schedules import default_schedule, validate_schedule
+from megalite.parallel.state import ParallelLayout
+from megalite.planner.workload import Workload
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    vp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    distributed_optimizer: bool = False
+    schedule: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def num_microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.dp * self.micro_batch_size)
+
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.world_size, tensor=self.tp, pipeline=self.pp, virtual_pipeline=self.vp,
+                              context=self.cp)
+
+    def flags(self) -> list[str]:
+        """pretrain_gpt's flags for this layout (the data-parallel size follows from the world)."""
+        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.vp > 1:
+            flags += ["--num-virtual-stages-per-pipeline-rank", str(self.vp)]
+        if self.schedule not in ("none", default_schedule(self.pp, self.vp)):
+            flags += ["--pipeline-schedule", self.schedule]
+        if self.cp > 1:
+            flags += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            flags += ["--expert-model-parallel-size", str(self.ep)]
+        if self.sequence_parallel:
+            flags.append("--sequence-parallel")
+        if self.recompute != "none":
+            flags += ["--recompute-granularity", self.recompute]
+        if self.distributed_optimizer:
+            flags.append("--use-distributed-optimizer")
+        if self.dp * self.cp > 1:
+            flags += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if self.distributed_optimizer else [])
+        return flags + ["--micro-batch-size", str(self.micro_batch_size)]
+
+    def short(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"v{self.vp}"] if self.vp > 1 else []) + [f"DP{self.dp}"]
+        parts += [f"CP{self.cp}"] if self.cp > 1 else []
+        parts += [f"EP{self.ep}"] if self.ep > 1 else []
+        parts += [f"mb{self.micro_batch_size}"]
+        parts += ["SP"] if self.sequence_parallel else []
+        parts += [{"none": "", "selective": "sel", "full": "full"}[self.recompute]] if self.recompute != "none" else []
+        parts += ["DO"] if self.distributed_optimizer else []
+        parts += ["zb"] if self.schedule == "zb_h1" else []
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Space:
+    """Allowed values per dimension; None allows every value the model and world admit."""
+
+    tp: list | None = None
+    pp: list | None = None
+    vp: list | None = None
+    cp: list | None = field(default_factory=lambda: [1])
+    ep: list | None = None
+    micro_batch_size: list | None = None
+    sequence_parallel: list = field(default_factory=lambda: [False, True])
+    recompute: list = field(default_factory=lambda: list(RECOMPUTE))
+    distributed_optimizer: list = field(default_factory=lambda: [False, True])
+    schedules: list = field(default_factory=lambda: ["default"])
+    """'default' (Megatron's: 1f1b, interleaved with v > 1) and/or 'zb_h1' (v = 1 only)."""
+    max_virtual_stages: int = 8
+
+    def allows(self, name: str, value) -> bool:
+        allowed = getattr(self, name)
+        return allowed is None or value in allowed
+
+
+@lru_cache(maxsize=None)
+def _model_ok(heads: int, groups: int, seq: int, tp: int, cp: int) -> bool:
+    """Heads and key/value groups split over TP; with CP each rank takes two of 2 x CP chunks."""
+    return heads % tp == 0 and groups % tp == 0 and (cp == 1 or seq % (2 * cp) == 0)
+
+
+def enumerate_layouts(workload: Workload, world_size: int, space: Space):
+    """Every layout of `world_size` ranks megalite can run for `workload`, within `space`."""
+    config, batch = workload.config, workload.global_batch_size
+    moe = config.moe
+    for tp in _divisors(world_size):
+        if not space.allows("tp", tp):
+            continue
+        for cp in _divisors(world_size // tp):
+            shardable = _model_ok(config.num_attention_heads, config.num_query_groups, workload.seq_length, tp, cp)
+            if not space.allows("cp", cp) or not shardable or (cp > 1 and moe is not None):
+                continue
+            for pp in _divisors(world_size // (tp * cp)):
+                if not space.allows("pp", pp) or config.num_layers % pp:
+                    continue
+                dp = world_size // (tp * cp * pp)
+                if batch % dp:
+                    continue
+                for vp in _divisors(config.num_layers // pp):
+                    if vp > space.max_virtual_stages or (vp > 1 and pp == 1) or not space.allows("vp", vp):
+                        continue
+                    for ep in (_divisors(dp) if moe is not None else [1]):
+                        if not space.allows("ep", ep) or (moe is not None and moe.num_experts % ep):
+                            continue
+                        yield from _variants(workload, space, tp, pp, dp, vp, cp, ep)
+
+
+def _variants(workload, space, tp, pp, dp, vp, cp, ep):
+    batch = workload.global_batch_size
+    schedules = []
+    for name in space.schedules:
+        schedule = default_schedule(pp, vp) if name == "default" else name
+        if name == "zb_h1" and (pp == 1 or vp > 1):
+            continue
+        schedules.append(schedule)
+    for mbs in _divisors(batch // dp):
+        if not space.allows("micro_batch_size", mbs):
+            continue
+        m = batch // (dp * mbs)
+        for schedule in schedules:
+            try:
+                validate_schedule(schedule, pp, m, vp)
+            except ValueError:
+                continue
+            for sp in space.sequence_parallel if tp > 1 else [False]:  # SP at t = 1 is no SP
+                for recompute in space.recompute:
+                    for distributed in space.distributed_optimizer:
+                        if distributed and dp * cp == 1:
+                            continue
+                        yield Layout(tp, pp, dp, vp, cp, ep, mbs, sp, recompute, distributed, schedule)

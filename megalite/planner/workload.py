@@ -1,0 +1,139 @@
+"""What the planner plans for: a model (GPTConfig), the sequence length, the global batch, the
+precision, and the flags that give the same model to `scripts/pretrain_gpt.sh`.
+
+A model comes from megalite's own flag parsing (Megatron flags, or a YAML file through
+`--config`), or from a Hugging Face config.json through megalite's HF mapping. Layout flags
+(TP, PP, virtual stages, CP, EP, sequence parallelism, recompute, distributed optimizer,
+micro-batch size) are the planner's to choose: given among a model's flags they are refused.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+from megalite.model.config import GPTConfig
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+# Options the planner chooses; a model's flags or YAML must leave them unset.
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "num_virtual_stages_per_pipeline_rank", "context_parallel_size", "expert_model_parallel_size",
+                 "sequence_parallel", "use_distributed_optimizer", "recompute_granularity", "recompute_activations",
+                 "recompute_method", "recompute_num_layers", "micro_batch_size", "pipeline_schedule",
+                 "overlap_grad_reduce", "overlap_param_gather", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers")
+
+
+@dataclass
+class Workload:
+    config: GPTConfig
+    seq_length: int
+    global_batch_size: int
+    precision: str = "bf16"
+    flash_attention: bool = True
+    """No s x s attention scores are kept: megalite's scaled_dot_product_attention (flash /
+    cuDNN on a GPU, the fused CPU kernel) and flash_attn never store them."""
+    model_flags: list = field(default_factory=list)
+    """Flags giving this model (and tokenizer) to pretrain_gpt, without layout or batch flags."""
+    source: str = ""
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for flag, value in (("--seq-length", self.seq_length), ("--global-batch-size", self.global_batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element (formulas.md's table assumes 16-bit)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def is_moe(self) -> bool:
+        return self.config.moe is not None
+
+
+def _precision_flags(precision: str) -> list[str]:
+    return {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[precision]
+
+
+def moe_flags(config: GPTConfig) -> list[str]:
+    """Megatron's --num-experts / --moe-* flags for config.moe (none for a dense model)."""
+    moe = config.moe
+    if moe is None:
+        return []
+    freq = moe.layer_freq if isinstance(moe.layer_freq, int) else str(list(moe.layer_freq)).replace(" ", "")
+    flags = ["--num-experts", str(moe.num_experts), "--moe-ffn-hidden-size", str(moe.ffn_hidden_size),
+             "--moe-router-topk", str(moe.router_topk), "--moe-layer-freq", str(freq),
+             "--moe-token-dispatcher-type", "alltoall"]
+    if moe.shared_expert_intermediate_size:
+        flags += ["--moe-shared-expert-intermediate-size", str(moe.shared_expert_intermediate_size)]
+        if moe.shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
+    return flags
+
+
+def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size: int | None = None) -> Workload:
+    """A Workload from pretrain_gpt's flags (Megatron names; `--config file.yaml` allowed). The
+    vocabulary is the tokenizer's: `--vocab-size` with NullTokenizer, or the tokenizer files."""
+    from megalite.data.tokenizers import build_tokenizer
+    from megalite.training.arguments import model_config_from_args, parse_args
+    from megalite.training.arguments_megatron_model import tokenizer_options
+
+    args = parse_args(argv)
+    defaults = parse_args([])
+    chosen = [name for name in LAYOUT_FIELDS if getattr(args, name) != getattr(defaults, name)]
+    if chosen:
+        raise ValueError(f"the model's flags set {', '.join('--' + n.replace('_', '-') for n in chosen)}: "
+                         "the planner chooses the layout; leave them out (or pass them to the planner's own options)")
+    args.seq_length = seq_length or args.seq_length
+    if args.seq_length is None:
+        raise ValueError("--seq-length is required (among the model's flags or the planner's)")
+    batch = global_batch_size or args.global_batch_size
+    if batch is None:
+        raise ValueError("--global-batch-size is required (among the model's flags or the planner's)")
+    if args.tokenizer_type is None and not (args.vocab_file and args.merge_file):
+        raise ValueError("the model's flags need a tokenizer: --tokenizer-type NullTokenizer --vocab-size N, "
+                         "or the tokenizer's files")
+    tokenizer = build_tokenizer(args.tokenizer_type or "GPT2BPETokenizer", tokenizer_model=args.tokenizer_model,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                                **tokenizer_options(args))
+    config = model_config_from_args(args, tokenizer.vocab_size)
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    flash = args.attention_backend not in ("unfused", "local")
+    dropped = {"--seq-length", "--global-batch-size"}
+    flags, i = [], 0
+    while i < len(argv):  # the model's flags as given, without the two the planner prints itself
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        takes_value = "=" not in token and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if name not in dropped:
+            flags += argv[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return Workload(config, args.seq_length, batch, precision, flash, flags, source="flags")
+
+
+def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:
+    """A Workload from a Hugging Face config.json (the architectures megalite converts)."""
+    from megalite.convert.hints import model_flags
+    from megalite.model.hf_mapping import config_from_hf
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            hf = json.load(handle)
+    except OSError as error:
+        raise ValueError(f"--hf-config {path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--hf-config {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    try:
+        config = config_from_hf(hf)
+    except ValueError as error:
+        raise ValueError(f"--hf-config {path}: {error}") from None
+    if seq_length is None or global_batch_size is None:
+        raise ValueError("--hf-config needs --seq-length and --global-batch-size")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
+    config = config.replace(params_dtype=dtype, max_position_embeddings=max(config.max_position_embeddings, seq_length))
+    flags = [f for f in model_flags(config) if f not in ("--bf16", "--fp16")]
+    i = flags.index("--seq-length")  # model_flags suggests one; the planner prints the real one
+    flags = flags[:i] + flags[i + 2:] + moe_flags(config) + _precision_flags(precision)
+    flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1)]
+    return Workload(config, seq_length, global_batch_size, precision, True, flags, source=path)
