@@ -93,8 +93,8 @@ def _state(layout, rank: int, args) -> ParallelState:
     groups = {"world": dist.group.WORLD}
     for name, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()),
                         ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups()),
-                        *((("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups()),
-                           ("cp_slice", layout.cp_slice_groups())) if layout.context > 1 else ())):
+                        *((("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups())) if layout.context > 1
+                          else ())):
         groups[name] = _own_group(lists, rank)
     pstate = ParallelState(layout, rank, {n: g for n, g in groups.items() if g is not None})
     if args.num_experts is not None:
@@ -180,9 +180,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         fake = contextlib.nullcontext() if real else FakeTensorMode()
         modules = ModuleTracker()
         expert = pstate.expert
-        counter = CommCounter({pstate.cp_slice_group: "cp_slice", pstate.dp_cp_group: "dp_cp",
-                               pstate.tp_group: "tp", pstate.cp_group: "cp", pstate.dp_group: "dp",
-                               pstate.pp_group: "pp", pstate.mp_group: "mp", pstate.embedding_group: "embedding",
+        # without CP, dp_cp_group is dp_group: the later "dp" names it
+        counter = CommCounter({pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
+                               pstate.dp_group: "dp", pstate.pp_group: "pp", pstate.mp_group: "mp", pstate.embedding_group: "embedding",
                                pstate.world_group: "world", **({expert.ep_group: "ep", expert.edp_group: "edp"}
                                                                if expert is not None else {})})
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
@@ -237,10 +237,11 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
-        # dense parameters shard over DP (their gradients also summed over CP), experts over EDP
+        # dense parameters shard over DP x CP, experts over EDP
         report.formula = expected_bytes(
             args, [(b.grad_data.numel(), expert.edp_size if getattr(b.buckets[0].params[0], "expert_parallel", False)
-                    else pstate.dp_size) for c in chunks for b in getattr(c, "buffers_", [])], optimizer)
+                    else pstate.dp_size * pstate.cp_size) for c in chunks for b in getattr(c, "buffers_", [])],
+            optimizer)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         return report
     finally:

@@ -2,7 +2,8 @@
 
 Every bucket of a DistributedDataParallel chunk has a shard this rank updates: the whole bucket
 normally, the contiguous 1/d slice [r·n/d, (r+1)·n/d) under the distributed optimizer (ZeRO-1:
-main parameters and optimizer state sharded over the d data-parallel ranks). For each model
+main parameters and optimizer state sharded over the d ranks of the bucket's data-parallel
+group, which is DP x CP for dense parameters and the expert-data-parallel group for experts). For each model
 parameter overlapping that shard there is one `MainParam`: an fp32 1-D tensor holding elements
 [lo, hi) of the flattened parameter, whose `.grad` views the reduced gradient.
 
@@ -11,10 +12,10 @@ parameter, and an fp32 main gradient IS (a view of) the DDP buffer. Copies exist
 parameters or gradients and for --optimizer-cpu-offload (where they live on the CPU).
 
 Checkpoints do not gather: each rank hands over its own elements as a `FlatShard`, which says
-where every DP rank's elements lie (`bucket_dp_ranges`, `dtensor_dp_ranges`), and DCP writes
-the shards. Only the tests' layout-independent oracle, the optimizer's gathered state dict,
-gathers each parameter's shards over the DP group (`gather_full`, `sharded_dp_group`), so it
-is the same with the distributed optimizer on or off.
+where every sharding-group rank's elements lie (`bucket_dp_ranges`, `dtensor_dp_ranges`), and
+DCP writes the shards. Only the tests' layout-independent oracle, the optimizer's gathered
+state dict, gathers each parameter's shards over that group (`gather_full`,
+`sharded_dp_group`), so it is the same with the distributed optimizer on or off.
 """
 
 from dataclasses import dataclass
@@ -55,8 +56,9 @@ class FlatShard:
     hi: int
     shape: torch.Size
     dp_ranges: list | None = None
-    """Every DP rank's (lo, hi), in DP-rank order, when the tensor is sharded over the DP group
-    (the ranges partition [0, numel)); None when every DP rank holds all of it."""
+    """Every (lo, hi) in group-rank order when the tensor is sharded over a data-parallel group
+    (DP x CP, or the expert-data-parallel group; the ranges partition [0, numel)); None when
+    every rank of it holds all of it."""
 
 
 @dataclass
@@ -99,12 +101,13 @@ def expert_parallel(pstate) -> bool:
 
 
 def reduction_rank(pstate, param) -> tuple[int, callable]:
-    """(this rank's index in the group `param`'s gradients are reduced over, and the DP rank of
-    each index): the DP group, or for expert parameters the expert-data-parallel group."""
+    """(this rank's index in the group `param`'s gradients are reduced and its optimizer state
+    sharded over, and the (DP rank, CP rank) of each index): DP x CP, or for expert parameters
+    the expert-data-parallel group."""
     expert = pstate.expert
     if expert is not None and getattr(param, "expert_parallel", False):
-        return expert.edp_rank, expert.dp_rank_of
-    return pstate.dp_rank, lambda d: d
+        return expert.edp_rank, lambda j: (expert.dp_rank_of(j), pstate.cp_rank)
+    return pstate.dp_cp_rank, pstate.dp_cp_coords
 
 
 def fsdp_main_params(fsdp_chunk, tp_rank: int) -> list[MainParam]:
@@ -150,7 +153,7 @@ def gather_full(param: torch.nn.Parameter, entry: MainParam | None, value: torch
                 dp_group) -> torch.Tensor:
     """`value` (this rank's [lo, hi) piece of a per-element quantity of `param`, or None if this
     rank owns none of it) as a full fp32 CPU tensor of the parameter's shape. A collective over
-    `dp_group` when the parameter is sharded (pieces are summed into zeros: exact). For the
+    `dp_group` (its bucket's) when the parameter is sharded (pieces are summed into zeros: exact). For the
     gathered state dict, the tests' oracle (checkpoints save FlatShards)."""
     if dp_group is None:
         return value.detach().to("cpu", torch.float32, copy=True).view(param.shape)
@@ -162,21 +165,21 @@ def gather_full(param: torch.nn.Parameter, entry: MainParam | None, value: torch
 
 
 def _sharded_bucket(ddp_chunk, param):
-    """`param`'s bucket if it is sharded over DP (see Bucket.sharded_over_dp), else None."""
+    """`param`'s bucket if it is sharded over its group (see Bucket.sharded_over_dp), else None."""
     bucket = ddp_chunk._bucket_of.get(param)
     return bucket if bucket is not None and bucket.sharded_over_dp else None
 
 
 def sharded_dp_group(ddp_chunk, param):
-    """The DP group over which `param`'s main value is sharded, or None (for gather_full)."""
+    """The group over which `param`'s main value is sharded, or None (for gather_full)."""
     bucket = _sharded_bucket(ddp_chunk, param)
     return bucket.dp_group if bucket is not None else None
 
 
 def bucket_dp_ranges(ddp_chunk, param) -> list[tuple[int, int]] | None:
-    """Each DP rank's (lo, hi) of flattened `param` under the distributed optimizer (the part of
-    its bucket range inside that rank's bucket shard; (0, 0) for none), or None when the
-    parameter is not sharded over DP. Matches the MainParams of build_bucket_shards."""
+    """Each bucket-group rank's (lo, hi) of flattened `param` under the distributed optimizer
+    (the part of its bucket range inside that rank's bucket shard; (0, 0) for none), or None
+    when the parameter is not sharded. Matches the MainParams of build_bucket_shards."""
     bucket = _sharded_bucket(ddp_chunk, param)
     if bucket is None:
         return None
@@ -189,8 +192,9 @@ def bucket_dp_ranges(ddp_chunk, param) -> list[tuple[int, int]] | None:
 
 
 def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
-    """Each DP rank's (lo, hi) of a DTensor sharded along dim 0 over a 1-D mesh (FSDP2's
-    layout: torch.chunk's rows, ceil(rows / d) per rank), or None on a mesh of one rank."""
+    """Each mesh rank's (lo, hi) of a DTensor sharded along dim 0 over a 1-D mesh (FSDP2's
+    layout over DP x CP: torch.chunk's rows, ceil(rows / d) per rank), or None on a mesh of
+    one rank."""
     from torch.distributed.tensor import Shard
 
     mesh = dtensor.device_mesh
@@ -210,10 +214,10 @@ def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
     return ranges
 
 
-def rank_layout(ranges: list | None, dp_rank: int, numel: int) -> tuple[int, int, list | None]:
-    """(lo, hi, ranges): the elements DP rank `dp_rank` holds of a flattened tensor of `numel`
-    elements laid out by `ranges` (from bucket_dp_ranges or dtensor_dp_ranges; None: every DP
-    rank holds all of it)."""
+def rank_layout(ranges: list | None, group_rank: int, numel: int) -> tuple[int, int, list | None]:
+    """(lo, hi, ranges): the elements sharding-group rank `group_rank` holds of a flattened
+    tensor of `numel` elements laid out by `ranges` (from bucket_dp_ranges or
+    dtensor_dp_ranges; None: every rank holds all of it)."""
     if ranges is None:
         return 0, numel, None
-    return (*ranges[dp_rank], ranges)
+    return (*ranges[group_rank], ranges)

@@ -34,7 +34,7 @@ def bytes_per_parameter(precision: str, distributed_optimizer: bool = False,
                         data_parallel_size: int = 1) -> float:
     """Bytes of model and optimizer state per parameter on one rank: 'bf16' (bf16 weights, fp32
     main grads), 'fp16' or 'fp32', with Adam; the distributed optimizer shards the fp32 state
-    over `data_parallel_size` ranks."""
+    over `data_parallel_size` ranks (DP x CP with context parallelism)."""
     if precision not in _BYTES_PER_PARAM:
         raise ValueError(f"precision must be one of {sorted(_BYTES_PER_PARAM)}, got {precision!r}")
     if data_parallel_size < 1:
@@ -109,7 +109,7 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
     total = param_bytes + grad_bytes + optimizer_bytes
     offload = optimizer is not None and optimizer.cpu_offload
     host_bytes = optimizer_bytes if offload else 0
-    d = pstate.dp_size
+    d = pstate.dp_size * pstate.cp_size  # the distributed optimizer and FSDP2 shard over DP x CP
     distributed = optimizer is not None and optimizer.sharded_over_dp
     if offload:
         formula, described = None, ("n/a under --optimizer-cpu-offload (formulas.md counts one device holding "

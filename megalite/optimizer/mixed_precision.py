@@ -1,6 +1,6 @@
 """The optimizer: fp32 main parameters behind 16-bit (or fp32) model parameters, fp16 loss
 scaling, global-norm gradient clipping, weight-decay groups, Adam or SGD, optionally sharded
-over the data-parallel group (the distributed optimizer) or over FSDP2 shards.
+over DP x CP (the distributed optimizer) or over FSDP2 shards.
 
     optimizer = build_optimizer(chunks, pstate, lr=3e-4, bf16=True, use_distributed_optimizer=True)
     optimizer.zero_grad()
@@ -58,7 +58,7 @@ class MixedPrecisionOptimizer:
             else:
                 self.mains += fsdp_main_params(chunk, pstate.tp_rank)
         # From the configuration, not from this rank's shards: a rank may own none at all.
-        self.sharded_over_dp = pstate.dp_size > 1 and any(
+        self.sharded_over_dp = pstate.dp_size * pstate.cp_size > 1 and any(
             isinstance(c, FSDPChunk) or c.use_distributed_optimizer for c in self.chunks)
         self.comm_device = next(p for c in self.chunks for p in c.module.parameters()).device
         decay = [m.main for m in self.mains if not no_weight_decay(m.name, m.param)]
@@ -124,8 +124,8 @@ class MixedPrecisionOptimizer:
         return [g for m in self.mains if (m.counted or not counted_only) and (g := m.grad()) is not None]
 
     def _norm_group(self):
-        """Ranks holding distinct gradients: one CP slice when sharded over DP, else one replica."""
-        return self.pstate.cp_slice_group if self.sharded_over_dp or expert_parallel(self.pstate) else self.pstate.mp_group
+        """Ranks whose counted elements hold each gradient once: all if sharded (or EP), else one replica."""
+        return self.pstate.world_group if self.sharded_over_dp or expert_parallel(self.pstate) else self.pstate.mp_group
 
     def _unscale_and_find_inf(self) -> bool:
         grads = self._grads()
@@ -154,7 +154,7 @@ class MixedPrecisionOptimizer:
     def params_norm(self) -> float:
         """Megatron's "params norm": the L2 norm of the fp32 main parameters of the whole model
         over all ranks, each element once as in `global_grad_norm` (MainParam.counted; sharded
-        over DP, each rank adds its own shard), summed in float64. A collective."""
+        over DP x CP, each rank adds its own shard), summed in float64. A collective."""
         total = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         for m in self.mains:
             if m.counted:
@@ -233,7 +233,7 @@ class MixedPrecisionOptimizer:
 
     def state_dict(self) -> dict:
         """Per parameter name, the fp32 main value and optimizer states as CPU tensors of this
-        rank's TP-shard shape (gathered over DP one parameter at a time under the distributed
+        rank's TP-shard shape (gathered over DP x CP one parameter at a time under the distributed
         optimizer), plus the step count and loss-scaler state. Checkpoints use the sharded form
         (sharded_state_dict); this one, with load_state_dict, is the tests' layout-independent
         oracle: the same tensors whatever the DP size, distributed optimizer or FSDP2."""
@@ -250,7 +250,7 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load the form `state_dict` returns, keeping this rank's DP slice of every tensor (tests)."""
+        """Load the form `state_dict` returns, keeping this rank's DP x CP slice of every tensor (tests)."""
         keys = self._start_load(state)
         for chunk, name, param, entry, saved in self._saved_entries(state, keys):
             for key in keys:
@@ -281,14 +281,14 @@ class MixedPrecisionOptimizer:
 
     # --- sharded checkpoints: each rank's own elements, no communication ------------------------
     def _layout(self, chunk, param, entry) -> tuple[int, int, list | None]:
-        """(lo, hi) of the elements of flattened `param` this rank holds, and every DP rank's."""
+        """(lo, hi) of the elements of flattened `param` this rank holds, and every DP x CP rank's."""
         ranges = dtensor_dp_ranges(entry.main) if isinstance(chunk, FSDPChunk) else bucket_dp_ranges(chunk, param)
         return rank_layout(ranges, reduction_rank(self.pstate, param)[0], param.numel())
 
     def sharded_state_dict(self) -> dict:
         """`state_dict` without gathering: per parameter name and key a FlatShard holding a CPU
         fp32 copy of only the elements this rank owns (a 1/d slice under the distributed
-        optimizer or FSDP2) and where every DP rank's elements lie, for checkpoints written
+        optimizer or FSDP2) and where every DP x CP rank's elements lie, for checkpoints written
         shard by shard."""
         self.finish_param_sync()
         params = {}

@@ -106,17 +106,13 @@ class ParallelLayout:
         return self._groups("d")
 
     def dp_cp_groups(self) -> list[list[int]]:
-        """DP x CP: the ranks over which gradients of parameters are reduced (every CP rank
-        holds the same parameters and a different part of each sequence)."""
+        """DP x CP: the ranks over which gradients of parameters are reduced and the
+        distributed optimizer's state is sharded (every CP rank holds the same parameters and a
+        different part of each sequence); group rank dp_rank x CP + cp_rank."""
         return self._groups("c", "d")
 
     def pp_groups(self) -> list[list[int]]:
         return self._groups("p")
-
-    def cp_slice_groups(self) -> list[list[int]]:
-        """Every TP, DP and PP rank of one CP rank: each holds a distinct part of the model and
-        optimizer state, which the CP ranks replicate (norms over sharded state count it once)."""
-        return self._groups("t", "d", "p")
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups: every TP x PP rank holding one replica of the model."""
@@ -194,7 +190,6 @@ class ParallelState:
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
-        self.cp_slice_group = groups.get("cp_slice", self.world_group) if layout.context > 1 else self.world_group
         self.expert = None  # megalite.parallel.expert.groups.ExpertState when the model has experts
 
     @classmethod
@@ -218,8 +213,7 @@ class ParallelState:
         groups = {"world": dist.group.WORLD}
         for name, ranks in (
             ("tp", layout.tp_groups()),
-            *([("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups()),
-               ("cp_slice", layout.cp_slice_groups())] if layout.context > 1 else []),
+            *([("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups())] if layout.context > 1 else []),
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
             ("mp", layout.mp_groups()),
@@ -246,6 +240,15 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.layout.data
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in the DP x CP group (dp_cp_groups)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    def dp_cp_coords(self, dp_cp_rank: int) -> tuple[int, int]:
+        """(dp_rank, cp_rank) of the DP x CP group member `dp_cp_rank`."""
+        return divmod(dp_cp_rank, self.cp_size)
 
     @property
     def pp_size(self) -> int:

@@ -127,9 +127,9 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
     """The object to put in a DCP state dict for `local`: a tensor laid out as parameter `like`
     (the parameter itself, or an optimizer state of it) named `name`, or a FlatShard of one.
 
-    Tensors replicated over TP and DP go to DCP as they are. Otherwise this rank's elements
+    Tensors replicated over TP, DP and CP go to DCP as they are. Otherwise this rank's elements
     become boxes of the full tensor, described as a ShardedTensor whose global metadata covers
-    the full tensor once: every (TP rank, DP rank) holder's boxes for a TP-sharded tensor, this
+    the full tensor once: every (TP rank, DP x CP rank) holder's boxes for a TP-sharded tensor, this
     TP rank's for a replicated one (the other TP ranks describe identical boxes; DCP writes
     each once)."""
     from torch.distributed._shard.metadata import ShardMetadata
@@ -137,8 +137,9 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
 
     tp_sharded = getattr(like, "tensor_model_parallel", False) and pstate.tp_size > 1
     is_vocab = name in VOCAB_PARAMS
-    if hasattr(local, "to_local"):  # an FSDP2 parameter: this DP rank's rows of the TP-local tensor
-        lo, hi, ranges = rank_layout(dtensor_dp_ranges(local), pstate.dp_rank, local.numel())
+    group_rank, coords_of = reduction_rank(pstate, like)  # over DP x CP (experts: over EDP)
+    if hasattr(local, "to_local"):  # an FSDP2 parameter: this DP x CP rank's rows of the TP-local tensor
+        lo, hi, ranges = rank_layout(dtensor_dp_ranges(local), group_rank, local.numel())
         local = FlatShard(local.to_local().reshape(-1), lo, hi, local.shape, ranges)
     if isinstance(local, torch.Tensor):
         if not tp_sharded:
@@ -161,28 +162,28 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
         trimmed = [min(shape[0], vocab_size) if is_vocab else shape[0], *shape[1:]]
         chunks = {pstate.tp_rank: [([0] * len(shape), trimmed, 0)]}
         holders_tp = [pstate.tp_rank]
-    _, dp_rank_of = reduction_rank(pstate, like)  # expert shards: over the expert-data-parallel group
-    holders_dp = ([(dp_rank_of(j), r) for j, r in enumerate(local.dp_ranges)] if local.dp_ranges
-                  else [(pstate.dp_rank, (local.lo, local.hi))])
+    # (DP rank, CP rank) and elements of every holder; CP ranks without sharding hold identical
+    # replicas: each describes its own (DCP writes one copy of each shard)
+    mine = (pstate.dp_rank, pstate.cp_rank)
+    holders_dp = ([(coords_of(j), r) for j, r in enumerate(local.dp_ranges)] if local.dp_ranges
+                  else [(mine, (local.lo, local.hi))])
     global_shape = list(full_shape)
     if is_vocab:
         global_shape[0] = vocab_size
     device = local.values.device
     device_str = "cpu" if device.type == "cpu" else f"{device.type}:{device.index}"
     metas, shards = [], []
-    for d, (lo, hi) in holders_dp:
+    for (d, c), (lo, hi) in holders_dp:
         boxes = flat_boxes(lo, hi, shape)
         starts = [0]
         for _, sizes in boxes:
             starts.append(starts[-1] + math.prod(sizes))
         for t in holders_tp:
-            # Context-parallel ranks hold identical replicas: each describes its own CP slice
-            # (DCP writes one copy of each shard).
-            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank, pstate.cp_rank)}/{device_str}"
+            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank, c)}/{device_str}"
             for offsets, sizes, i, shift in _full_boxes(boxes, chunks[t], dim):
                 meta = ShardMetadata(offsets, sizes, placement)
                 metas.append(meta)
-                if (t, d) != (pstate.tp_rank, pstate.dp_rank):
+                if (t, (d, c)) != (pstate.tp_rank, mine):
                     continue
                 box = local.values[starts[i]:starts[i + 1]].view(boxes[i][1]).narrow(dim, shift, sizes[dim])
                 if not box.is_contiguous():

@@ -37,9 +37,10 @@ def test_context_parallel_dry_run(comm_type):
         assert r.resident == r.formula and r.resident["parameters"] > 0
         # the pipeline carries this CP rank's half of the sequence: [s/cp, b, h] bf16 per micro-batch
         assert r.comm[("pp", "send")] == micro_batches * (S // 2) * B * H * 2
-        # gradients are summed over CP (all-reduce of the fp32 buffer) before the DP reduce-scatter
-        assert r.comm[("cp", "all-reduce")] >= r.formula["gradients"]
-        assert r.comm[("dp", "reduce-scatter")] == r.formula["gradients"]
+        # gradients are reduce-scattered, and parameters all-gathered, over DP x CP (d = 4)
+        assert r.comm[("dp_cp", "reduce-scatter")] == r.formula["gradients"]
+        assert r.comm[("dp_cp", "all-gather")] == r.formula["parameters"] // 4
+        assert ("dp", "reduce-scatter") not in r.comm
         attention = {"p2p": "send", "all_gather": "all-gather", "a2a": "all-to-all"}[comm_type]
         assert r.comm[("cp", attention)] > 0
         if comm_type == "all_gather":

@@ -105,14 +105,13 @@ def test_context_parallel_rank_order():
     assert layout.dp_cp_groups()[0] == [0, 2, 4, 6]
     assert layout.pp_groups()[0] == [0, 8]
     assert layout.mp_groups()[0] == [0, 1, 8, 9]
-    assert layout.cp_slice_groups()[0] == [0, 1, 4, 5, 8, 9, 12, 13]
     mapped = ParallelLayout(16, tensor=2, pipeline=2, context=2, tp_pp_dp_mapping=True)
     assert mapped.cp_groups()[0] == [0, 2] and mapped.pp_groups()[0] == [0, 4] and mapped.dp_groups()[0] == [0, 8]
     for lay in (layout, mapped):
         for rank in range(16):
             tp, dp, pp = lay.coords(rank)
             assert lay.rank_of(tp, dp, pp, lay.cp_rank_of(rank)) == rank
-        for groups in (lay.tp_groups(), lay.cp_groups(), lay.dp_groups(), lay.pp_groups(), lay.cp_slice_groups()):
+        for groups in (lay.tp_groups(), lay.cp_groups(), lay.dp_groups(), lay.pp_groups(), lay.dp_cp_groups()):
             assert sorted(r for g in groups for r in g) == list(range(16))
     with pytest.raises(ValueError, match="x --context-parallel-size 4 x"):
         ParallelLayout(8, tensor=1, context=4, pipeline=4)

@@ -1,8 +1,10 @@
 """The training driver with context parallelism (`python -m megalite.pretrain_gpt`, four rank
 processes on gloo): five iterations' losses at CP = 2 with TP = 2 and sequence parallelism,
 with PP = 2 interleaved, with DP = 2 and the distributed optimizer, and at CP = 4, each equal
-to the single-process run within 1e-5; a checkpoint saved at CP = 2 resumes at CP = 1 and at
-CP = 4 with the uninterrupted run's losses. Also: documents split across chunks
+to the single-process run within 1e-5; a checkpoint saved at CP = 2 x DP = 2 with the
+distributed optimizer (its state sharded over DP x CP, d = 4) resumes at CP = 1 (one process),
+at CP = 2 x DP = 1 (d = 2) and at CP = 4 (d = 4 on other ranks) with the uninterrupted run's
+losses. Also: documents split across chunks
 (--reset-attention-mask --reset-position-ids, CP = 2 with TP = 2) and a2a+p2p (CP = 4 as 2 x 2)
 equal their single-process runs; with attention dropout on, CP = 2 and CP = 4 draw the same
 masks (equal losses), which differ from dropout off."""
@@ -45,19 +47,32 @@ def test_training_losses_equal_single_process(tmp_path, single_process, layout):
     _close(train_losses(tmp_path / "metrics.jsonl"), single_process, range(1, ITERS + 1))
 
 
-def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path, single_process):
-    saved = tmp_path / "cp2"
-    run(COMMON + ["--context-parallel-size", "2", "--use-distributed-optimizer", "--save", str(saved / "ckpt"),
-                  "--save-interval", "3", "--exit-interval", "3",
-                  "--metrics-file", str(saved / "metrics.jsonl")], 4, saved / "logs")
-    _close(train_losses(saved / "metrics.jsonl"), single_process, range(1, 4))
-    for world, cp in ((1, "1"), (4, "4")):
-        resumed = tmp_path / f"cp{cp}"
-        shutil.copytree(saved / "ckpt", resumed / "ckpt")
-        extra = ["--use-distributed-optimizer"] if world > 1 else []
-        run(COMMON + extra + ["--context-parallel-size", cp, "--load", str(resumed / "ckpt"),
-                              "--metrics-file", str(resumed / "metrics.jsonl")], world, resumed / "logs")
-        _close(train_losses(resumed / "metrics.jsonl"), single_process, range(4, ITERS + 1))
+def _saved_at_cp2(tmp, single_process, flags) -> object:
+    """A checkpoint saved after 3 of the 5 iterations at CP = 2 x DP = 2 with `flags`."""
+    run(COMMON + flags + ["--context-parallel-size", "2", "--save", str(tmp / "ckpt"), "--save-interval", "3",
+                          "--exit-interval", "3", "--metrics-file", str(tmp / "metrics.jsonl")], 4, tmp / "logs")
+    _close(train_losses(tmp / "metrics.jsonl"), single_process, range(1, 4))
+    return tmp / "ckpt"
+
+
+def _resumes(tmp, checkpoint, single_process, world, cp, flags) -> None:
+    shutil.copytree(checkpoint, tmp / "ckpt")
+    run(COMMON + flags + ["--context-parallel-size", str(cp), "--load", str(tmp / "ckpt"),
+                          "--metrics-file", str(tmp / "metrics.jsonl")], world, tmp / "logs")
+    _close(train_losses(tmp / "metrics.jsonl"), single_process, range(4, ITERS + 1))
+
+
+@pytest.fixture(scope="module")
+def distopt_checkpoint(tmp_path_factory, single_process):
+    return _saved_at_cp2(tmp_path_factory.mktemp("distopt_cp2"), single_process, ["--use-distributed-optimizer"])
+
+
+@pytest.mark.parametrize("world, cp", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)],
+                         ids=["cp1-single", "cp2-dp1", "cp4"])
+def test_distributed_optimizer_checkpoint_at_cp2_resumes_at_other_cp_sizes(tmp_path, single_process,
+                                                                           distopt_checkpoint, world, cp):
+    _resumes(tmp_path, distopt_checkpoint, single_process, world, cp,
+             ["--use-distributed-optimizer"] if world > 1 else [])
 
 
 @pytest.mark.slow

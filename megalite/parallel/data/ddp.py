@@ -1,6 +1,7 @@
 """Data parallelism for one model chunk: gradients accumulate into bucketed main-gradient
-buffers (grad_buffer.py) and are averaged over the data-parallel group, bucket by bucket
-(summed over the context-parallel group first).
+buffers (grad_buffer.py) and are reduced bucket by bucket over DP x CP (Megatron's
+data_parallel_group(with_context_parallel=True)): summed over the context-parallel ranks,
+averaged over the data-parallel ones. The distributed optimizer shards over the same group.
 
 Per training step the loop (or the pipeline executor) does, for every chunk:
 
@@ -36,7 +37,7 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model chunk.
-        pstate: parallel state (its dp_group and cp_group are used).
+        pstate: parallel state (its dp_cp_group is used: DP x CP, or DP without CP).
         bucket_size: elements per gradient bucket (--ddp-bucket-size); None picks Megatron's
             default with overlap and a single bucket per dtype without.
         overlap_grad_reduce: start each bucket's collective as soon as its gradients are ready.
@@ -54,9 +55,9 @@ class DistributedDataParallel(nn.Module):
         self.module, self.pstate = module, pstate
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.dp_group = pstate.dp_group
+        self.dp_group = pstate.dp_cp_group
         if bucket_size is None and overlap_grad_reduce:
-            bucket_size = default_bucket_size(pstate.dp_size)
+            bucket_size = default_bucket_size(pstate.dp_size * pstate.cp_size)
         self.bucket_size = bucket_size
         self._sync_enabled = True
 
@@ -71,7 +72,8 @@ class DistributedDataParallel(nn.Module):
         def reduction(is_expert):
             if is_expert and expert is not None:
                 return {"dp_group": expert.edp_group, "grad_scale": 1.0 / expert.ep_size}
-            return {"dp_group": self.dp_group, "cp_group": pstate.cp_group}
+            # each CP rank's gradient is that of its part of every sequence: summed over CP
+            return {"dp_group": self.dp_group, "grad_scale": float(pstate.cp_size)}
 
         def own_bucket(param):
             # A tied embedding copy must be laid out identically on the first and last stage so

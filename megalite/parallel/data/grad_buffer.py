@@ -5,8 +5,10 @@ dtype); `param.main_grad` is a view of that slice, and backward accumulates into
 are laid out in backward order (the reverse of parameter order), so the first bucket to be
 complete is the first one in the buffer. A bucket closes once it holds `bucket_size` elements.
 
-With the distributed optimizer each bucket is padded to a multiple of the data-parallel size
-d, so data-parallel rank r owns the contiguous slice [r·n/d, (r+1)·n/d) of every bucket: the
+Each buffer is reduced over one group, its "data-parallel group": the DP group, DP x CP with
+context parallelism (every CP rank holds the same parameters), the expert-data-parallel group
+for experts. With the distributed optimizer each bucket is padded to a multiple of that group's
+size d, so its rank r owns the contiguous slice [r·n/d, (r+1)·n/d) of every bucket: the
 gradients are reduce-scattered into that slice and, after the update, the parameters are
 all-gathered from it. For that the parameters themselves also live in a flat buffer of the
 same layout (`param.data` becomes a view of it).
@@ -37,14 +39,13 @@ class Bucket:
     """Parameters whose gradients are reduced together, and their slice of the buffers."""
 
     def __init__(self, index: int, param_ranges: dict, grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0,
-                 cp_group=None):
+                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0):
         self.index = index
         self.param_ranges = param_ranges  # param -> (start, end) within this bucket
         self.params = list(param_ranges)
         self.grad_data, self.param_data = grad_data, param_data
         self.numel = grad_data.numel()
-        self.dp_group, self.sharded, self.grad_scale, self.cp_group = dp_group, sharded, grad_scale, cp_group
+        self.dp_group, self.sharded, self.grad_scale = dp_group, sharded, grad_scale
         self.dp_size = comm.group_size(dp_group)
         shards = self.dp_size if sharded else 1
         self.shard_size = self.numel // shards
@@ -60,7 +61,8 @@ class Bucket:
 
     @property
     def sharded_over_dp(self) -> bool:
-        """Whether each DP rank holds only its shard (distributed optimizer, more than one rank)."""
+        """Whether each rank of dp_group holds only its shard (distributed optimizer, more than
+        one rank)."""
         return self.sharded and self.dp_size > 1
 
     def grad_shard(self) -> torch.Tensor:
@@ -79,15 +81,11 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
     def start_grad_sync(self, async_op: bool) -> None:
-        """Average the bucket's gradients over the DP group (all-reduce, or reduce-scatter into
-        this rank's shard); a no-op if already started. With a CP group they are first summed
-        over it (each CP rank's gradient is that of its part of every sequence), so the result
-        is reduced over DP x CP; the optimizer state stays sharded over DP alone."""
+        """Scale the bucket's gradients by grad_scale and average them over dp_group (all-reduce,
+        or reduce-scatter into this rank's shard); a no-op if already started."""
         if self.grad_started:
             return
         self.grad_started = True
-        if comm.group_size(self.cp_group) > 1:
-            dist.all_reduce(self.grad_data, group=self.cp_group)
         if self.grad_scale != 1.0:
             self.grad_data.mul_(self.grad_scale)
         if self.dp_size == 1:
@@ -134,16 +132,18 @@ class GradBuffer:
         params: parameters in model order (they are laid out in reverse).
         grad_dtype: dtype of the main gradients (fp32 by default, whatever the params are).
         bucket_size: elements per bucket (None: one bucket).
-        dp_group: data-parallel process group (None: one rank).
-        cp_group: context-parallel process group gradients are summed over first (None: none).
+        dp_group: the group gradients are averaged over and, sharded, the optimizer state is
+            sharded over (None: one rank).
         sharded: lay out for the distributed optimizer (padded buckets, a parameter buffer).
         own_bucket: predicate for parameters that must sit alone in a bucket.
-        grad_scale: factor applied before averaging (expert gradients: 1 / EP size, so that
-            averaging over the expert-data-parallel group divides by the whole DP size).
+        grad_scale: factor applied before averaging (over DP x CP: the CP size, since each CP
+            rank's gradient is that of its part of every sequence and those are summed; expert
+            gradients: 1 / EP size, so that averaging over the expert-data-parallel group
+            divides by the whole DP size).
     """
 
     def __init__(self, params, *, grad_dtype, bucket_size, dp_group, sharded, own_bucket=lambda p: False,
-                 grad_scale: float = 1.0, cp_group=None):
+                 grad_scale: float = 1.0):
         params = list(params)
         if not params:
             raise ValueError("GradBuffer: no parameters")
@@ -178,8 +178,7 @@ class GradBuffer:
         self.bucket_of: dict = {}
         for index, (start, end, ranges) in enumerate(layouts):
             param_data = self.param_data[start:end] if sharded else None
-            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale,
-                            cp_group)
+            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale)
             self.buckets.append(bucket)
             for param, (lo, hi) in ranges.items():
                 self.bucket_of[param] = bucket

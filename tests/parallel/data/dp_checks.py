@@ -1,7 +1,7 @@
 """Checks the data-parallel battery (test_data_parallel.py) runs inside its spawned ranks, each
 returning a list of problems (empty: all good) so that one spawn checks many things:
 
-- shard_layout_problems: under the distributed optimizer, DP rank r owns exactly the contiguous
+- shard_layout_problems: under the distributed optimizer, DP x CP rank r owns exactly the contiguous
   slice [r·n/d, (r+1)·n/d) of every bucket (n padded to a multiple of lcm(d, 128)), and its
   main parameters, their gradients and their Adam state tile that slice exactly.
 - overlapped_gather_problems: with --overlap-param-gather, step() leaves every bucket's
@@ -29,7 +29,7 @@ def _views(tensor: torch.Tensor, base: torch.Tensor, offset: int, numel: int) ->
 
 
 def shard_layout_problems(chunk, optimizer, pstate) -> list[str]:
-    d, r = pstate.dp_size, pstate.dp_rank
+    d, r = pstate.dp_size * pstate.cp_size, pstate.dp_cp_rank  # sharded over DP x CP
     shard_of = {id(shard.bucket): shard for shard in optimizer.bucket_shards}
     problems = []
     for bucket in chunk.buckets:

@@ -147,15 +147,19 @@ def reference_run(family: str, micro: int, steps: int = STEPS):
     groups = [{"params": [p for n, p in named if not no_weight_decay(n, p)], "weight_decay": OPTIM["weight_decay"]},
               {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=OPTIM["lr"], eps=OPTIM["adam_eps"], foreach=True)
-    norms = []
+    norms, losses = [], []
     for step in range(steps):
         optimizer.zero_grad()
         batches = micro_batches(step, 0, 1, micro)
+        loss = 0.0
         for tokens, labels, mask in batches:
-            (masked_mean_loss(model(tokens, labels=labels), mask) / len(batches)).backward()
+            micro_loss = masked_mean_loss(model(tokens, labels=labels), mask) / len(batches)
+            micro_loss.backward()
+            loss += micro_loss.item()
+        losses.append(loss)
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["clip_grad"]).item())
         optimizer.step()
-    return {"params": {n: p.detach().clone() for n, p in named}, "norms": norms}
+    return {"params": {n: p.detach().clone() for n, p in named}, "norms": norms, "losses": losses}
 
 
 def assert_replicas_identical(params: dict, pstate) -> None:
