@@ -52,6 +52,10 @@ class Cluster:
     op_overhead: float = 0.0
     """Seconds each operator costs beyond its kernel and is not hidden (host dispatch on a CPU;
     0 where launches overlap long GPU kernels)."""
+    optimizer_bytes_per_parameter: float = 30.0
+    """Bytes the optimizer step moves per parameter it updates: 30 for a fused AdamW pass over
+    fp32 main weights, gradient, m and v (read and write) and the 16-bit copy; measured on a CPU
+    (foreach AdamW makes several passes)."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """kind -> {group size: [latency s, bus bandwidth bytes/s]} from --calibrate; empty for a
     preset (the ring model above)."""

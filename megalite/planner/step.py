@@ -1,0 +1,181 @@
+"""One training step of a layout: every pipeline rank's micro-batch times (compute.py) run
+through megalite's schedule simulator (the real action lists of the layout's schedule, one
+cost per rank and chunk, the pipeline send as the message latency), then the data-parallel
+gradient reduction (overlapped with the last micro-batch's backward under
+--overlap-grad-reduce), the tied-embedding all-reduce, the optimizer step and the distributed
+optimizer's parameter all-gather (overlapped with the next step's first forward).
+
+`estimate` replaces the simulator by the bubble formula (p-1)/v of a stage's F+B: the search
+uses it to choose which layouts to simulate.
+"""
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from megalite.parallel.pipeline.schedules import all_ranks
+from megalite.parallel.pipeline.simulator import Costs, simulate
+from megalite.parallel.pipeline.stage_layout import stage_layers
+from megalite.planner.cluster import Cluster
+from megalite.planner.compute import ChunkTimes, embedding_times, groups_of, layer_times, output_times
+from megalite.planner.layouts import Layout
+from megalite.planner.memory import RankMemory, peak_memory, state_bytes
+from megalite.planner.op_count import op_counts
+from megalite.planner.parameters import rank_parameters
+from megalite.planner.workload import Workload
+from megalite.training.flops import flops_per_token
+
+PARTS = ("matmul", "memory-bound", "operators", "tensor-parallel", "context-parallel", "expert-parallel",
+         "pipeline bubble + p2p", "data-parallel", "optimizer")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time: float
+    breakdown: dict
+    """Seconds per step by PARTS on the rank that finishes last."""
+    memory: RankMemory
+    tokens_per_second_per_gpu: float
+    model_tflops_per_gpu: float
+    """formulas.md's model FLOPs (no recompute) per second per GPU, in TFLOP/s."""
+    mfu: float | None
+    simulated: bool = True
+    notes: list = field(default_factory=list)
+
+
+def chunk_times(cluster: Cluster, workload: Workload, layout: Layout) -> list[list[ChunkTimes]]:
+    """[rank][chunk] time of one micro-batch."""
+    config = workload.config
+    ops = ((0, 0), (0, 0))
+    if cluster.op_overhead:
+        ops = op_counts(config)
+    per_layer = {}
+    table = []
+    for rank in range(layout.pp):
+        row = []
+        for chunk in range(layout.vp):
+            times = ChunkTimes()
+            for layer in stage_layers(config.num_layers, layout.pp, rank, chunk, layout.vp):
+                moe = config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers)
+                if moe not in per_layer:
+                    per_layer[moe] = layer_times(cluster, workload, layout, layer, ops[0])
+                times += per_layer[moe]
+            if rank == 0 and chunk == 0:
+                times += embedding_times(cluster, workload, layout)
+            if rank == layout.pp - 1 and chunk == layout.vp - 1:
+                times += output_times(cluster, workload, layout)
+                times.add("operators", ops[1][0] * cluster.op_overhead, ops[1][1] * cluster.op_overhead)
+            row.append(times)
+        table.append(row)
+    return table
+
+
+def p2p_time(cluster: Cluster, workload: Workload, layout: Layout) -> float:
+    """One activation (or its gradient) sent to the next pipeline stage: b x s x h, split t ways
+    with sequence parallelism; across nodes wherever any neighbour pair is."""
+    if layout.pp == 1:
+        return 0.0
+    split = layout.tp if layout.sequence_parallel else 1
+    nbytes = layout.micro_batch_size * workload.seq_length / layout.cp * workload.config.hidden_size \
+        * workload.activation_bytes / split
+    pp = groups_of(layout)["pp"]
+    pairs = list(zip(pp, pp[1:] + pp[:1]))
+    crossing = next(((a, b) for a, b in pairs if cluster.node_of(a) != cluster.node_of(b)), pairs[0])
+    return cluster.collective_time("p2p", nbytes, list(crossing))
+
+
+@lru_cache(maxsize=64)
+def _actions(schedule: str, p: int, m: int, v: int) -> list:
+    return all_ranks(schedule, p, m, v)
+
+
+@lru_cache(maxsize=256)
+def _simulate(schedule: str, p: int, m: int, v: int, costs: tuple):
+    report = simulate(_actions(schedule, p, m, v), v, [list(row) for row in costs])
+    return report.makespan, tuple(r.finish for r in report.ranks), tuple(r.busy for r in report.ranks)
+
+
+def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> tuple[float, float, float]:
+    """(gradient reduction, parameter all-gather, tied-embedding all-reduce) seconds of pipeline
+    rank `rank`."""
+    parallel = layout.parallel_layout()
+    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
+    weight, grad = state_bytes(workload.precision, 1, False, 1)[:2]
+    group = [parallel.rank_of(0, d, rank, c) for d in range(layout.dp) for c in range(layout.cp)]
+    groups = [(dense, group)]
+    if expert:
+        edp = groups_of(layout)["edp"]
+        stride = parallel.rank_of(0, 0, rank) - parallel.rank_of(0, 0, 0)
+        groups.append((expert, [r + stride for r in edp]))
+    reduce = gather = 0.0
+    for count, ranks in groups:
+        if layout.distributed_optimizer:
+            reduce += cluster.collective_time("reduce_scatter", count * grad, ranks)
+            gather += cluster.collective_time("all_gather", count * weight, ranks)
+        else:
+            reduce += cluster.collective_time("all_reduce", count * grad, ranks)
+    embedding = 0.0
+    tied = not workload.config.untie_embeddings_and_output_weights
+    if tied and layout.pp > 1 and rank in (0, layout.pp - 1):
+        vocab = workload.config.padded_vocab_size(layout.tp) // layout.tp * workload.config.hidden_size
+        ends = [parallel.rank_of(0, 0, 0), parallel.rank_of(0, 0, layout.pp - 1)]
+        embedding = cluster.collective_time("all_reduce", vocab * grad, ends)
+    return reduce, gather, embedding
+
+
+def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> float:
+    """The optimizer step over this rank's shard, the gradient norm's read of every gradient and
+    its all-reduce, and zeroing the gradient buffers."""
+    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
+    shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    updated = dense / shards + expert / max(1, shards // layout.ep)
+    grad = state_bytes(workload.precision, 1, False, 1)[1]
+    moved = updated * cluster.optimizer_bytes_per_parameter + 2 * (dense + expert) * grad
+    norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
+    return moved / cluster.memory_bandwidth + norm + 20 * cluster.op_overhead
+
+
+def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMemory | None = None,
+            use_simulator: bool = True) -> Prediction:
+    """Step time and its breakdown for `layout` (the simulator, or with use_simulator=False the
+    bubble formula)."""
+    memory = memory or peak_memory(workload, layout)
+    m = layout.num_microbatches(workload.global_batch_size)
+    p, v = layout.pp, layout.vp
+    table = chunk_times(cluster, workload, layout)
+    p2p = p2p_time(cluster, workload, layout)
+    busy = [m * sum(c.forward + c.backward for c in row) for row in table]
+    if use_simulator:
+        costs = tuple(tuple(Costs(c.forward, c.backward - c.weight, c.weight, p2p) for c in row) for row in table)
+        if layout.schedule != "zb_h1":
+            costs = tuple(tuple(Costs(c.forward, c.backward + c.weight, 0, c.p2p_latency) for c in row) for row in costs)
+        makespan, finish, _ = _simulate(layout.schedule, p, m, v, costs)
+    else:
+        stage = max(sum(c.forward + c.backward for c in row) for row in table)
+        makespan = max(busy) + (p - 1) / v * stage + (2 * (p - 1) * p2p if p > 1 else 0.0)
+        finish = tuple(makespan for _ in range(p))
+    ends, details = [], []
+    overlap = layout.dp * layout.cp > 1  # the printed flags turn --overlap-grad-reduce on
+    for rank, row in enumerate(table):
+        reduce, gather, embedding = _data_parallel(cluster, workload, layout, rank)
+        last_backward = sum(c.backward for c in row)
+        first_forward = sum(c.forward for c in row)
+        exposed = max(0.0, reduce - last_backward) if overlap else reduce
+        exposed += max(0.0, gather - first_forward) if overlap else gather
+        optimizer = _optimizer(cluster, workload, layout, rank)
+        ends.append(finish[rank] + exposed + embedding + optimizer)
+        details.append((exposed + embedding, optimizer))
+    step = max(ends)
+    critical = max(range(p), key=lambda r: ends[r])
+    parts = dict.fromkeys(PARTS, 0.0)
+    for chunk in table[critical]:
+        for kind, value in chunk.parts.items():
+            parts[kind] += m * value
+    parts["pipeline bubble + p2p"] = max(0.0, step - busy[critical] - sum(details[critical]))
+    parts["data-parallel"], parts["optimizer"] = details[critical]
+    tokens = workload.global_batch_size * workload.seq_length
+    per_gpu = tokens / step / layout.world_size
+    model_flops = flops_per_token(workload.config, workload.seq_length, workload.config.padded_vocab_size(layout.tp))
+    tflops = model_flops * per_gpu / 1e12
+    mfu = model_flops * per_gpu / cluster.peak_flops if not cluster.measured else None
+    return Prediction(layout, step, parts, memory, per_gpu, tflops, mfu, use_simulator)
