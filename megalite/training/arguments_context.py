@@ -1,8 +1,8 @@
 """Options for context parallelism (each sequence split over a group of ranks) and the rank
 order of the parallel dimensions.
 
-Names and defaults are Megatron-LM's. What megalite does not run yet (per-layer comm types,
-FSDP2 with CP) stops the run naming the flag (check_context_args).
+Names and defaults are Megatron-LM's. What megalite does not run yet stops the run naming the
+flag (check_context_args).
 """
 
 from dataclasses import dataclass
@@ -77,8 +77,6 @@ def check_context_args(args, fail) -> None:
     if cp == 1:
         return
     checks = (
-        (args.use_torch_fsdp2, f"--use-torch-fsdp2 with --context-parallel-size {cp} is not "
-                               "implemented in megalite yet"),
         (args.use_flash_attn, f"--use-flash-attn with --context-parallel-size {cp} is not "
                               "implemented in megalite yet"),
         (getattr(args, "num_experts", None) is not None,

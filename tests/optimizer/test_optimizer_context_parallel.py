@@ -1,12 +1,15 @@
-"""The distributed optimizer sharded over DP x CP, against the single-process reference.
+"""The distributed optimizer and FSDP2 sharded over DP x CP, against the single-process
+reference.
 
-One spawn of 4 gloo processes at CP = 2 x DP = 2: five Adam steps (fp32, dropout off, the
-global batch of test_data_parallel.py, each sequence split over the two CP ranks) give the
-single-process losses and gradient norms within 1e-5 relative and the same parameters within
-1e-5 (rel_error per tensor), with the distributed optimizer (overlapped reduce-scatter and
-parameter all-gather; and without overlap) and without it. Each rank of the DP x CP group owns
+One spawn of 4 gloo processes: five Adam steps (fp32, dropout off, the global batch of
+test_data_parallel.py, each sequence split over the two CP ranks) give the single-process
+losses and gradient norms within 1e-5 relative and the same parameters within 1e-5 (rel_error
+per tensor) at CP = 2 x DP = 2 with the distributed optimizer (overlapped reduce-scatter and
+parameter all-gather; and without overlap), without it, and with FSDP2 (its mesh DP x CP); and
+at CP = 2 x TP = 2 (sequence parallelism) with FSDP2 (its mesh the CP group). Each rank of the DP x CP group owns
 the contiguous 1/4 of every bucket (dp_checks.shard_layout_problems with d = DP x CP), and the
-per-rank memory of bf16 with the distributed optimizer is formulas.md's 6 + 12/d with d = 4.
+per-rank memory of bf16 with the distributed optimizer is formulas.md's 6 + 12/d with d = 4,
+that of FSDP2 (fp32) 16/d.
 """
 
 import contextlib
@@ -27,12 +30,15 @@ from tests.parallel.data.test_data_parallel import GLOBAL_BATCH, build, full_par
 
 TOL = 1e-5
 STEPS = 5
-# (name, family, accumulation steps, build options)
+# (name, layout, family, accumulation steps, build options)
 CONFIGS = [
-    ("distopt-overlap-gather/gpt2/acc2", "gpt2", 2,
+    ("cp2dp2/distopt-overlap-gather/gpt2/acc2", "cp2dp2", "gpt2", 2,
      dict(dist_opt=True, overlap=True, bucket_size=8000, overlap_param_gather=True)),
-    ("distopt/llama/acc1", "llama", 1, dict(dist_opt=True)),
-    ("ddp/gpt2/acc1", "gpt2", 1, dict()),
+    ("cp2dp2/distopt/llama/acc1", "cp2dp2", "llama", 1, dict(dist_opt=True)),
+    ("cp2dp2/ddp/gpt2/acc1", "cp2dp2", "gpt2", 1, dict()),
+    ("cp2dp2/fsdp2/gpt2/acc2", "cp2dp2", "gpt2", 2, dict(fsdp=True)),
+    ("cp2dp2/fsdp2/llama/acc1", "cp2dp2", "llama", 1, dict(fsdp=True)),
+    ("cp2tp2/fsdp2/llama/sp/acc2", "cp2tp2", "llama", 2, dict(fsdp=True, sp=True)),
 ]
 
 
@@ -76,17 +82,19 @@ def _train(pstate, family, accum, opts):
             "problems": problems}
 
 
-def _memory(pstate):
-    chunk, optimizer = build(pstate, "gpt2", dist_opt=True, params_dtype="bfloat16")
+def _memory(pstate, fsdp=False):
+    chunk, optimizer = build(pstate, "gpt2", dist_opt=not fsdp, fsdp=fsdp, params_dtype="float32" if fsdp else "bfloat16")
     cp_train_step(chunk, optimizer, pstate, 0, micro_size(pstate, 2))
     return memory_report([chunk], optimizer, pstate)[0]
 
 
 def _worker(rank, world_size):
     torch.manual_seed(0)
-    cp2dp2 = ParallelState.create(ParallelLayout(world_size, context=2))
-    out = {name: _train(cp2dp2, family, accum, opts) for name, family, accum, opts in CONFIGS}
-    out["memory"] = _memory(cp2dp2)
+    states = {"cp2dp2": ParallelState.create(ParallelLayout(world_size, context=2)),
+              "cp2tp2": ParallelState.create(ParallelLayout(world_size, tensor=2, context=2))}
+    out = {name: _train(states[layout], family, accum, opts) for name, layout, family, accum, opts in CONFIGS}
+    out["memory"] = _memory(states["cp2dp2"])
+    out["memory_fsdp"] = _memory(states["cp2dp2"], fsdp=True)
     return out
 
 
@@ -95,9 +103,10 @@ def spawned():
     return run_distributed(_worker, 4)
 
 
-@pytest.mark.parametrize("name, family, accum, opts", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_cp2_dp2_training_matches_single_process(spawned, name, family, accum, opts):
-    reference = reference_run(family, GLOBAL_BATCH // (2 * accum), steps=STEPS)
+@pytest.mark.parametrize("name, layout, family, accum, opts", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_cp2_training_matches_single_process(spawned, name, layout, family, accum, opts):
+    dp = 2 if layout == "cp2dp2" else 1
+    reference = reference_run(family, GLOBAL_BATCH // (dp * accum), steps=STEPS)
     for rank, result in enumerate(spawned):
         ours = result[name]
         assert not ours["problems"], f"rank {rank}: " + "; ".join(ours["problems"][:5])
@@ -116,3 +125,11 @@ def test_distributed_optimizer_memory_per_rank_is_the_formula_with_d_dp_times_cp
         assert info["formula_bytes_per_param"] == 6 + 12 / d and f"d={d}" in info["formula"], info
         assert abs(info["optimizer_bytes_per_param"] / (12 / d) - 1) < 0.01, (rank, info)
         assert abs(info["bytes_per_param"] / (6 + 12 / d) - 1) < 0.01, (rank, info)
+
+
+def test_fsdp2_memory_per_rank_is_the_formula_with_d_dp_times_cp(spawned):
+    d = 4  # DP 2 x CP 2: fp32 parameters, gradients and Adam state, all sharded
+    for rank, result in enumerate(spawned):
+        info = result["memory_fsdp"]
+        assert info["formula_bytes_per_param"] == 16 / d and f"d={d}" in info["formula"], info
+        assert abs(info["bytes_per_param"] / (16 / d) - 1) < 0.01, (rank, info)

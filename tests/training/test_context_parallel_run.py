@@ -1,10 +1,11 @@
 """The training driver with context parallelism (`python -m megalite.pretrain_gpt`, four rank
 processes on gloo): five iterations' losses at CP = 2 with TP = 2 and sequence parallelism,
-with PP = 2 interleaved, with DP = 2 and the distributed optimizer, and at CP = 4, each equal
-to the single-process run within 1e-5; a checkpoint saved at CP = 2 x DP = 2 with the
-distributed optimizer (its state sharded over DP x CP, d = 4) resumes at CP = 1 (one process),
-at CP = 2 x DP = 1 (d = 2) and at CP = 4 (d = 4 on other ranks) with the uninterrupted run's
-losses. Also: documents split across chunks
+with PP = 2 interleaved, with DP = 2 and the distributed optimizer, with TP = 2 and FSDP2, and
+at CP = 4, each equal to the single-process run within 1e-5; a checkpoint saved at CP = 2 x
+DP = 2 with the distributed optimizer (its state sharded over DP x CP, d = 4) resumes at CP = 1
+(one process), at CP = 2 x DP = 1 (d = 2) and at CP = 4 (d = 4 on other ranks) with the
+uninterrupted run's losses; one saved at CP = 2 x DP = 2 with FSDP2 (sharded over DP x CP)
+resumes with FSDP2 at CP = 1 x DP = 2 and at CP = 4. Also: documents split across chunks
 (--reset-attention-mask --reset-position-ids, CP = 2 with TP = 2) and a2a+p2p (CP = 4 as 2 x 2)
 equal their single-process runs; with attention dropout on, CP = 2 and CP = 4 draw the same
 masks (equal losses), which differ from dropout off."""
@@ -41,7 +42,8 @@ def single_process(tmp_path_factory):
     ["--context-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
      "--cp-comm-type", "all_gather"],
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
-], ids=["cp2-tp2-sp-p2p", "cp2-pp2-interleaved-a2a", "cp2-dp2-distopt-all_gather", "cp4-a2a"])
+    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-torch-fsdp2"],
+], ids=["cp2-tp2-sp-p2p", "cp2-pp2-interleaved-a2a", "cp2-dp2-distopt-all_gather", "cp4-a2a", "cp2-tp2-sp-fsdp2"])
 def test_training_losses_equal_single_process(tmp_path, single_process, layout):
     run(COMMON + layout + ["--metrics-file", str(tmp_path / "metrics.jsonl")], 4, tmp_path / "logs")
     _close(train_losses(tmp_path / "metrics.jsonl"), single_process, range(1, ITERS + 1))
@@ -73,6 +75,16 @@ def test_distributed_optimizer_checkpoint_at_cp2_resumes_at_other_cp_sizes(tmp_p
                                                                            distopt_checkpoint, world, cp):
     _resumes(tmp_path, distopt_checkpoint, single_process, world, cp,
              ["--use-distributed-optimizer"] if world > 1 else [])
+
+
+@pytest.fixture(scope="module")
+def fsdp2_checkpoint(tmp_path_factory, single_process):
+    return _saved_at_cp2(tmp_path_factory.mktemp("fsdp2_cp2"), single_process, ["--use-torch-fsdp2"])
+
+
+@pytest.mark.parametrize("world, cp", [(2, 1), pytest.param(4, 4, marks=pytest.mark.slow)], ids=["cp1-dp2", "cp4"])
+def test_fsdp2_checkpoint_at_cp2_resumes_at_other_cp_sizes(tmp_path, single_process, fsdp2_checkpoint, world, cp):
+    _resumes(tmp_path, fsdp2_checkpoint, single_process, world, cp, ["--use-torch-fsdp2"])
 
 
 @pytest.mark.slow

@@ -1,8 +1,11 @@
-"""ZeRO-3 through PyTorch's FSDP2 (`fully_shard`), sharding over the data-parallel group only.
+"""ZeRO-3 through PyTorch's FSDP2 (`fully_shard`), sharding over DP x CP.
 
 Each transformer layer and then the root model are sharded over a DeviceMesh built from
-pstate.dp_group, so megalite's own tensor parallelism composes with it: TP layers are plain
-modules holding TP-local parameters, which FSDP2 shards further along dim 0 over DP.
+pstate.dp_cp_group (the data-parallel group without context parallelism; torchtitan's
+dp_shard_cp dimension), so megalite's own tensor parallelism composes with it: TP layers are
+plain modules holding TP-local parameters, which FSDP2 shards further along dim 0. Each CP
+rank's gradient is that of its part of every sequence, so gradients are summed over CP and
+averaged over DP: the reduce-scatter divides by the DP size, not the mesh's.
 
 Mixed precision is FSDP2's: keep the model's parameters in fp32 (they are the optimizer's main
 parameters) and pass param_dtype=torch.bfloat16 to compute in bf16; gradients are reduced in
@@ -17,6 +20,7 @@ megalite's parameter attributes (tensor_model_parallel, sequence_parallel, share
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -69,23 +73,26 @@ class FSDPChunk(nn.Module):
 
 def apply_fsdp2(model: nn.Module, pstate: ParallelState, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> FSDPChunk:
-    """Shard `model` (a GPTModel chunk) with FSDP2 over the data-parallel group, each entry of
-    model.layers separately and the rest at the root, in place; returns the FSDPChunk wrapping
-    it. `param_dtype` is the compute dtype (None: the parameters' own, fp32)."""
-    if pstate.dp_group is None:
-        raise ValueError("apply_fsdp2 needs torch.distributed (pstate.dp_group is None)")
+    """Shard `model` (a GPTModel chunk) with FSDP2 over DP x CP, each entry of model.layers
+    separately and the rest at the root, in place; returns the FSDPChunk wrapping it.
+    `param_dtype` is the compute dtype (None: the parameters' own, fp32)."""
+    if pstate.dp_cp_group is None:
+        raise ValueError("apply_fsdp2 needs torch.distributed (pstate.dp_cp_group is None)")
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if wrong:
         raise ValueError(f"apply_fsdp2: parameters must be float32 (they are the main parameters); got {wrong}. "
                          "Build the model with params_dtype='float32' and pass param_dtype=torch.bfloat16")
     device_type = next(model.parameters()).device.type
-    mesh = DeviceMesh.from_group(pstate.dp_group, device_type)
+    mesh = DeviceMesh.from_group(pstate.dp_cp_group, device_type)
     attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
                   for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for module in [*model.layers.values(), model]:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if pstate.cp_size > 1:
+            module.set_gradient_divide_factor(float(pstate.dp_size))
+            # otherwise a divide factor other than the mesh size is NCCL's PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(dist.get_backend(pstate.dp_cp_group) != "nccl")
     for name, param in model.named_parameters():
         for attribute, value in attributes[name].items():
             setattr(param, attribute, value)
