@@ -52,6 +52,9 @@ class Cluster:
     op_overhead: float = 0.0
     """Seconds each operator costs beyond its kernel and is not hidden (host dispatch on a CPU;
     0 where launches overlap long GPU kernels)."""
+    cores: int = 0
+    """Devices that compute at once when fewer than the devices (processes sharing a CPU's
+    cores); 0: every device computes on its own (GPUs)."""
     optimizer_bytes_per_parameter: float = 30.0
     """Bytes the optimizer step moves per parameter it updates: 30 for a fused AdamW pass over
     fp32 main weights, gradient, m and v (read and write) and the 16-bit copy; measured on a CPU

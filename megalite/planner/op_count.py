@@ -4,6 +4,7 @@ biases, MoE experts) under a dispatch counter. On a CPU each operator costs host
 calibration measures (cluster.op_overhead); the counts do not depend on the sizes.
 """
 
+import contextlib
 from functools import lru_cache
 
 import torch
@@ -38,18 +39,29 @@ def tiny(config: GPTConfig, num_layers: int) -> GPTConfig:
                           fused_kernels=False, moe=moe)
 
 
-def count_ops(config: GPTConfig, seq_length: int = 8) -> tuple[int, int]:
-    """(forward, backward) operators of one training micro-batch of `config` (one process)."""
+def tiny_model(config: GPTConfig, seq_length: int = 8):
+    """(model, tokens) of `config` in this process."""
     from megalite.model.gpt import GPTModel
 
     torch.manual_seed(0)
-    model = GPTModel(config)
-    tokens = torch.randint(0, config.vocab_size, (1, seq_length))
-    with OpCounter() as forward:
+    return GPTModel(config), torch.randint(0, config.vocab_size, (1, seq_length))
+
+
+def micro_batch(model, tokens, counters=(None, None)) -> None:
+    """One forward and backward, each under its counter when given."""
+    forward, backward = (c if c is not None else contextlib.nullcontext() for c in counters)
+    with forward:
         loss = model(tokens, labels=tokens).float().mean()
-    with OpCounter() as backward:
+    with backward:
         loss.backward()
-    return forward.count, backward.count
+
+
+def count_ops(config: GPTConfig, seq_length: int = 8) -> tuple[int, int]:
+    """(forward, backward) operators of one training micro-batch of `config` (one process)."""
+    model, tokens = tiny_model(config, seq_length)
+    counters = (OpCounter(), OpCounter())
+    micro_batch(model, tokens, counters)
+    return counters[0].count, counters[1].count
 
 
 @lru_cache(maxsize=64)

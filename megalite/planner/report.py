@@ -9,7 +9,7 @@ from megalite.planner.step import PARTS, Prediction
 
 GIB = 2 ** 30
 _SHORT = {"matmul": "matmul", "memory-bound": "membound", "operators": "ops", "tensor-parallel": "TP",
-          "context-parallel": "CP", "expert-parallel": "EP", "pipeline bubble + p2p": "bubble+p2p",
+          "context-parallel": "CP", "expert-parallel": "EP", "pipeline bubble + p2p": "bubble+p2p", "shared cores": "cores",
           "data-parallel": "DP", "optimizer": "optim"}
 
 
@@ -17,12 +17,18 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.1f}ms" if value < 1 else f"{value:.2f}s"
 
 
+def memory_unit(nbytes: float) -> tuple[float, str]:
+    """GiB, or MiB below 1 GiB."""
+    return (GIB, "GiB") if nbytes >= GIB else (2 ** 20, "MiB")
+
+
 def memory_text(memory: RankMemory) -> str:
-    extras = "".join(f" + {name} {value / GIB:.2f}" for name, value in
+    unit, name = memory_unit(memory.total)
+    extras = "".join(f" + {label} {value / unit:.2f}" for label, value in
                      (("recompute", memory.recompute), ("logits", memory.logits)) if value)
-    return (f"weights {memory.parameters / GIB:.2f} + grads {memory.gradients / GIB:.2f} + optimizer "
-            f"{memory.optimizer / GIB:.2f} + activations {memory.activations / GIB:.2f}{extras} = "
-            f"{memory.total / GIB:.2f} GiB (pipeline rank {memory.rank})")
+    return (f"weights {memory.parameters / unit:.2f} + grads {memory.gradients / unit:.2f} + optimizer "
+            f"{memory.optimizer / unit:.2f} + activations {memory.activations / unit:.2f}{extras} = "
+            f"{memory.total / unit:.2f} {name} (pipeline rank {memory.rank})")
 
 
 def table(plan: Plan, top: int = 10) -> str:
@@ -38,14 +44,15 @@ def table(plan: Plan, top: int = 10) -> str:
         lines += [f"  {layout.short()}: {memory_text(memory)}" for layout, memory in plan.rejected]
         return "\n".join(lines)
     parts = [p for p in PARTS if any(pr.breakdown[p] for pr in plan.ranked[:top])]
-    header = (f"{'#':>2} {'layout':34} {'step':>8} {'tok/s/dev':>10} {'TFLOP/s':>8} {'MFU':>5} {'mem GiB':>8} "
+    unit, unit_name = memory_unit(max(p.memory.total for p in plan.ranked[:top]))
+    header = (f"{'#':>2} {'layout':34} {'step':>8} {'tok/s/dev':>10} {'TFLOP/s':>8} {'MFU':>5} {'mem ' + unit_name:>8} "
               + " ".join(f"{_SHORT[p]:>10}" for p in parts))
     lines += [header, "-" * len(header)]
     for i, prediction in enumerate(plan.ranked[:top], 1):
         mfu = f"{prediction.mfu:.0%}" if prediction.mfu is not None else "n/a"
         lines.append(f"{i:>2} {prediction.layout.short():34} {_seconds(prediction.step_time):>8} "
                      f"{prediction.tokens_per_second_per_gpu:>10.1f} {prediction.model_tflops_per_gpu:>8.2f} "
-                     f"{mfu:>5} {prediction.memory.total / GIB:>8.2f} "
+                     f"{mfu:>5} {prediction.memory.total / unit:>8.2f} "
                      + " ".join(f"{_seconds(prediction.breakdown[p]):>10}" for p in parts))
     lines.append("TFLOP/s and MFU count formulas.md's model FLOPs (6 P_mm + 12 L s h per token, no recompute); "
                  "the breakdown is the slowest rank's step")

@@ -5,6 +5,11 @@ gradient reduction (overlapped with the last micro-batch's backward under
 --overlap-grad-reduce), the tied-embedding all-reduce, the optimizer step and the distributed
 optimizer's parameter all-gather (overlapped with the next step's first forward).
 
+Processes sharing fewer cores than there are ranks (a CPU machine, cluster.cores) cannot all
+compute at once: the pipeline part of the step takes at least every rank's compute divided by
+the cores (a work-conserving scheduler's bound; ranks waiting in a bubble leave their core to
+the others), and the optimizer steps of all ranks share the cores too ("shared cores").
+
 `estimate` replaces the simulator by the bubble formula (p-1)/v of a stage's F+B: the search
 uses it to choose which layouts to simulate.
 """
@@ -25,7 +30,8 @@ from megalite.planner.workload import Workload
 from megalite.training.flops import flops_per_token
 
 PARTS = ("matmul", "memory-bound", "operators", "tensor-parallel", "context-parallel", "expert-parallel",
-         "pipeline bubble + p2p", "data-parallel", "optimizer")
+         "pipeline bubble + p2p", "shared cores", "data-parallel", "optimizer")
+COMPUTE_PARTS = ("matmul", "memory-bound", "operators")
 
 
 @dataclass
@@ -154,6 +160,9 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
         stage = max(sum(c.forward + c.backward for c in row) for row in table)
         makespan = max(busy) + (p - 1) / v * stage + (2 * (p - 1) * p2p if p > 1 else 0.0)
         finish = tuple(makespan for _ in range(p))
+    compute = [m * sum(c.parts.get(k, 0.0) for c in row for k in COMPUTE_PARTS) for row in table]
+    share = layout.world_size / cluster.cores if 0 < cluster.cores < layout.world_size else 1.0
+    contention = max(0.0, sum(compute) * layout.world_size / p / cluster.cores - makespan) if share > 1 else 0.0
     ends, details = [], []
     overlap = layout.dp * layout.cp > 1  # the printed flags turn --overlap-grad-reduce on
     for rank, row in enumerate(table):
@@ -162,8 +171,8 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
         first_forward = sum(c.forward for c in row)
         exposed = max(0.0, reduce - last_backward) if overlap else reduce
         exposed += max(0.0, gather - first_forward) if overlap else gather
-        optimizer = _optimizer(cluster, workload, layout, rank)
-        ends.append(finish[rank] + exposed + embedding + optimizer)
+        optimizer = _optimizer(cluster, workload, layout, rank) * share
+        ends.append(finish[rank] + contention + exposed + embedding + optimizer)
         details.append((exposed + embedding, optimizer))
     step = max(ends)
     critical = max(range(p), key=lambda r: ends[r])
@@ -171,7 +180,8 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
     for chunk in table[critical]:
         for kind, value in chunk.parts.items():
             parts[kind] += m * value
-    parts["pipeline bubble + p2p"] = max(0.0, step - busy[critical] - sum(details[critical]))
+    parts["shared cores"] = contention
+    parts["pipeline bubble + p2p"] = max(0.0, step - busy[critical] - contention - sum(details[critical]))
     parts["data-parallel"], parts["optimizer"] = details[critical]
     tokens = workload.global_batch_size * workload.seq_length
     per_gpu = tokens / step / layout.world_size

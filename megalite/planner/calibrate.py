@@ -1,0 +1,190 @@
+"""`plan.py --calibrate`: measure this machine as a cluster of `world_size` ranks, every rank
+busy at once as in a run: matmul rate, memory bandwidth, per-operator host overhead, the
+optimizer's bytes per parameter, and for each group size the latency and bus bandwidth of
+megalite's own collectives (megalite.parallel.comm, the expert all-to-all, batched send and
+receive), with every group of that size communicating at the same time.
+
+CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn). GPU: one
+process per device, NCCL, bf16 matmuls; the same measurements with device synchronisation.
+Each collective is timed at two sizes and its ring-model latency and bandwidth solved from
+them (cluster.py); times are medians over repetitions.
+"""
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import comm
+from megalite.planner.cluster import Cluster
+
+_SMALL, _LARGE = 1 << 12, 1 << 22  # bytes per collective (fp32 elements x 4)
+_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, repeats: int, group=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group=group)
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collective(kind: str, nbytes: int, group, device):
+    n = comm.group_size(group)
+    elements = max(n, nbytes // 4 // n * n)
+    x = torch.ones(elements, device=device)
+    if kind == "all_reduce":
+        return lambda: comm.all_reduce(x, group)
+    if kind == "all_gather":
+        part = x[:elements // n].clone()
+        return lambda: comm.all_gather_dim0(part, group)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter_dim0(x, group)
+    splits = [elements // n] * n
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x, splits, splits, group=group)
+
+
+def _fit(kind: str, n: int, small: float, large: float) -> list[float]:
+    """Latency and bus bandwidth of the ring model through two measured points."""
+    if kind == "p2p":
+        bandwidth = (_LARGE - _SMALL) / max(large - small, 1e-9)
+        return [max(small - _SMALL / bandwidth, 0.0), bandwidth]
+    steps = _STEPS[kind]
+    moved = steps * (n - 1) / n
+    bandwidth = moved * (_LARGE - _SMALL) / max(large - small, 1e-9)
+    latency = max(small - moved * _SMALL / bandwidth, 0.0) / (steps * (n - 1))
+    return [latency, bandwidth]
+
+
+def _p2p(rank: int, world: int, nbytes: int, device):
+    peer = rank ^ 1
+    x = torch.ones(nbytes // 4, device=device)
+    y = torch.empty_like(x)
+
+    def exchange():
+        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return exchange
+
+
+def _compute(device, repeats: int, group) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m, k, n = (8192, 8192, 8192) if device.type == "cuda" else (512, 1024, 1024)
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    matmul = _median_time(lambda: [a @ b for _ in range(4)], device, repeats, group)
+    x = torch.randn(1 << (25 if device.type == "cuda" else 23), device=device)
+    y = torch.randn_like(x)
+    add = _median_time(lambda: [torch.add(x, y) for _ in range(4)], device, repeats, group)
+    from megalite.model.config import GPTConfig
+    from megalite.planner.op_count import count_ops, micro_batch, tiny, tiny_model
+    config = tiny(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64), 2)
+    model, tokens = tiny_model(config)
+    overhead = _median_time(lambda: micro_batch(model, tokens), device, repeats, group) / sum(count_ops(config))
+    params = [torch.nn.Parameter(torch.randn(1 << 18, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    adam.step()
+    step = _median_time(adam.step, device, repeats, group)
+    bandwidth = 4 * 3 * x.numel() * 4 / add
+    return {"flops": 4 * 2 * m * k * n / matmul, "bandwidth": bandwidth, "op_overhead": overhead,
+            "optimizer_bytes": step * bandwidth / sum(p.numel() for p in params)}
+
+
+def _measure(rank: int, world: int, backend: str, repeats: int, cores: int) -> dict:
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Compute rates with as many processes busy as there are cores (the rest wait): what one
+    # rank gets while the machine computes at full width.
+    computing = dist.new_group(list(range(cores)))
+    result = {"compute": _compute(device, repeats, computing) if rank < cores else None, "measured": {}}
+    dist.barrier()
+    sizes = [n for n in range(2, world + 1) if world % n == 0]
+    for n in sizes:
+        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+        group = groups[rank // n]
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            small = _median_time(_collective(kind, _SMALL, group, device), device, repeats, dist.group.WORLD)
+            large = _median_time(_collective(kind, _LARGE, group, device), device, repeats, dist.group.WORLD)
+            result["measured"].setdefault(kind, {})[n] = _fit(kind, n, small, large)
+    if world % 2 == 0:
+        small = _median_time(_p2p(rank, world, _SMALL, device), device, repeats, dist.group.WORLD)
+        large = _median_time(_p2p(rank, world, _LARGE, device), device, repeats, dist.group.WORLD)
+        result["measured"]["p2p"] = {2: _fit("p2p", 2, small, large)}
+    return result
+
+
+def _nccl_worker(rank: int, world: int, port: int, repeats: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        results.put((rank, _measure(rank, world, "nccl", repeats, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, backend: str, repeats: int, cores: int) -> list[dict]:
+    if backend == "gloo":
+        from megalite.parallel.spawn import run_distributed
+        return list(run_distributed(_measure, world, backend, repeats, cores, timeout=1800))
+    import torch.multiprocessing as mp
+    from megalite.parallel.spawn import free_port
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, repeats, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=1800)[1] for _ in procs]
+    for p in procs:
+        p.join()
+    return out
+
+
+def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> Cluster:
+    """This machine as a Cluster of `world_size` ranks (gloo on CPU, NCCL on GPUs)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"--world-size {world_size}: this machine has {torch.cuda.device_count()} GPUs")
+    if world_size < 2:
+        raise ValueError(f"--world-size must be at least 2 to measure collectives, got {world_size}")
+    cores = min(world_size, len(os.sched_getaffinity(0))) if backend == "gloo" else world_size
+    ranks = _run(world_size, backend, repeats, cores)
+
+    def median(key):
+        return statistics.median(r["compute"][key] for r in ranks if r["compute"] is not None)
+    measured = {}
+    for kind in ranks[0]["measured"]:
+        measured[kind] = {n: [statistics.median(r["measured"][kind][n][i] for r in ranks) for i in (0, 1)]
+                          for n in ranks[0]["measured"][kind]}
+    if backend == "gloo":
+        with open("/proc/meminfo") as handle:
+            total = int(next(line for line in handle if line.startswith("MemTotal")).split()[1]) * 1024
+        memory, name = total / world_size, f"this CPU machine, {world_size} gloo processes ({os.cpu_count()} cores)"
+    else:
+        memory, name = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    bandwidth = measured.get("all_reduce", {}).get(world_size, [0, 1e9])
+    p2p = measured.get("p2p", {}).get(2, bandwidth)
+    return Cluster(name=name, num_gpus=world_size, gpus_per_node=world_size, memory_bytes=memory,
+                   peak_flops=median("flops"), matmul_efficiency=1.0, memory_bandwidth=median("bandwidth"),
+                   intra_node_bandwidth=bandwidth[1], inter_node_bandwidth=p2p[1], intra_node_latency=bandwidth[0],
+                   inter_node_latency=p2p[0], op_overhead=median("op_overhead") if backend == "gloo" else 0.0,
+                   cores=cores if cores < world_size else 0,
+                   optimizer_bytes_per_parameter=median("optimizer_bytes"), measured=measured,
+                   source=f"--calibrate on {time.strftime('%Y-%m-%d %H:%M')}, {backend}, {world_size} ranks, "
+                          f"load {os.getloadavg()[0]:.1f}")
