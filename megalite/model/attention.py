@@ -15,17 +15,11 @@ from megalite.model.recompute import checkpointed
 from megalite.model.rope import apply_rotary_interleaved
 from megalite.parallel import comm
 from megalite.parallel.context import context_parallel_attention
+from megalite.parallel.context.blocks import TorchBlocks
+from megalite.parallel.context.flash_blocks import FlashBlocks, flash_attn_module
 from megalite.parallel.context.dropout import AttentionDropout
 from megalite.parallel.random import rng_fork_if
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
-
-
-def _flash_attn_func():
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError as e:
-        raise RuntimeError("--use-flash-attn needs the flash_attn package, which is not importable") from e
-    return flash_attn_func
 
 
 class SelfAttention(nn.Module):
@@ -68,13 +62,14 @@ class SelfAttention(nn.Module):
             # attention_mask: this rank's query rows of the whole sequence's mask [b, 1, s, s * cp]
             return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
                                               overlap=self.config.cp_ring_overlap, mask=attention_mask,
-                                              dropout=drop, a2a_size=self.config.cp_a2a_size)
+                                              dropout=drop, a2a_size=self.config.cp_a2a_size,
+                                              blocks=FlashBlocks() if self.config.use_flash_attn else TorchBlocks)
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses
                 # tensors off CUDA itself.
-                out = _flash_attn_func()(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         dropout_p=dropout, softmax_scale=scale, causal=True)
+                out = flash_attn_module().flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                          dropout_p=dropout, softmax_scale=scale, causal=True)
                 return out.transpose(0, 1).reshape(s, b, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out

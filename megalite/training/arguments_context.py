@@ -77,8 +77,9 @@ def check_context_args(args, fail) -> None:
     if cp == 1:
         return
     checks = (
-        (args.use_flash_attn, f"--use-flash-attn with --context-parallel-size {cp} is not "
-                              "implemented in megalite yet"),
+        (args.use_flash_attn and args.attention_dropout > 0,
+         f"--use-flash-attn with --context-parallel-size {cp} needs --attention-dropout 0 (flash_attn's dropout "
+         "masks cannot be the ones megalite's context-parallel dropout draws per block)"),
         (getattr(args, "num_experts", None) is not None,
          f"--num-experts with --context-parallel-size {cp} is not implemented in megalite yet"),
     )

@@ -1,14 +1,14 @@
 """--use-flash-attn: attention through the flash_attn package's flash_attn_func.
 
-flash_attn needs a GPU, so a stand-in module is put in sys.modules: its flash_attn_func checks
-the arguments it gets (the [b, s, heads, d] layout, grouped k/v heads) and computes attention
-with plain torch ops, honouring causal, softmax_scale and dropout_p as the real one does. The
-model with it must equal the model through scaled_dot_product_attention (fp32, 1e-5 relative),
-which fails if megalite's transposes, causal flag or scale are wrong.
+flash_attn needs a GPU, so a stand-in module is put in sys.modules (flash_attn_standin.py): its
+flash_attn_func checks the arguments it gets (the [b, s, heads, d] layout, grouped k/v heads)
+and computes attention with plain torch ops, honouring causal, softmax_scale and dropout_p as
+the real one does. The model with it must equal the model through scaled_dot_product_attention
+(fp32, 1e-5 relative), which fails if megalite's transposes, causal flag or scale are wrong.
+With context parallelism: test_flash_attn_context_parallel.py.
 """
 
 import sys
-import types
 
 import pytest
 import torch
@@ -16,40 +16,19 @@ import torch
 from megalite.model.attention import SelfAttention
 from megalite.model.gpt import GPTModel, masked_mean_loss
 from megalite.parallel.random import MODEL_PARALLEL_RNG, RNGTracker
+from tests.model.flash_attn_standin import standin_modules
 from tests.model.test_gpt_tp import BATCH, SEQ, batch, make_config
 from tests.numerics import assert_rel_close
 
 TOL = 1e-5
 
 
-def _reference_flash_attn_func(calls):
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **unused):
-        """q [b, s, nq, d], k/v [b, s, nkv, d] -> [b, s, nq, d] (flash_attn's signature)."""
-        assert not unused, f"unexpected arguments {sorted(unused)}"
-        assert q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape
-        assert q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3] and q.shape[2] % k.shape[2] == 0
-        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "flash_attn needs unit stride along d"
-        calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), dropout_p=dropout_p, softmax_scale=softmax_scale,
-                          causal=causal, rng_state=torch.get_rng_state()))
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        repeat = q.shape[2] // k.shape[2]  # query head i reads k/v head i // repeat
-        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        if causal:
-            s = q.shape[1]
-            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-        probs = torch.nn.functional.dropout(scores.softmax(-1), p=dropout_p)
-        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return flash_attn_func
-
-
 @pytest.fixture
 def flash_calls(monkeypatch):
     """Calls of the stand-in flash_attn_func, installed as the flash_attn module."""
     calls = []
-    module = types.ModuleType("flash_attn")
-    module.flash_attn_func = _reference_flash_attn_func(calls)
-    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    for name, module in standin_modules(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
     return calls
 
 

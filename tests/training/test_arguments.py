@@ -363,6 +363,9 @@ def test_use_flash_attn_is_checked_before_the_first_forward(monkeypatch):
     assert "--distributed-backend gloo" in refused("--use-flash-attn --fp16 --distributed-backend gloo")
     assert "--reset-attention-mask" in refused("--use-flash-attn --bf16 --reset-attention-mask")
     assert parsed("--use-flash-attn --bf16", world_size=1).use_flash_attn
+    # context parallelism: flash_attn blocks take no dropout (megalite.parallel.context.flash_blocks)
+    assert "--attention-dropout 0" in refused("--use-flash-attn --bf16 --context-parallel-size 2", 2)
+    assert parsed("--use-flash-attn --bf16 --context-parallel-size 2 --attention-dropout 0", world_size=2).use_flash_attn
 
 
 def test_flags_megalite_refuses_or_needs_less_for():

@@ -83,3 +83,22 @@ def block_backward(q, k, v, dout, delta, lse, scale: float, causal: bool, mask=N
         dk = dk.view(b, hg, hq // hg, sk, d).sum(2)
         dv = dv.view(b, hg, hq // hg, sk, d).sum(2)
     return dq, dk, dv
+
+
+class TorchBlocks:
+    """The block attention ring.py and gathered.py call, in plain torch (this module): any
+    dtype, document masks and dropout. flash_blocks.FlashBlocks is the flash_attn one."""
+
+    forward = staticmethod(block_forward)
+
+    @staticmethod
+    def attention(q, k, v, scale: float):
+        """Causal attention of a whole sequence, autograd's: [b, hq, s, d] (a2a's)."""
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=k.shape[1] != q.shape[1])
+
+    @staticmethod
+    def backward(q, k, v, dout, out, delta, lse, scale: float, causal: bool, mask=None, keep=None):
+        """block_backward; `out` (the merged output whose rowsum(dout * out) is `delta`) is
+        what a kernel computing delta itself takes."""
+        return block_backward(q, k, v, dout, delta, lse, scale, causal, mask, keep)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel import comm
-from megalite.parallel.context.blocks import block_backward, block_forward, merge
+from megalite.parallel.context.blocks import TorchBlocks, block_forward, merge
 from megalite.parallel.context.dropout import block_keep
 from megalite.parallel.context.split import chunk_ids, gather_sequence, mask_block, natural_order
 
@@ -28,7 +28,7 @@ class AllGatherAttention(torch.autograd.Function):
     their gradients home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, scale, dropout):
+    def forward(ctx, q, k, v, mask, group, scale, dropout, blocks):
         n, rank = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
         kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)  # [n, 2, b, hg, s, d]
@@ -39,14 +39,14 @@ class AllGatherAttention(torch.autograd.Function):
                 owner, half = _chunk_place(kv_id, n)
                 block = kv[owner, :, :, :, half * c:(half + 1) * c]
                 q_part = q[:, :, qa * c:(qa + 1) * c]
-                acc = merge(acc, *block_forward(q_part, block[0], block[1], scale, kv_id == q_id,
-                                                mask_block(mask, qa, kv_id, c),
-                                                block_keep(dropout, q_part, q_id, kv_id, c)))
+                acc = merge(acc, *blocks.forward(q_part, block[0], block[1], scale, kv_id == q_id,
+                                                 mask_block(mask, qa, kv_id, c),
+                                                 block_keep(dropout, q_part, q_id, kv_id, c)))
             outs.append(acc[0])
             lses.append(acc[1])
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.group, ctx.scale, ctx.dropout = mask, group, scale, dropout
+        ctx.mask, ctx.group, ctx.scale, ctx.dropout, ctx.blocks = mask, group, scale, dropout, blocks
         return out.to(q.dtype)
 
     @staticmethod
@@ -65,22 +65,23 @@ class AllGatherAttention(torch.autograd.Function):
             for kv_id in range(q_id + 1):
                 owner, half = _chunk_place(kv_id, n)
                 cols = slice(half * c, (half + 1) * c)
-                dq_part, dk_part, dv_part = block_backward(
+                dq_part, dk_part, dv_part = ctx.blocks.backward(
                     q[:, :, rows], kv[owner, 0, :, :, cols], kv[owner, 1, :, :, cols], dout[:, :, rows],
-                    delta[:, :, rows], lse[:, :, rows], scale, kv_id == q_id, mask_block(mask, qa, kv_id, c),
+                    out[:, :, rows], delta[:, :, rows], lse[:, :, rows], scale, kv_id == q_id, mask_block(mask, qa, kv_id, c),
                     block_keep(dropout, q[:, :, rows], q_id, kv_id, c))
                 dq[:, :, rows] += dq_part
                 dkv[owner, 0, :, :, cols] += dk_part
                 dkv[owner, 1, :, :, cols] += dv_part
         dkv = comm.reduce_scatter_dim0(dkv, group)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
-def all_gather_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torch.Tensor:
+def all_gather_attention(q, k, v, group, scale: float, mask=None, dropout=None, blocks=TorchBlocks) -> torch.Tensor:
     """q [b, hq, s, d], k and v [b, hg, s, d] -> [b, hq, s, d]; `mask` this rank's rows of
     the document mask (split.split_attention_mask) or None; `dropout` a
-    dropout.AttentionDropout or None."""
-    return AllGatherAttention.apply(q, k, v, mask, group, scale, dropout)
+    dropout.AttentionDropout or None; `blocks` the block attention (blocks.TorchBlocks, or
+    flash_blocks.FlashBlocks())."""
+    return AllGatherAttention.apply(q, k, v, mask, group, scale, dropout, blocks)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -104,11 +105,12 @@ def _heads_to_seq(x, group):
     return parts.permute(1, 2, 0, 3, 4).reshape(ns // n, b, n * hn, d)
 
 
-def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torch.Tensor:
+def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None, blocks=TorchBlocks) -> torch.Tensor:
     """q [s, b, hq, d], k and v [s, b, hg, d] -> [b, hq, s, d]; `mask` this rank's rows of the
     document mask (split.split_attention_mask) or None; `dropout` a dropout.AttentionDropout
     or None (then the whole-sequence attention of this rank's heads is computed explicitly,
-    its mask that of heads rank * hq / n onwards)."""
+    its mask that of heads rank * hq / n onwards); `blocks` whose causal attention runs
+    without mask and dropout (blocks.TorchBlocks: SDPA, or flash_blocks.FlashBlocks())."""
     n = comm.group_size(group)
     s, b, hq, d = q.shape
     if hq % n:
@@ -123,9 +125,11 @@ def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None) -> torc
     if mask is not None:  # every rank attends over the whole sequence: it needs every row
         full = gather_sequence(mask.to(torch.uint8), 2, group).bool()  # (gloo gathers no bool)
         allowed = ~full & torch.ones(full.shape[-2:], dtype=torch.bool, device=full.device).tril()
-    if dropout is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=mask is None, scale=scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])  # [b, hq/n, n*s, d]
+    if dropout is None and mask is None:
+        out = blocks.attention(q, k, v, scale)  # [b, hq/n, n*s, d]
+    elif dropout is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     else:
         keep = block_keep(dropout, q, 0, 0, n * s, head_offset=comm.group_rank(group) * q.shape[1])
         out = block_forward(q, k, v, scale, True, None if allowed is None else ~allowed, keep)[0].to(q.dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import comm
+from megalite.parallel.context.blocks import TorchBlocks
 from megalite.parallel.context.ring import Ring, ring_attention
 from megalite.parallel.context.split import chunk_ids
 
@@ -45,10 +46,10 @@ def _heads_to_seq(x, group, members):
 
 
 def hierarchical_attention(q, k, v, group, a2a_size: int, scale: float, overlap: bool = True,
-                           mask=None, dropout=None) -> torch.Tensor:
+                           mask=None, dropout=None, blocks=TorchBlocks) -> torch.Tensor:
     """q [s, b, hq, d], k and v [s, b, hg, d] -> [b, hq, s, d]: causal attention over the
     whole sequence, a2a inside groups of `a2a_size` consecutive CP ranks, a ring across them.
-    `mask` and `dropout` as in context_parallel_attention."""
+    `mask`, `dropout` and `blocks` as in context_parallel_attention."""
     n, rank = comm.group_size(group), comm.group_rank(group)
     if n % a2a_size:
         raise ValueError(f"--hierarchical-context-parallel-sizes: a2a size {a2a_size} does not divide the "
@@ -71,6 +72,6 @@ def hierarchical_attention(q, k, v, group, a2a_size: int, scale: float, overlap:
     ring = Ring(members=tuple(g * a + inner for g in range(p)),
                 chunks=tuple(tuple(c for m in range(g * a, (g + 1) * a) for c in chunk_ids(n, m)) for g in range(p)),
                 head_offset=inner * (hq // a))
-    out = ring_attention(q, k, v, group, scale, overlap, mask, dropout, ring)  # [b, hq/a, a*s, d]
+    out = ring_attention(q, k, v, group, scale, overlap, mask, dropout, ring, blocks)  # [b, hq/a, a*s, d]
     out = comm.paired(out.permute(2, 0, 1, 3), _heads_to_seq, _seq_to_heads, group, members)
     return out.permute(1, 2, 0, 3)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import comm
-from megalite.parallel.context.blocks import CAUSAL, SKIP, block_backward, block_forward, merge, relation
+from megalite.parallel.context.blocks import CAUSAL, SKIP, TorchBlocks, merge, relation
 from megalite.parallel.context.dropout import block_keep
 from megalite.parallel.context.split import chunk_ids, mask_block
 
@@ -73,7 +73,7 @@ def _pairs(ring, pos, src):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, scale, overlap, dropout, ring):
+    def forward(ctx, q, k, v, mask, group, scale, overlap, dropout, ring, blocks):
         n, rank = len(ring.members), ring.members.index(comm.group_rank(group))
         parts = len(ring.chunks[rank])
         c = q.shape[2] // parts
@@ -85,16 +85,17 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % n
             for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
                 kv_chunk = kv[:, :, :, kb * c:(kb + 1) * c]
-                acc[qa] = merge(acc[qa], *block_forward(q_chunks[qa], kv_chunk[0], kv_chunk[1], scale, causal,
-                                                        mask_block(mask, qa, kv_id, c),
-                                                        block_keep(dropout, q_chunks[qa], q_id, kv_id, c,
-                                                                   ring.head_offset)))
+                acc[qa] = merge(acc[qa], *blocks.forward(q_chunks[qa], kv_chunk[0], kv_chunk[1], scale, causal,
+                                                         mask_block(mask, qa, kv_id, c),
+                                                         block_keep(dropout, q_chunks[qa], q_id, kv_id, c,
+                                                                    ring.head_offset)))
             if hop is not None:
                 kv = hop.wait()
         out = torch.cat([a[0] for a in acc], dim=2)
         lse = torch.cat([a[1] for a in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.group, ctx.scale, ctx.overlap, ctx.dropout, ctx.ring = mask, group, scale, overlap, dropout, ring
+        ctx.blocks = blocks
         return out.to(q.dtype)
 
     @staticmethod
@@ -108,6 +109,7 @@ class RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1)
         pieces = lambda t: [t[:, :, i * c:(i + 1) * c] for i in range(parts)]  # noqa: E731
         q_chunks, dout_chunks, lse_chunks, delta_chunks = pieces(q), pieces(dout), pieces(lse), pieces(delta)
+        out_chunks = pieces(out)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         grad_hop = None
@@ -117,9 +119,9 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
                 sl = slice(kb * c, (kb + 1) * c)
-                dq_part, dk_part, dv_part = block_backward(
-                    q_chunks[qa], kv[0, :, :, sl], kv[1, :, :, sl], dout_chunks[qa], delta_chunks[qa],
-                    lse_chunks[qa], scale, causal, mask_block(mask, qa, kv_id, c),
+                dq_part, dk_part, dv_part = ctx.blocks.backward(
+                    q_chunks[qa], kv[0, :, :, sl], kv[1, :, :, sl], dout_chunks[qa], out_chunks[qa],
+                    delta_chunks[qa], lse_chunks[qa], scale, causal, mask_block(mask, qa, kv_id, c),
                     block_keep(dropout, q_chunks[qa], q_id, kv_id, c, ring.head_offset))
                 dq[:, :, qa * c:(qa + 1) * c] += dq_part
                 dkv[0, :, :, sl] += dk_part
@@ -132,14 +134,15 @@ class RingAttention(torch.autograd.Function):
                 kv = hop.wait()
         if n > 1:
             dkv = grad_hop.wait()  # this rank's own block, every rank's share summed
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, scale: float, overlap: bool = True, mask=None, dropout=None,
-                   ring: Ring | None = None) -> torch.Tensor:
+                   ring: Ring | None = None, blocks=TorchBlocks) -> torch.Tensor:
     """Causal attention of this rank's queries against every CP rank's keys and values.
     `overlap` False waits for each transfer before computing (to measure the overlap).
     `mask`: this rank's rows of the document mask (split.split_attention_mask) or None;
     `dropout`: a dropout.AttentionDropout or None; `ring`: the ring and its chunks (default:
-    every rank of `group`, each holding its two load-balanced chunks)."""
-    return RingAttention.apply(q, k, v, mask, group, scale, overlap, dropout, ring or Ring.whole_group(group))
+    every rank of `group`, each holding its two load-balanced chunks); `blocks` the block
+    attention (blocks.TorchBlocks, or flash_blocks.FlashBlocks())."""
+    return RingAttention.apply(q, k, v, mask, group, scale, overlap, dropout, ring or Ring.whole_group(group), blocks)
