@@ -4,7 +4,9 @@ optimizer's bytes per parameter, and for each group size the latency and bus ban
 megalite's own collectives (megalite.parallel.comm, the expert all-to-all, batched send and
 receive), with every group of that size communicating at the same time.
 
-CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn). GPU: one
+CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn); compute rates
+are measured with one process per core computing at once (what a rank gets while the machine
+computes at full width), collectives with `world_size` processes. GPU: one
 process per device, NCCL, bf16 matmuls; the same measurements with device synchronisation.
 Each collective is timed at two sizes and its ring-model latency and bandwidth solved from
 them (cluster.py); times are medians over repetitions.
@@ -106,15 +108,17 @@ def _compute(device, repeats: int, group) -> dict:
             "optimizer_bytes": step * bandwidth / sum(p.numel() for p in params)}
 
 
-def _measure(rank: int, world: int, backend: str, repeats: int, cores: int) -> dict:
+def _compute_rates(rank: int, world: int, repeats: int) -> dict:
+    """Compute rates of one of `world` processes all computing (one per core)."""
+    return _compute(torch.device("cpu"), repeats, dist.group.WORLD)
+
+
+def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # Compute rates with as many processes busy as there are cores (the rest wait): what one
-    # rank gets while the machine computes at full width.
-    computing = dist.new_group(list(range(cores)))
-    result = {"compute": _compute(device, repeats, computing) if rank < cores else None, "measured": {}}
-    dist.barrier()
+    result = {"compute": _compute(device, repeats, dist.group.WORLD) if device.type == "cuda" else None,
+              "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
@@ -134,15 +138,19 @@ def _nccl_worker(rank: int, world: int, port: int, repeats: int, results) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
-        results.put((rank, _measure(rank, world, "nccl", repeats, world)))
+        results.put((rank, _measure(rank, world, "nccl", repeats)))
     finally:
         dist.destroy_process_group()
 
 
 def _run(world: int, backend: str, repeats: int, cores: int) -> list[dict]:
     if backend == "gloo":
+        # compute with one process per core (processes waiting in gloo would share the cores),
+        # then the collectives with the whole world
         from megalite.parallel.spawn import run_distributed
-        return list(run_distributed(_measure, world, backend, repeats, cores, timeout=1800))
+        rates = list(run_distributed(_compute_rates, cores, repeats, timeout=1800))
+        ranks = list(run_distributed(_measure, world, backend, repeats, timeout=1800))
+        return [dict(r, compute=rates[i % cores]) for i, r in enumerate(ranks)]
     import torch.multiprocessing as mp
     from megalite.parallel.spawn import free_port
     ctx = mp.get_context("spawn")
@@ -167,7 +175,7 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
     ranks = _run(world_size, backend, repeats, cores)
 
     def median(key):
-        return statistics.median(r["compute"][key] for r in ranks if r["compute"] is not None)
+        return statistics.median(r["compute"][key] for r in ranks)
     measured = {}
     for kind in ranks[0]["measured"]:
         measured[kind] = {n: [statistics.median(r["measured"][kind][n][i] for r in ranks) for i in (0, 1)]

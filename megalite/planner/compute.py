@@ -93,7 +93,8 @@ def _elementwise_elements(workload: Workload, layout: Layout, tokens: float, moe
 
 def layer_gemms(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> list[tuple]:
     """(m, k, n, batch, kind) of one layer's forward GEMMs on one rank; kind 'core' for the
-    attention scores and their product with V, 'dense' for the rest."""
+    attention scores and their product with V, 'router' for the MoE router and shared-expert
+    gate (the same on every TP rank), 'dense' for the rest."""
     config, t = workload.config, layout.tp
     h, d = config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * d, config.num_query_groups * d
@@ -103,13 +104,13 @@ def layer_gemms(workload: Workload, layout: Layout, tokens: float, moe_layer: bo
         moe = config.moe
         rows = tokens * moe.router_topk             # rows this EP rank's experts receive (balanced)
         local = moe.num_experts // layout.ep
-        gemms += [(tokens, h, moe.num_experts, 1, "dense"),
+        gemms += [(tokens, h, moe.num_experts, 1, "router"),
                   (rows / local, h, up * moe.ffn_hidden_size / t, local, "dense"),
                   (rows / local, moe.ffn_hidden_size / t, h, local, "dense")]
         if moe.shared_expert_intermediate_size:
             shared = moe.shared_expert_intermediate_size
             gemms += [(tokens, h, up * shared / t, 1, "dense"), (tokens, shared / t, h, 1, "dense")]
-            gemms += [(tokens, h, 1, 1, "dense")] if moe.shared_expert_gate else []
+            gemms += [(tokens, h, 1, 1, "router")] if moe.shared_expert_gate else []
     else:
         f = config.ffn_hidden_size
         gemms += [(tokens, h, up * f / t, 1, "dense"), (tokens, f / t, h, 1, "dense")]
@@ -123,7 +124,7 @@ def _layer_gemms(cluster: Cluster, workload: Workload, layout: Layout, tokens: f
     """(projection and MLP GEMM time, attention-core GEMM time) of one layer's forward."""
     times = {"dense": 0.0, "core": 0.0}
     for m, k, n, batch, kind in layer_gemms(workload, layout, tokens, moe_layer):
-        times[kind] += gemm_time(cluster, m, k, n, workload.activation_bytes, batch)
+        times["core" if kind == "core" else "dense"] += gemm_time(cluster, m, k, n, workload.activation_bytes, batch)
     return times["dense"], times["core"]
 
 
