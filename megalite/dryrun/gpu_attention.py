@@ -8,6 +8,8 @@ mode calls those ATen ops directly, whose fake implementations and backward form
 same outputs and saved tensors the GPU run has.
 """
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -36,19 +38,26 @@ def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
 MODELLED_CAPABILITY = (9, 0)
 """The GPU a dry run models (an H100): what torch.cuda.get_device_capability answers, so that the
 choices made on it (torch._grouped_mm for the MoE experts) are those of that GPU."""
+MODELLED_PROPERTIES = SimpleNamespace(name="NVIDIA H100 80GB HBM3 (modelled by a dry run)", major=9, minor=0,
+                                      multi_processor_count=132, total_memory=80 * 2**30)
+"""What torch.cuda.get_device_properties answers (the Triton kernels size their grids by the SM count)."""
 _CAPABILITY = torch.cuda.get_device_capability
+_PROPERTIES = torch.cuda.get_device_properties
 
 
 class GpuAttention:
     """Within this context F.scaled_dot_product_attention on CUDA tensors is `gpu_sdpa` (a
     function replaced, not a mode: activation recompute in backward must take the same path),
-    and torch.cuda.get_device_capability answers MODELLED_CAPABILITY (a CPU-only torch has none)."""
+    and torch.cuda.get_device_capability and get_device_properties answer MODELLED_CAPABILITY and
+    MODELLED_PROPERTIES (a CPU-only torch has neither)."""
 
     def __enter__(self):
         F.scaled_dot_product_attention = gpu_sdpa
         torch.cuda.get_device_capability = lambda device=None: MODELLED_CAPABILITY
+        torch.cuda.get_device_properties = lambda device=None: MODELLED_PROPERTIES
         return self
 
     def __exit__(self, *exc):
         F.scaled_dot_product_attention = _SDPA
         torch.cuda.get_device_capability = _CAPABILITY
+        torch.cuda.get_device_properties = _PROPERTIES

@@ -1,4 +1,7 @@
-"""Triton SwiGLU and bias-GeLU: elementwise tile kernels, fp32 math, one rounding on store.
+"""Triton SwiGLU and bias-GeLU: elementwise tile kernels, fp32 math, one rounding on store,
+registered as the operators megalite_kernels::swiglu_forward / ::bias_gelu_forward, each
+differentiable through its backward operator (which recomputes the activation from the saved
+input instead of saving the output).
 
 Bias-GeLU's backward also reduces dbias: a fixed number of programs per column block loop over
 row blocks keeping fp32 column sums in registers; a small torch sum finishes the reduction.
@@ -8,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, persistent_programs, reduce_sum, rows_per_program, sigmoid, to_dtype, warps_for
+from megalite.kernels.dispatch import as_rows
+from megalite.kernels.triton_common import (kernel_op, persistent_programs, reduce_sum, rows_per_program, sigmoid,
+                                            to_dtype, warps_for, wrap_triton)
 
 
 @triton.jit
@@ -104,38 +109,38 @@ def _like_rows(x2d, n_cols):
     return x2d.new_empty((x2d.shape[0], n_cols))
 
 
-@compile_opaque("swiglu_forward", lambda x2d: _like_rows(x2d, x2d.shape[1] // 2))
+@kernel_op("swiglu_forward", lambda x2d: _like_rows(x2d, x2d.shape[1] // 2))
 def swiglu_forward(x2d: torch.Tensor) -> torch.Tensor:
     """x2d [N, 2f] (unit stride along the last dim) -> silu(gate) * up [N, f]."""
     n_rows, f = x2d.shape[0], x2d.shape[1] // 2
     y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    _swiglu_fwd_kernel[grid](x2d, y, n_rows, f, x2d.stride(0), y.stride(0),
+    wrap_triton(_swiglu_fwd_kernel)[grid](x2d, y, n_rows, f, x2d.stride(0), y.stride(0),
                              BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
 
-@compile_opaque("swiglu_backward", lambda dy2d, x2d: _like_rows(x2d, x2d.shape[1]))
+@kernel_op("swiglu_backward", lambda dy2d, x2d: _like_rows(x2d, x2d.shape[1]))
 def swiglu_backward(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     """dy2d [N, f], x2d [N, 2f] -> dx [N, 2f] = [dgate | dup]."""
     n_rows, f = dy2d.shape
     dx = torch.empty((n_rows, 2 * f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    _swiglu_bwd_kernel[grid](x2d, dy2d, dx, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
+    wrap_triton(_swiglu_bwd_kernel)[grid](x2d, dy2d, dx, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
                              BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx
 
 
-@compile_opaque("bias_gelu_forward", lambda x2d, bias, approximate_tanh: _like_rows(x2d, x2d.shape[1]))
+@kernel_op("bias_gelu_forward", lambda x2d, bias, approximate_tanh: _like_rows(x2d, x2d.shape[1]))
 def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool) -> torch.Tensor:
     """x2d [N, f] (unit stride along f), bias [f] or None -> gelu(x + bias) [N, f]."""
     n_rows, f = x2d.shape
     y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, f)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    _bias_gelu_fwd_kernel[grid](x2d, bias, y, n_rows, f, x2d.stride(0), y.stride(0),
+    wrap_triton(_bias_gelu_fwd_kernel)[grid](x2d, bias, y, n_rows, f, x2d.stride(0), y.stride(0),
                                 HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
@@ -156,7 +161,7 @@ def _bias_gelu_backward_fake(dy2d, x2d, bias, approximate_tanh):
     return _like_rows(x2d, x2d.shape[1]), x2d.new_empty(0 if bias is None else x2d.shape[1], dtype=torch.float32)
 
 
-@compile_opaque("bias_gelu_backward", _bias_gelu_backward_fake)
+@kernel_op("bias_gelu_backward", _bias_gelu_backward_fake)
 def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None,
                        approximate_tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx [N, f] in x's dtype, dbias fp32 [f] (empty without a bias))."""
@@ -165,8 +170,35 @@ def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor
     programs, col_blocks, block_m, block_n, num_warps = bias_gelu_backward_launch(x2d.device, n_rows, f,
                                                                                   bias is not None)
     db_part = torch.empty((programs if bias is not None else 0, f), dtype=torch.float32, device=x2d.device)
-    _bias_gelu_bwd_kernel[(programs, col_blocks)](
+    wrap_triton(_bias_gelu_bwd_kernel)[(programs, col_blocks)](
         x2d, bias, dy2d, dx, db_part if bias is not None else None, n_rows, f, x2d.stride(0), dy2d.stride(0),
         dx.stride(0), HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx, db_part.sum(0)
+
+
+def _setup_swiglu(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_grad(ctx, dy2d):
+    (x2d,) = ctx.saved_tensors
+    return swiglu_backward(as_rows(dy2d), x2d)
+
+
+swiglu_forward.register_autograd(_swiglu_grad, setup_context=_setup_swiglu)
+
+
+def _setup_bias_gelu(ctx, inputs, output):
+    x2d, bias, ctx.approximate_tanh = inputs
+    ctx.save_for_backward(x2d, bias)
+
+
+def _bias_gelu_grad(ctx, dy2d):
+    x2d, bias = ctx.saved_tensors
+    dx, dbias = bias_gelu_backward(as_rows(dy2d), x2d, bias, ctx.approximate_tanh)
+    dbias = dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[1] else None
+    return dx, dbias, None
+
+
+bias_gelu_forward.register_autograd(_bias_gelu_grad, setup_context=_setup_bias_gelu)

@@ -4,15 +4,17 @@ Statistics: one program per row streams the row's valid columns in BLOCK_V chunk
 per-lane running max and rescaled sum of exponentials (online softmax with one exp per
 element), the sum of logits, and reads the target's logit. Nothing but per-row fp32 scalars
 is written. Gradient: one program per (row, column block), written in the logits dtype, in
-place into the logits buffer when asked.
+place into the logits buffer when asked. Each launcher is an operator megalite_kernels::ce_*
+(triton_common.kernel_op); the loss's autograd is registered in cross_entropy.py.
 """
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, reduce_max, reduce_sum, to_dtype
+from megalite.kernels.cross_entropy_torch import NO_GRAD_BUT_LOGITS, grad_logits_args, setup_loss
+from megalite.kernels.cross_entropy_torch import loss_from_statistics as _loss_from_statistics
+from megalite.kernels.triton_common import kernel_op, reduce_max, reduce_sum, to_dtype, wrap_triton
 
 
 @triton.jit
@@ -72,7 +74,7 @@ def _block_v(n: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-@compile_opaque("ce_local_stats", lambda logits2d, local_target, n_valid, need_sum:
+@kernel_op("ce_local_stats", lambda logits2d, local_target, n_valid, need_sum:
                 logits2d.new_empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32))
 def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool) -> torch.Tensor:
     """Per-row fp32 statistics over the first `n_valid` columns of logits2d [N, V_local], stacked
@@ -81,21 +83,21 @@ def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int
     n_rows = logits2d.shape[0]
     out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
     block_v, num_warps = _block_v(n_valid)
-    _ce_stats_kernel[(n_rows,)](logits2d, local_target, out[0], out[1], out[2], out[3] if need_sum else None,
-                                logits2d.stride(0), n_valid, NEED_SUM=need_sum, BLOCK_V=block_v,
-                                num_warps=num_warps)
+    wrap_triton(_ce_stats_kernel)[(n_rows,)](
+        logits2d, local_target, out[0], out[1], out[2], out[3] if need_sum else None, logits2d.stride(0), n_valid,
+        NEED_SUM=need_sum, BLOCK_V=block_v, num_warps=num_warps)
     return out
 
 
 def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth):
     n_rows, n_cols = logits2d.shape
     block_v, num_warps = _block_v(n_cols)
-    _ce_grad_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
-        logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols, n_valid,
-        1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
+    wrap_triton(_ce_grad_kernel)[(n_rows, triton.cdiv(n_cols, block_v))](
+        logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols,
+        n_valid, 1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
 
 
-@compile_opaque("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
+@kernel_op("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
 def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                 grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
     """Gradient of the loss w.r.t. logits2d [N, V_local], in its dtype, from the rows' global max
@@ -105,21 +107,26 @@ def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: tor
     return grad
 
 
-def _grad_logits_inplace(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor,
-                         log_sum: torch.Tensor, grad_loss: torch.Tensor, n_valid: int, label_smoothing: float,
-                         smooth: torch.Tensor) -> None:
+@kernel_op("ce_grad_logits_", lambda *args: None, mutates_args=("logits2d",))
+def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+                 grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> None:
+    """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
     _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
 
 
-# The in-place form as an op that mutates logits2d, for fake tensors (a dry run): nothing to compute.
-_grad_logits_inplace_op = torch.library.custom_op("megalite_kernels::ce_grad_logits_", _grad_logits_inplace,
-                                                  mutates_args=("logits2d",))
-_grad_logits_inplace_op.register_fake(lambda *args: None)
+
+loss_from_statistics = torch.library.custom_op("megalite_kernels::cross_entropy_loss", _loss_from_statistics,
+                                               mutates_args=())
+loss_from_statistics.register_fake(lambda logits2d, local_target, global_max, *args: torch.empty_like(global_max))
 
 
-def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-                 grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> torch.Tensor:
-    """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
-    args = (logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
-    (_grad_logits_inplace_op if isinstance(logits2d, FakeTensor) else _grad_logits_inplace)(*args)
-    return logits2d
+def _loss_grad(ctx, grad_loss):
+    args = grad_logits_args(ctx, grad_loss)
+    # Under torch.compile the out-of-place kernel is used: a compiled graph's input is not written.
+    if ctx.inplace_backward and not torch.compiler.is_compiling():
+        grad_logits_(*args)
+        return args[0], *NO_GRAD_BUT_LOGITS
+    return grad_logits(*args), *NO_GRAD_BUT_LOGITS
+
+
+loss_from_statistics.register_autograd(_loss_grad, setup_context=setup_loss)

@@ -1,4 +1,5 @@
-"""RMSNorm and LayerNorm over the last dim: Triton kernels with autograd, torch references beside.
+"""RMSNorm and LayerNorm over the last dim: Triton kernels (custom operators with registered
+autograd, norms_triton.py), torch references beside.
 
 Semantics (see reference.py): LayerNorm equals F.layer_norm computed in fp32 and cast to
 x.dtype; RMSNorm follows Hugging Face Llama's order, weight * (normalised x rounded to
@@ -12,28 +13,6 @@ from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
 from megalite.kernels.reference import layer_norm_reference, rms_norm_reference
 
 MAX_TRITON_COLS = 16384  # wider rows would spill registers in the Triton backward; the torch path takes them
-
-
-class _NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms):
-        from megalite.kernels import norms_triton
-
-        y, mean, rstd = norms_triton.norm_forward(as_rows(x), weight, bias, eps, is_rms)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.is_rms, ctx.has_bias = is_rms, bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from megalite.kernels import norms_triton
-
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = norms_triton.norm_backward(as_rows(dy), as_rows(x), weight, ctx.has_bias, mean, rstd, ctx.is_rms)
-        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = db.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx.view(dy.shape), dw, db, None, None
 
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -58,12 +37,18 @@ def _triton_ok(op: str, impl: str, x, weight, bias) -> bool:
     return True
 
 
+def _norm_triton(x, weight, bias, eps: float, is_rms: bool) -> torch.Tensor:
+    from megalite.kernels import norms_triton
+
+    return norms_triton.norm_forward(as_rows(x), weight, bias, eps, is_rms)[0].view(x.shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: str = "auto") -> torch.Tensor:
     """RMSNorm of x [..., h] with weight [h]: weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype),
     returned in x.dtype. impl: "auto" | "triton" | "torch" (see megalite.kernels.dispatch)."""
     _check("rms_norm", x, weight, None)
     if _triton_ok("rms_norm", impl, x, weight, None):
-        return _NormFunction.apply(x, weight, None, eps, True)
+        return _norm_triton(x, weight, None, eps, True)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -73,5 +58,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x.dtype. impl: "auto" | "triton" | "torch" (see megalite.kernels.dispatch)."""
     _check("layer_norm", x, weight, bias)
     if _triton_ok("layer_norm", impl, x, weight, bias):
-        return _NormFunction.apply(x, weight, bias, eps, False)
+        return _norm_triton(x, weight, bias, eps, False)
     return layer_norm_reference(x, weight, bias, eps)

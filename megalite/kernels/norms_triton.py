@@ -1,4 +1,6 @@
-"""Triton RMSNorm / LayerNorm: one-pass row kernels with the row held in registers.
+"""Triton RMSNorm / LayerNorm: one-pass row kernels with the row held in registers, registered
+as the operators megalite_kernels::norm_forward and ::norm_backward, the first differentiable
+through the second.
 
 Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns, writing y and the
 per-row fp32 rstd (and mean for LayerNorm). Backward: a fixed number of programs (a few per SM)
@@ -10,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, persistent_programs, reduce_sum, rows_per_program, to_dtype, warps_for
+from megalite.kernels.dispatch import as_rows
+from megalite.kernels.triton_common import (kernel_op, persistent_programs, reduce_sum, rows_per_program, to_dtype, warps_for,
+                                            wrap_triton)
+
 
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
@@ -96,7 +101,7 @@ def _norm_forward_fake(x2d, weight, bias, eps, is_rms):
         x2d.new_empty(0 if is_rms else n_rows, dtype=torch.float32), stats
 
 
-@compile_opaque("norm_forward", _norm_forward_fake)
+@kernel_op("norm_forward", _norm_forward_fake)
 def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                  is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2d [N, h] (unit stride along h) -> (y [N, h] in x's dtype, mean [N] fp32 (empty for RMSNorm),
@@ -106,7 +111,7 @@ def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     mean = torch.empty(0 if is_rms else n_rows, dtype=torch.float32, device=x2d.device)
     block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=16)
-    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    wrap_triton(_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
         x2d, weight, bias, y, None if is_rms else mean, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y, mean, rstd
@@ -127,7 +132,7 @@ def _norm_backward_fake(dy2d, x2d, weight, has_bias, mean, rstd, is_rms):
         x2d.new_empty(n_cols, dtype=torch.float32), x2d.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
 
 
-@compile_opaque("norm_backward", _norm_backward_fake)
+@kernel_op("norm_backward", _norm_backward_fake)
 def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, has_bias: bool, mean: torch.Tensor,
                   rstd: torch.Tensor, is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] (empty without a bias))."""
@@ -136,8 +141,28 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, h
     programs, block_m, block_n, num_warps = backward_launch(x2d.device, n_rows, n_cols)
     dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
     db_part = torch.empty((programs if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
-    _norm_bwd_kernel[(programs,)](
+    wrap_triton(_norm_bwd_kernel)[(programs,)](
         x2d, weight, dy2d, dx, None if is_rms else mean, rstd, dw_part, db_part if has_bias else None,
         n_rows, n_cols, x2d.stride(0), dy2d.stride(0), dx.stride(0),
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx, dw_part.sum(0), db_part.sum(0)
+
+
+def _setup_norm(ctx, inputs, output):
+    x2d, weight, bias, _, is_rms = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x2d, weight, mean, rstd)
+    ctx.is_rms, ctx.has_bias = is_rms, bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _norm_grad(ctx, dy, _dmean, _drstd):
+    x2d, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = norm_backward(as_rows(dy), x2d, weight, ctx.has_bias, mean, rstd, ctx.is_rms)
+    dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+    db = db.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None
+
+
+norm_forward.register_autograd(_norm_grad, setup_context=_setup_norm)

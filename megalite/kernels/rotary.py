@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half convention): Triton kernel with autograd, torch reference.
+"""Rotary position embedding (rotate-half convention): Triton kernel (a custom operator with
+registered autograd, rotary_triton.py), torch reference.
 
 x [s, b, n, d]; cos, sin [s, B, d_rot] in fp32 with B = 1 (positions shared by the batch) or
 B = b (per-sample positions), holding cat(freqs, freqs). The first d_rot channels become
@@ -10,23 +11,6 @@ import torch
 
 from megalite.kernels.dispatch import check_triton_device, use_triton
 from megalite.kernels.reference import apply_rotary_reference
-
-
-class _RotaryFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        from megalite.kernels import rotary_triton
-
-        ctx.save_for_backward(cos, sin)
-        return rotary_triton.rotary(x, cos, sin, backward=False)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from megalite.kernels import rotary_triton
-
-        cos, sin = ctx.saved_tensors
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        return rotary_triton.rotary(dy, cos, sin, backward=True), None, None
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -50,5 +34,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl:
     if x.numel() > 0 and use_triton("apply_rotary", impl, x, cos, sin):
         check_triton_device("apply_rotary", x, cos, sin)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        return _RotaryFunction.apply(x if x.stride(-1) == 1 else x.contiguous(), cos, sin)
+        from megalite.kernels import rotary_triton
+
+        return rotary_triton.rotary(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, False)
     return apply_rotary_reference(x, cos, sin)

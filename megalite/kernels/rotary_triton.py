@@ -1,4 +1,5 @@
-"""Triton rotary embedding (rotate-half convention), forward and backward.
+"""Triton rotary embedding (rotate-half convention), forward and backward: the operator
+megalite_kernels::rotary, whose gradient is itself with `backward` flipped (the transpose).
 
 One program handles one token (s, b) and BLOCK_H heads: it loads the token's cos/sin once
 (fp32, [d_rot], rows of B = 1 broadcast over the batch), rotates the first d_rot channels of
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.triton_common import compile_opaque, to_dtype, warps_for
+from megalite.kernels.triton_common import kernel_op, to_dtype, warps_for, wrap_triton
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def _rotary_kernel(X, COS, SIN, Y, n_batch, n_heads, half, head_dim,
         tl.store(y_row + p[None, :], tl.load(x_row + p[None, :], mask=p_mask), mask=p_mask)
 
 
-@compile_opaque("rotary", lambda x, cos, sin, backward: torch.empty_like(x, memory_format=torch.contiguous_format))
+@kernel_op("rotary", lambda x, cos, sin, backward: torch.empty_like(x, memory_format=torch.contiguous_format))
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """x [s, b, n, d] (unit stride along d); cos, sin fp32 [s, 1 or b, d_rot] with unit stride along
     d_rot and equal strides. Returns a new contiguous [s, b, n, d] tensor in x's dtype."""
@@ -63,10 +64,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
     block_h = min(triton.next_power_of_2(n_heads), max(1, 2048 // (2 * block_r)))
     stride_cb = cos.stride(1) if cos.shape[1] == n_batch and n_batch > 1 else 0
     grid = (n_seq * n_batch, triton.cdiv(n_heads, block_h))
-    _rotary_kernel[grid](
+    wrap_triton(_rotary_kernel)[grid](
         x, cos, sin, y, n_batch, n_heads, half, head_dim,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         cos.stride(0), stride_cb,
         BACKWARD=backward, HAS_PASS=head_dim > 2 * half,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=warps_for(block_h * 2 * block_r))
     return y
+
+
+def _setup_rotary(ctx, inputs, output):
+    _, cos, sin, ctx.backward = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rotary_grad(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    return rotary(dy, cos, sin, not ctx.backward), None, None, None
+
+
+rotary.register_autograd(_rotary_grad, setup_context=_setup_rotary)

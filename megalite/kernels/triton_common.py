@@ -8,13 +8,11 @@ which rounds to nearest-even by hand under the interpreter and is a plain ``.to`
 (where fp32 -> bf16 is round-to-nearest-even already).
 """
 
-import functools
 import os
 from typing import Callable
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import FakeTensor
 import triton.language as tl
 
 
@@ -101,30 +99,36 @@ def warps_for(tile_elems: int, elems_per_thread: int = 16) -> int:
 
 def persistent_programs(device: torch.device, n_blocks: int, num_warps: int) -> int:
     """Programs for a loop-over-rows kernel: as many as fit on the GPU at once (about 32 warps per
-    SM), at most one per block of rows; a handful under the interpreter."""
+    SM), at most one per block of rows; a handful under the interpreter. On a fake CUDA device (a
+    dry run) the SM count is the modelled GPU's, which the dry run answers through the same call."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
     return max(1, min(n_blocks, 4))
 
 
-def compile_opaque(name: str, fake: Callable):
-    """Make a kernel launcher opaque to torch.compile.
+_TRITON_OP = getattr(torch.library, "triton_op", None)
+wrap_triton = getattr(torch.library, "wrap_triton", None) or (lambda kernel: kernel)
+"""torch.library.wrap_triton: a kernel launched through it inside a triton_op is a node torch.compile
+and FakeTensorMode see (a no-op on fake tensors); an interpreted kernel it returns as it is."""
 
-    Registers `fn` as the custom op megalite_kernels::<name> (with `fake` giving the outputs'
-    shapes and dtypes) and returns a caller that goes through the op while torch.compile traces
-    (Dynamo records one op instead of tracing into Triton's launcher) and on fake tensors
-    (FakeTensorMode, a dry run on a fake CUDA device: the op's fake implementation answers); other
-    eager calls skip the dispatcher and its overhead.
+
+def kernel_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
+    """Register the launcher `fn` as the PyTorch operator megalite_kernels::<name> and return it.
+
+    Compiled Triton on a torch with torch.library.triton_op: a triton_op whose kernels are launched
+    through wrap_triton, so torch.compile traces through it (Inductor sees the kernels) and its
+    fake implementation is `fn` itself, allocations as on the GPU and launches that do nothing.
+    Under Triton's interpreter (whose kernels wrap_triton cannot trace) or without triton_op: an
+    opaque torch.library.custom_op with `fake` (outputs' shapes, dtypes, strides) as its fake
+    implementation. Either way the op runs under FakeTensorMode and inside torch.compile;
+    autograd is registered on it with torch.library.register_autograd where it has a gradient.
     """
     def wrap(fn):
-        op = torch.library.custom_op(f"megalite_kernels::{name}", fn, mutates_args=())
+        qualified = f"megalite_kernels::{name}"
+        if _TRITON_OP is not None and not INTERPRETED:
+            return _TRITON_OP(qualified, fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(qualified, fn, mutates_args=mutates_args)
         op.register_fake(fake)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if torch.compiler.is_compiling() or any(isinstance(a, FakeTensor) for a in args):
-                return op(*args, **kwargs)
-            return fn(*args, **kwargs)
-        return call
+        return op
     return wrap

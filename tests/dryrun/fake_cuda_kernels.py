@@ -7,6 +7,7 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.kernels import apply_rotary, bias_gelu, cross_entropy, layer_norm, rms_norm, swiglu
 from megalite.kernels.dispatch import use_triton
 from tests.kernels.test_fake_tensors import OpLog
@@ -23,7 +24,7 @@ def block(x, w, b, cos, sin, target, impl):
 
 def run(impl):
     log = OpLog()
-    with FakeTensorMode():
+    with FakeTensorMode(), GpuAttention():  # GpuAttention: the modelled H100's SM count
         x, w, b = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for s in ((4, 2, 16), (16,), (16,)))
         cos, sin = (torch.randn((4, 1, 8), device="cuda", dtype=torch.bfloat16) for _ in range(2))

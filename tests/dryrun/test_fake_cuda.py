@@ -34,3 +34,22 @@ def test_kernels_take_the_fused_path_on_fake_cuda():
     assert ref["ops"] == []
     assert auto["out"] == ref["out"]
     assert all(device == "cuda:0" for _, _, device in auto["out"])
+
+
+def test_compiled_model_with_fused_kernels_on_fake_cuda_has_no_graph_break():
+    """torch.compile(fullgraph=True) of the whole model on fake CUDA: the kernels are custom
+    operators (triton_op) with registered autograd, so Dynamo captures every layer, the loss and
+    the backward in one graph each, with the kernels in them, and no autograd.Function to break on."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-m", "tests.dryrun.fake_cuda_compile", "gpt2", "llama"],
+                         env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    family_kernels = {"gpt2": {"norm_forward", "bias_gelu_forward"}, "llama": {"norm_forward", "rotary", "swiglu_forward"}}
+    for family, got in result.items():
+        assert got["graph_breaks"] == 0 and got["graphs"] == [1, 1], (family, got)
+        forward = family_kernels[family] | {"ce_local_stats", "cross_entropy_loss"}
+        backward = {k.replace("_forward", "_backward") for k in family_kernels[family]} | {"ce_grad_logits"}
+        assert forward <= set(got["kernels"]["forward"]), (family, got["kernels"])
+        assert backward <= set(got["kernels"]["backward"]), (family, got["kernels"])
+        assert got["loss"] == ["torch.float32", "cuda:0"] and got["grad_devices"] == ["cuda"], (family, got)

@@ -27,6 +27,7 @@ SHAPES_CE = [(16384, 50304), (8192, 64128)]
 
 def _record_launches(dtypes):
     """Call every launch wrapper on meta tensors of `dtypes`; return the recorded (kernel, args, kwargs)."""
+    from torch._library.triton import set_wrap_triton_enabled
     from triton.runtime.jit import JITFunction
 
     from megalite.kernels import activations_triton, cross_entropy_triton, norms_triton, rotary_triton
@@ -34,39 +35,42 @@ def _record_launches(dtypes):
     launches = []
     original = JITFunction.run
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
+    # On meta tensors an operator runs its fake implementation, which for a triton_op is the
+    # launcher itself; with wrap_triton off, its launches call the (recording) kernels directly.
     try:
-        meta = dict(device="meta")
-        for dtype in dtypes:
-            for rows, h in SHAPES_NORM:
-                x = torch.empty(rows, h, dtype=dtype, **meta)
-                w = torch.empty(h, dtype=dtype, **meta)
-                stats = torch.empty(rows, dtype=torch.float32, **meta)
-                for is_rms, bias in ((True, None), (False, w)):
-                    norms_triton.norm_forward(x, w, bias, 1e-5, is_rms)
-                    norms_triton.norm_backward(x, x, w, bias is not None, None if is_rms else stats, stats, is_rms)
-            for rows, f in SHAPES_ACT:
-                x2 = torch.empty(rows, 2 * f, dtype=dtype, **meta)
-                y = torch.empty(rows, f, dtype=dtype, **meta)
-                b = torch.empty(f, dtype=dtype, **meta)
-                activations_triton.swiglu_forward(x2)
-                activations_triton.swiglu_backward(y, x2)
-                for bias in (b, None):
-                    for tanh in (False, True):
-                        activations_triton.bias_gelu_forward(y, bias, tanh)
-                        activations_triton.bias_gelu_backward(y, y, bias, tanh)
-            for shape, d_rot, batch in SHAPES_ROTARY:
-                x = torch.empty(shape, dtype=dtype, **meta)
-                cos = torch.empty(shape[0], batch, d_rot, dtype=torch.float32, **meta)
-                for backward in (False, True):
-                    rotary_triton.rotary(x, cos, cos, backward)
-            for rows, vocab in SHAPES_CE:
-                logits = torch.empty(rows, vocab, dtype=dtype, **meta)
-                target = torch.empty(rows, dtype=torch.int64, **meta)
-                stats = torch.empty(rows, dtype=torch.float32, **meta)
-                for need_sum in (False, True):
-                    cross_entropy_triton.local_stats(logits, target, vocab - 3, need_sum)
-                cross_entropy_triton.grad_logits(logits, target, stats, stats, stats, vocab - 3, 0.1,
-                                                 torch.empty(1, **meta))
+        with set_wrap_triton_enabled(False):
+            meta = dict(device="meta")
+            for dtype in dtypes:
+                for rows, h in SHAPES_NORM:
+                    x = torch.empty(rows, h, dtype=dtype, **meta)
+                    w = torch.empty(h, dtype=dtype, **meta)
+                    stats = torch.empty(rows, dtype=torch.float32, **meta)
+                    for is_rms, bias in ((True, None), (False, w)):
+                        norms_triton.norm_forward(x, w, bias, 1e-5, is_rms)
+                        norms_triton.norm_backward(x, x, w, bias is not None, None if is_rms else stats, stats, is_rms)
+                for rows, f in SHAPES_ACT:
+                    x2 = torch.empty(rows, 2 * f, dtype=dtype, **meta)
+                    y = torch.empty(rows, f, dtype=dtype, **meta)
+                    b = torch.empty(f, dtype=dtype, **meta)
+                    activations_triton.swiglu_forward(x2)
+                    activations_triton.swiglu_backward(y, x2)
+                    for bias in (b, None):
+                        for tanh in (False, True):
+                            activations_triton.bias_gelu_forward(y, bias, tanh)
+                            activations_triton.bias_gelu_backward(y, y, bias, tanh)
+                for shape, d_rot, batch in SHAPES_ROTARY:
+                    x = torch.empty(shape, dtype=dtype, **meta)
+                    cos = torch.empty(shape[0], batch, d_rot, dtype=torch.float32, **meta)
+                    for backward in (False, True):
+                        rotary_triton.rotary(x, cos, cos, backward)
+                for rows, vocab in SHAPES_CE:
+                    logits = torch.empty(rows, vocab, dtype=dtype, **meta)
+                    target = torch.empty(rows, dtype=torch.int64, **meta)
+                    stats = torch.empty(rows, dtype=torch.float32, **meta)
+                    for need_sum in (False, True):
+                        cross_entropy_triton.local_stats(logits, target, vocab - 3, need_sum)
+                    cross_entropy_triton.grad_logits(logits, target, stats, stats, stats, vocab - 3, 0.1,
+                                                     torch.empty(1, **meta))
     finally:
         JITFunction.run = original
     return launches

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.kernels import cross_entropy
-from megalite.kernels.cross_entropy import torch_grad_logits, torch_local_stats
+from megalite.kernels.cross_entropy_torch import torch_grad_logits, torch_local_stats
 from tests.distributed import run_distributed
 from tests.kernels.checks import FP32_TOL, assert_close, assert_grad_close
 

@@ -1,5 +1,6 @@
-"""torch.compile(fullgraph=True) through every Triton op: the launchers are opaque custom ops to
-Dynamo, so the compiled graph runs the same kernels and matches eager bit for bit."""
+"""torch.compile(fullgraph=True) through every Triton op: the launchers are torch.library
+operators with registered autograd, so Dynamo captures them with no graph break and the compiled
+graph runs the same kernels and matches eager bit for bit."""
 
 import torch
 

@@ -6,8 +6,8 @@ compiled graph runs the same kernels, so what differs is the kernels' rounding a
 references'. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
 
 Backend: aot_eager in the default run. It runs every stage of torch.compile that can break here
--- Dynamo's capture (the kernels' custom ops that compile_opaque makes opaque, their
-autograd.Functions, torch.utils.checkpoint as a higher-order op, graph breaks), AOTAutograd's
+-- Dynamo's capture (the kernels' torch.library operators and their registered autograd,
+torch.utils.checkpoint as a higher-order op, graph breaks), AOTAutograd's
 functionalisation, fake-tensor propagation through the ops' register_fake, the joint forward and
 backward trace and its partition, which is where checkpointed regions get recomputed -- and then
 executes the resulting aten graphs eagerly. Only Inductor's lowering and code generation is left
