@@ -82,28 +82,34 @@ def pickled_globals(data: bytes) -> list[str]:
     return names
 
 
-def _pickle_bytes(path: Path) -> bytes:
-    """The data.pkl of a torch.save zip file (or the whole file for the legacy format)."""
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
+def _pickle_bytes(source) -> bytes:
+    """The data.pkl of a torch.save zip file (a path or a file object), or the whole of it for
+    the legacy format."""
+    if zipfile.is_zipfile(source):
+        with zipfile.ZipFile(source) as archive:
             pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
             if pkl:
                 return archive.read(pkl[0])
-    return path.read_bytes()
+    return source.getvalue() if isinstance(source, io.BytesIO) else source.read_bytes()
 
 
-def safe_torch_load(path) -> object:
-    """torch.load(path, weights_only=True) with Megatron's allowlist (see the module doc)."""
+def safe_torch_load(path, data: bytes | None = None) -> object:
+    """torch.load(path, weights_only=True) with Megatron's allowlist (see the module doc); or of
+    `data`, a torch.save record inside `path` (a torch_dist checkpoint's pickled objects)."""
     path = Path(path)
+    source = path if data is None else io.BytesIO(data)
     try:
-        names = pickled_globals(_pickle_bytes(path))
+        names = pickled_globals(_pickle_bytes(source))
     except (ValueError, zipfile.BadZipFile, OSError, EOFError) as e:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({e})") from None
     allowed = [argparse.Namespace, io.BytesIO, *_numpy_globals()]
     allowed += [(_stand_in(n), n) for n in sorted(set(names)) if n.startswith("megatron.")]
+    if data is not None:
+        source.seek(0)
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            return torch.load(source, map_location="cpu", weights_only=True,
+                              mmap=data is None and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"class {found.group(1)}" if found else str(e).splitlines()[0][:200]

@@ -145,12 +145,15 @@ class _TorchFiles:
             shape[rule[0]] *= self.tp
         return shape, piece.dtype
 
-    def read(self, name: str, rule) -> torch.Tensor | None:
+    def read(self, name: str, rule, lookup=None) -> torch.Tensor | None:
+        """The full tensor of Megatron's global `name`: the model's, or what `lookup(tp rank, pp
+        rank, chunk key, name in that chunk)` returns for each TP rank (an optimizer state)."""
         where = self._where(name)
         if where is None:
             return None
         p, key, local = where
-        pieces = [self._model(t, p, key).get(local) for t in range(self.tp)]
+        lookup = lookup or (lambda t, p, key, local: self._model(t, p, key).get(local))
+        pieces = [lookup(t, p, key, local) for t in range(self.tp)]
         if any(not isinstance(piece, torch.Tensor) for piece in pieces):
             return None
         return _merge_tp(pieces, rule)
@@ -187,9 +190,11 @@ class _DistFiles:
             return None
         return list(meta.size)[1 if match else 0:], meta.properties.dtype
 
-    def read(self, name: str, rule) -> torch.Tensor | None:
+    def read(self, name: str, rule, prefix: str = "") -> torch.Tensor | None:
+        """The full tensor stored for Megatron's global `name` under `prefix` (the model's: none)."""
         match = _LOCAL_LAYER.match(name)
         key, layer = (f"decoder.layers.{match.group(2)}", int(match.group(1))) if match else (name, None)
+        key = prefix + key
         meta = self.tensors.get(key)
         if meta is None or (layer is not None and layer >= meta.size[0]):
             return None
@@ -215,6 +220,18 @@ class _DistFiles:
         if covered != out.numel():
             raise CheckpointError(f"{self.folder}: the stored chunks of tensor {key} do not cover its shape {shape}")
         return out[0] if layer is not None else out
+
+    def stored_object(self, key: str):
+        """A pickled entry of the checkpoint (a Megatron ShardedObject such as
+        'rng_state/shard_0.1_1.2'), unpickled through the allowlist; None when there is none."""
+        info = self.metadata.storage_data.get(MetadataIndex(key))
+        if info is None:
+            return None
+        path = self.folder / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            stored = safe_torch_load(path, f.read(info.length))
+        return stored[0] if isinstance(stored, list) and len(stored) == 1 else stored  # saved as [object]
 
     def _record(self, key: str, chunk) -> torch.Tensor:
         info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
@@ -270,15 +287,18 @@ class MegatronCheckpoint:
     def names(self) -> list[str]:
         return model_names(self.config)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The full tensor of megalite's parameter `name` (vocabulary tensors without padding)."""
+    def get(self, name: str, what: str = "", **source) -> torch.Tensor:
+        """The full tensor of megalite's parameter `name` (vocabulary tensors without padding);
+        with `source` (the files' read options: a `lookup` or a `prefix`), an optimizer state of
+        it that `what` names in errors."""
         rule = tp_rule(self.config, self.sharding, name)
         for candidate in megatron_candidates(name):
-            tensor = self.files.read(candidate, rule)
+            tensor = self.files.read(candidate, rule, **source)
             if tensor is not None:
-                self.used.add(candidate)
+                if not source:
+                    self.used.add(candidate)
                 return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
-        raise ConversionError(f"{self.path}: the Megatron checkpoint has no {' or '.join(megatron_candidates(name))} "
+        raise ConversionError(f"{self.path}: the Megatron checkpoint has no {what}{' or '.join(megatron_candidates(name))} "
                               f"(for megalite's {name})")
 
     def spec(self, name: str) -> tuple[tuple, torch.dtype]:

@@ -4,9 +4,9 @@ Megatron-LM (torch or torch_dist), with Megatron's checkpoint policies: --ckpt-f
 --dist-ckpt-strictness, the scheduler flags, and --save-retain-interval's pruning.
 
 A Megatron checkpoint is read with megalite.convert.megatron_reader: every rank reads the full
-tensors of its own parameters and keeps its TP slice. Its optimizer state is not read (the run
-needs --no-load-optim or --finetune, as Megatron does for a checkpoint without one) and its RNG
-states are not restored (megalite seeds from --seed and says so).
+tensors of its own parameters and keeps its TP slice; its optimizer state, schedule and RNG
+states follow Megatron's rules (megatron_resume.py): a full resume where the layout is
+readable, a refusal naming the file otherwise.
 """
 
 import json
@@ -22,7 +22,8 @@ from megalite.convert.megatron_reader import MegatronCheckpoint, megatron_format
 from megalite.convert.publish import ConversionError
 from megalite.model.weights import load_full_weights
 from megalite.training.checkpoint_format import VOCAB_PARAMS, CheckpointError
-from megalite.training.checkpointing import TRACKER, load_checkpoint, read_tracker
+from megalite.training.checkpointing import TRACKER, load_checkpoint, load_optimizer_state, read_tracker
+from megalite.training.megatron_resume import load_optimizer, open_optimizer_state, restore_rng, scheduler_state
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +102,19 @@ def check_unexpected(unused: list[str], strictness: str, where) -> None:
         log.warning("%s; not loaded", message)
 
 
-def load_megatron(args, load_dir, chunks, pstate, iteration=None) -> dict:
-    """Load a Megatron checkpoint's weights into `chunks`; its common state as megalite's
-    load_checkpoint returns it."""
+def load_megatron(args, load_dir, chunks, pstate, iteration=None, tracker=None) -> dict:
+    """Load a Megatron checkpoint's weights (and RNG states) into `chunks`; its common state as
+    megalite's load_checkpoint returns it, with the optimizer state still to load
+    ("megatron_optimizer"; None: not to be loaded)."""
     vocab = chunks[0].config.vocab_size
     try:
         source = MegatronCheckpoint(load_dir, vocab_size=vocab, iteration=iteration)
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
-    if not (args.finetune or args.no_load_optim):
-        raise CheckpointError(f"{source.path}: megalite does not read a Megatron checkpoint's optimizer state; "
-                              "pass --no-load-optim (fresh optimizer, iteration kept) or --finetune")
+    release = source.path.name == "release"  # Megatron takes only the weights of a release checkpoint
+    optimizer_state = None
+    if not (args.finetune or args.no_load_optim or release or args.skip_train):
+        optimizer_state = open_optimizer_state(args, source)  # refuses unreadable layouts before any work
     for model in chunks:
         def full(name, model=model):
             tensor = source.get(name)
@@ -123,14 +126,39 @@ def load_megatron(args, load_dir, chunks, pstate, iteration=None) -> dict:
         except (ValueError, ConversionError) as e:
             raise CheckpointError(f"{source.path}: {e}") from None
     check_unexpected(source.unused(), args.dist_ckpt_strictness, source.path)
+    rng_note = None
+    if not (args.finetune or args.no_load_rng or release or getattr(source.args, "no_save_rng", False)):
+        rng_note = restore_rng(source, args, pstate, tracker)
+    iteration = 0 if release else source.iteration
     if pstate.rank == 0:
-        print(f"loaded Megatron {source.format} checkpoint {source.path} (iteration {source.iteration}); its RNG "
-              "states are not restored (megalite seeds from --seed)", flush=True)
+        what = ("weights only: a release checkpoint" if release else "with its optimizer state"
+                if optimizer_state is not None else "weights")
+        print(f"loaded Megatron {source.format} checkpoint {source.path} (iteration {iteration}, {what})", flush=True)
+        if rng_note:
+            print(rng_note, flush=True)
     ns = source.args
-    return {"path": str(source.path), "iteration": source.iteration,
+    return {"path": str(source.path), "iteration": iteration,
             "consumed_train_samples": int(getattr(ns, "consumed_train_samples", 0) or 0),
             "consumed_valid_samples": int(getattr(ns, "consumed_valid_samples", 0) or 0),
-            "megatron_format": source.format}
+            "megatron_format": source.format, "megatron_optimizer": optimizer_state}
+
+
+def resume_optimizer(common: dict, *, chunks, optimizer, scheduler, args, pstate) -> None:
+    """The optimizer state and learning-rate schedule of the checkpoint `load_for_run` loaded
+    (megalite's or Megatron's), unless --no-load-optim or --finetune; call after building the
+    optimizer (its fp32 main parameters start from the loaded weights)."""
+    if "megatron_format" not in common:
+        load_optimizer_state(common, chunks=chunks, optimizer=optimizer, pstate=pstate)
+        restore_scheduler(scheduler, common["lr_scheduler"], args)
+        return
+    state = common["megatron_optimizer"]
+    if state is None:
+        return
+    notes = load_optimizer(state, chunks, optimizer)
+    restore_scheduler(scheduler, scheduler_state(state, scheduler, args, common["consumed_train_samples"]), args)
+    if pstate.rank == 0:
+        for note in notes:
+            print(note, flush=True)
 
 
 def non_persistent_dir(args) -> Path | None:
@@ -166,7 +194,7 @@ def load_for_run(args, chunks, pstate, tracker) -> dict | None:
             saved = args.finetune
             args.finetune = args.finetune or pretrained
             try:
-                common = load_megatron(args, load_dir, chunks, pstate, iteration)
+                common = load_megatron(args, load_dir, chunks, pstate, iteration, tracker)
             finally:
                 args.finetune = saved
         else:

@@ -28,12 +28,11 @@ from megalite.training.arguments_megatron_data import megatron_data_notes
 from megalite.training.arguments_megatron_logging import megatron_logging_notes
 from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
 from megalite.training.arguments_megatron_training import megatron_training_notes
-from megalite.training.checkpointing import load_optimizer_state
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
 from megalite.training.run_hooks import apply_deterministic_mode
-from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, restore_scheduler
+from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, resume_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +189,8 @@ def build_run(args) -> Run:
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
             if not args.no_load_optim and optimizer is not None:
-                load_optimizer_state(common, chunks=models, optimizer=optimizer, pstate=pstate)
-                restore_scheduler(scheduler, common["lr_scheduler"], args)
+                resume_optimizer(common, chunks=models, optimizer=optimizer, scheduler=scheduler, args=args,
+                                 pstate=pstate)
     info, line = memory_report(chunks, optimizer, pstate)
     if pstate.dp_rank == 0:
         print(line, flush=True)

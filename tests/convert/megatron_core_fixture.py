@@ -47,12 +47,12 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(11))
 
 
-def megatron_args(family: str) -> argparse.Namespace:
+def megatron_args(family: str, **overrides) -> argparse.Namespace:
     """The Namespace Megatron stores under 'args' (the fields a loader reads, and a few enums)."""
     from megatron.core.transformer.enums import AttnBackend
 
     f = FAMILIES[family]
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], group_query_attention=f["num_query_groups"] != f["num_attention_heads"],
         ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
@@ -66,9 +66,11 @@ def megatron_args(family: str) -> argparse.Namespace:
         attention_backend=AttnBackend.auto, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         ckpt_format="torch", consumed_train_samples=56, consumed_valid_samples=0, iteration=ITERATION,
         tokenizer_type="NullTokenizer", micro_batch_size=2, global_batch_size=8, lr=1e-3, seed=1234)
+    vars(args).update(overrides)
+    return args
 
 
-def _config(family: str):
+def _config(family: str, tp: int = TP, pp: int = PP, vp: int | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     f = FAMILIES[family]
@@ -77,7 +79,8 @@ def _config(family: str):
         num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"], kv_channels=8,
         normalization=f["normalization"], gated_linear_unit=f["gated_linear_unit"],
         activation_func=F.silu if f["gated_linear_unit"] else F.gelu, add_bias_linear=f["add_bias_linear"],
-        layernorm_epsilon=f["layernorm_epsilon"], tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
+        layernorm_epsilon=f["layernorm_epsilon"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
         use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -97,19 +100,24 @@ def _no_tracker(*args, **kwargs):
     return _NoCudaRngTracker()
 
 
-def _build(family: str, seed: int):
+def build_model(family: str, seed: int, tp: int = TP, pp: int = PP, vp: int | None = None, vp_stage: int | None = None):
+    """Megatron-Core's GPTModel (local layer spec, fp32, CPU) for this rank of an initialised
+    parallel state: the chunk `vp_stage` of `vp` virtual stages per pipeline rank, if given."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     f = FAMILIES[family]
-    torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
+    torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank() + 7 * (vp_stage or 0))
     tensor_parallel.get_cuda_rng_tracker = tensor_parallel.random.get_cuda_rng_tracker = _no_tracker
+    stage = {} if vp is None else {"vp_stage": vp_stage}
     return GPTModel(
-        _config(family), get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=PADDED_VOCAB,
-        max_sequence_length=64, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=not f["untie"],
-        position_embedding_type=f["position_embedding_type"])
+        _config(family, tp, pp, vp), get_gpt_layer_local_spec(normalization=f["normalization"]),
+        vocab_size=PADDED_VOCAB, max_sequence_length=64,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **stage),
+        share_embeddings_and_output_weights=not f["untie"], position_embedding_type=f["position_embedding_type"],
+        **stage)
 
 
 def _forward(model, ids: torch.Tensor) -> torch.Tensor | None:
@@ -179,19 +187,48 @@ def _save_torch_dist(model, root: Path, family: str) -> None:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def write_megatron_checkpoints(rank: int, world: int, out: str, family: str, te_names: bool = False):
-    """Spawned worker (4 ranks): build, forward, save in both formats; logits from the last stage."""
-    from megatron.core import parallel_state
-
+def cpu_shims(optimizer: bool = False) -> None:
+    """Let Megatron-Core run on CPU in this (spawned) process. With `optimizer`, also what its
+    DDP and optimizers need: tensors asked for on "cuda" are made on the CPU, and CPU tensors
+    report CUDA type names (its optimizers check parameter types by name)."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     # dist_checkpointing's file writer starts a multiprocessing Manager; the test's worker is daemonic
     multiprocessing.current_process()._config["daemon"] = False
     torch.cuda.current_device = lambda: "cpu"  # RotaryEmbedding moves inv_freq to the "current device"
     torch.cuda.synchronize = lambda *a, **k: None  # the checkpoint writer synchronises before copying
     torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings are all-reduced "on the GPU" across stages
+    if not optimizer:
+        return
+    for name in ("tensor", "zeros", "empty", "ones", "full"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    type_name = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        if args or kwargs:
+            return type_name(self, *args, **kwargs)
+        name = type_name(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type_name
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        device = kwargs.get("device")
+        if device == "cuda" or isinstance(device, int) or getattr(device, "type", None) == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+    return make
+
+
+def write_megatron_checkpoints(rank: int, world: int, out: str, family: str, te_names: bool = False):
+    """Spawned worker (4 ranks): build, forward, save in both formats; logits from the last stage."""
+    from megatron.core import parallel_state
+
+    cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
     try:
-        model = _build(family, seed=1234)
+        model = build_model(family, seed=1234)
         logits = _forward(model, tokens())
         _save_torch(model, Path(out) / "torch", family, te_names)
         _save_torch_dist(model, Path(out) / "torch_dist", family)

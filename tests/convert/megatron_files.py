@@ -1,6 +1,6 @@
 """Small Megatron `torch`-format checkpoints written without Megatron-Core (TP=1 PP=1, the layout
-tests/convert/megatron_core_fixture.py checks against Megatron-Core itself), for the fast tests
-of the loader's flags and refusals."""
+tests/convert/megatron_core_fixture.py and megatron_core_training.py check against Megatron-Core
+itself), for the fast tests of the loader's flags and refusals."""
 
 import argparse
 from pathlib import Path
@@ -37,13 +37,44 @@ def megatron_state_dict(model: GPTModel) -> dict:
     return out
 
 
-def write_megatron_torch(root, iteration: int = 3, extra: dict | None = None, args=None, seed: int = 0) -> dict:
-    """root/iter_NNNNNNN/mp_rank_00/model_optim_rng.pt and the tracker; the model state written."""
+def write_megatron_torch(root, iteration: int | str = 3, extra: dict | None = None, args=None, seed: int = 0,
+                         **entries) -> dict:
+    """root/iter_NNNNNNN/mp_rank_00/model_optim_rng.pt (root/release/... for iteration
+    'release') and the tracker, with `entries` beside the model (optimizer, ...); the model
+    state written."""
     model = GPTModel(CONFIG, init_seed=seed)
     state = {**megatron_state_dict(model), **(extra or {})}
-    folder = Path(root) / f"iter_{iteration:07d}" / "mp_rank_00"
+    folder = Path(root) / ("release" if iteration == "release" else f"iter_{iteration:07d}") / "mp_rank_00"
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"args": args or megatron_args(), "checkpoint_version": 3.0, "iteration": iteration, "model": state},
-               folder / "model_optim_rng.pt")
+    torch.save({"args": args or megatron_args(), "checkpoint_version": 3.0, "iteration": 0 if iteration == "release"
+                else iteration, "model": state, **entries}, folder / "model_optim_rng.pt")
     (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return state
+
+
+def megatron_adam_state(model_state: dict, lr: float = 1e-3, steps: int = 2, seed: int = 0):
+    """What Megatron's FP32Optimizer saves for `model_state` (Megatron names, in parameter order)
+    after `steps` Adam steps on random gradients: torch AdamW's state dict over Megatron's param
+    groups (weight decay for 2-D tensors, then none for 1-D ones and biases, each in parameter
+    order, with Megatron's group fields); and each name's states."""
+    names = [n for n in model_state if not n.endswith("._extra_state")]
+    params = {n: model_state[n].clone().requires_grad_() for n in names}
+    plain = [n for n in names if params[n].ndim == 1 or n.endswith(".bias")]
+    decay = [n for n in names if n not in plain]
+    fields = dict(max_lr=lr, min_lr=0.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    optimizer = torch.optim.AdamW([{"params": [params[n] for n in decay], "wd_mult": 1.0, **fields},
+                                   {"params": [params[n] for n in plain], "wd_mult": 0.0, "weight_decay": 0.0, **fields}],
+                                  lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    return optimizer.state_dict(), {n: optimizer.state[params[n]] for n in names}
+
+
+def megatron_scheduler(num_steps: int = 12, max_lr: float = 1e-3, weight_decay: float = 0.01, **overrides) -> dict:
+    """Megatron's OptimizerParamScheduler.state_dict() for a linear schedule without warmup."""
+    return {"max_lr": max_lr, "lr_warmup_steps": 0, "num_steps": num_steps, "lr_decay_style": "linear",
+            "lr_decay_steps": 40, "min_lr": 0.0, "start_wd": weight_decay, "end_wd": weight_decay,
+            "wd_incr_style": "constant", "wd_incr_steps": 40, **overrides}

@@ -1,0 +1,58 @@
+"""Where Megatron's distributed optimizer keeps each parameter of a model chunk in its flat
+buffers, as Megatron-Core lays them out (_ParamAndGradBuffer, and DistributedOptimizer.
+_compute_per_buffer_param_layout in later versions; the same rules):
+
+  - a chunk's trainable parameters of one dtype share one buffer, in reverse order of
+    named_parameters();
+  - each parameter starts at a multiple of 64 elements;
+  - the buffer is cut into buckets of at least `bucket_size` elements (no cut when
+    --overlap-grad-reduce is off, on pipeline ranks > 0 and in virtual chunks > 0), and the
+    tied embedding's copy on a pipeline run's first or last stage (`shared_embedding`) gets a
+    bucket of its own;
+  - a bucket ends padded to a multiple of lcm(DP, 128) (and of 2^16 with
+    --ddp-pad-buckets-for-high-nccl-busbw), DP being the group the optimizer shards over.
+
+The legacy `torch` format's distrib_optim.pt (DistributedOptimizer.save_parameter_state) holds,
+per buffer, every bucket's elements up to its last parameter's end, bucket after bucket: the
+"world" tensors whose length is `numel_unpadded`.
+"""
+
+import math
+
+
+def _pad(number: int, divisor: int) -> int:
+    return -(-number // divisor) * divisor
+
+
+def bucket_layout(params: list[tuple[str, int]], dp_size: int, bucket_size: int | None,
+                  shared: frozenset = frozenset(), pad_for_busbw: bool = False) -> tuple[dict, int]:
+    """For `params` [(name, numel)] in named_parameters order: each name's (start, end) in the
+    saved world tensors, and their length (numel_unpadded)."""
+    divisor = math.lcm(dp_size, 128, 2**16) if pad_for_busbw else math.lcm(dp_size, 128)
+    index, bucket_starts, unpadded = {}, [], []
+    param_start = bucket_start = 0
+    in_bucket = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        unpadded.append(end - bucket_start)
+        bucket_starts.append(bucket_start)
+        bucket_start, in_bucket = _pad(end, divisor), 0
+        return bucket_start
+
+    param_end = 0
+    for name, numel in reversed(params):
+        param_start = _pad(param_start, 64)
+        if name in shared and in_bucket:
+            param_start = close(param_start)
+        param_end = param_start + numel
+        index[name] = (param_start, param_end, len(bucket_starts))
+        in_bucket += 1
+        if (bucket_size is not None and param_end - bucket_start >= bucket_size) or name in shared:
+            param_start = close(param_end)
+        else:
+            param_start = param_end
+    if in_bucket:
+        close(param_end)
+    offsets = [sum(unpadded[:b]) - bucket_starts[b] for b in range(len(bucket_starts))]
+    return {name: (start + offsets[b], end + offsets[b]) for name, (start, end, b) in index.items()}, sum(unpadded)
