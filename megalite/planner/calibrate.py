@@ -4,9 +4,11 @@ optimizer's bytes per parameter, and for each group size the latency and bus ban
 megalite's own collectives (megalite.parallel.comm, the expert all-to-all, batched send and
 receive), with every group of that size communicating at the same time.
 
-CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn); compute rates
-are measured with one process per core computing at once (what a rank gets while the machine
-computes at full width), collectives with `world_size` processes. GPU: one
+CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn). Compute rates
+are measured for one process alone and for 2, 4, ... `world_size` processes computing at once:
+their ratio is how much slower a rank computes while k ranks compute (the cores shared, and on a
+loaded machine the other processes too), which the step model applies to the stretches of the
+pipeline where k ranks compute. Collectives: `world_size` processes. GPU: one
 process per device, NCCL, bf16 matmuls; the same measurements with device synchronisation.
 Each collective is timed at two sizes and its ring-model latency and bandwidth solved from
 them (cluster.py); times are medians over repetitions.
@@ -143,14 +145,17 @@ def _nccl_worker(rank: int, world: int, port: int, repeats: int, results) -> Non
         dist.destroy_process_group()
 
 
-def _run(world: int, backend: str, repeats: int, cores: int) -> list[dict]:
+def _run(world: int, backend: str, repeats: int) -> tuple[list[dict], dict]:
+    """(per-rank collective measurements with compute rates, {k: per-process matmul FLOP/s with
+    k processes computing})."""
     if backend == "gloo":
-        # compute with one process per core (processes waiting in gloo would share the cores),
-        # then the collectives with the whole world
         from megalite.parallel.spawn import run_distributed
-        rates = list(run_distributed(_compute_rates, cores, repeats, timeout=1800))
+        busy = sorted({1, world} | {k for k in (2, 4, 8, 16, 32) if k < world})
+        rates = {k: run_distributed(_compute_rates, k, repeats, timeout=1800) for k in busy}
         ranks = list(run_distributed(_measure, world, backend, repeats, timeout=1800))
-        return [dict(r, compute=rates[i % cores]) for i, r in enumerate(ranks)]
+        alone = rates[1][0]
+        flops = {k: statistics.median(r["flops"] for r in per_rank) for k, per_rank in rates.items()}
+        return [dict(r, compute=alone) for r in ranks], flops
     import torch.multiprocessing as mp
     from megalite.parallel.spawn import free_port
     ctx = mp.get_context("spawn")
@@ -161,7 +166,7 @@ def _run(world: int, backend: str, repeats: int, cores: int) -> list[dict]:
     out = [results.get(timeout=1800)[1] for _ in procs]
     for p in procs:
         p.join()
-    return out
+    return out, {}
 
 
 def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> Cluster:
@@ -171,8 +176,7 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
         raise ValueError(f"--world-size {world_size}: this machine has {torch.cuda.device_count()} GPUs")
     if world_size < 2:
         raise ValueError(f"--world-size must be at least 2 to measure collectives, got {world_size}")
-    cores = min(world_size, len(os.sched_getaffinity(0))) if backend == "gloo" else world_size
-    ranks = _run(world_size, backend, repeats, cores)
+    ranks, busy_flops = _run(world_size, backend, repeats)
 
     def median(key):
         return statistics.median(r["compute"][key] for r in ranks)
@@ -192,7 +196,7 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
                    peak_flops=median("flops"), matmul_efficiency=1.0, memory_bandwidth=median("bandwidth"),
                    intra_node_bandwidth=bandwidth[1], inter_node_bandwidth=p2p[1], intra_node_latency=bandwidth[0],
                    inter_node_latency=p2p[0], op_overhead=median("op_overhead") if backend == "gloo" else 0.0,
-                   cores=cores if cores < world_size else 0,
+                   slowdown={k: busy_flops[1] / f for k, f in busy_flops.items() if k > 1},
                    optimizer_bytes_per_parameter=median("optimizer_bytes"), measured=measured,
                    source=f"--calibrate on {time.strftime('%Y-%m-%d %H:%M')}, {backend}, {world_size} ranks, "
                           f"load {os.getloadavg()[0]:.1f}")

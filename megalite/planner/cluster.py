@@ -52,9 +52,10 @@ class Cluster:
     op_overhead: float = 0.0
     """Seconds each operator costs beyond its kernel and is not hidden (host dispatch on a CPU;
     0 where launches overlap long GPU kernels)."""
-    cores: int = 0
-    """Devices that compute at once when fewer than the devices (processes sharing a CPU's
-    cores); 0: every device computes on its own (GPUs)."""
+    slowdown: dict = field(default_factory=dict, compare=False, hash=False)
+    """Processes sharing a CPU: {k: how many times slower one process computes while k compute
+    at once than alone} as --calibrate measures it (core sharing and the machine's other load
+    together); empty for devices that compute on their own (GPUs)."""
     optimizer_bytes_per_parameter: float = 30.0
     """Bytes the optimizer step moves per parameter it updates: 30 for a fused AdamW pass over
     fp32 main weights, gradient, m and v (read and write) and the 16-bit copy; measured on a CPU
@@ -104,7 +105,20 @@ class Cluster:
             raise ValueError(f"--cluster {path}: unknown keys {', '.join(unknown)}")
         values["measured"] = {kind: {int(n): tuple(v) for n, v in table.items()}
                               for kind, table in values.get("measured", {}).items()}
+        values["slowdown"] = {int(k): float(v) for k, v in values.get("slowdown", {}).items()}
         return cls(**values)
+
+    def slowdown_at(self, busy: float) -> float:
+        """How many times slower each of `busy` computing processes runs than one alone
+        (piecewise linear in the measured table; 1 without one)."""
+        if not self.slowdown or busy <= 1:
+            return 1.0
+        points = sorted({1: 1.0, **self.slowdown}.items())
+        for (k0, f0), (k1, f1) in zip(points, points[1:]):
+            if busy <= k1:
+                return f0 + (f1 - f0) * (busy - k0) / (k1 - k0)
+        k, f = points[-1]
+        return f * busy / k  # beyond the table: as many more processes, as much slower
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

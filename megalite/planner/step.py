@@ -5,10 +5,11 @@ gradient reduction (overlapped with the last micro-batch's backward under
 --overlap-grad-reduce), the tied-embedding all-reduce, the optimizer step and the distributed
 optimizer's parameter all-gather (overlapped with the next step's first forward).
 
-Processes sharing fewer cores than there are ranks (a CPU machine, cluster.cores) cannot all
-compute at once: the pipeline part of the step takes at least every rank's compute divided by
-the cores (a work-conserving scheduler's bound; ranks waiting in a bubble leave their core to
-the others), and the optimizer steps of all ranks share the cores too ("shared cores").
+Processes sharing a CPU (cluster.slowdown, measured by --calibrate) compute more slowly the more
+of them compute at once: the compute times are for one process alone, and every stretch of
+the simulated timeline lasts longer by the measured slowdown at the number of processes
+computing in it (processor sharing: ranks waiting in a bubble leave the cores to the others);
+the optimizer steps of all ranks run at once ("shared cores").
 
 `estimate` replaces the simulator by the bubble formula (p-1)/v of a stage's F+B: the search
 uses it to choose which layouts to simulate.
@@ -97,8 +98,28 @@ def _actions(schedule: str, p: int, m: int, v: int) -> list:
 
 @lru_cache(maxsize=256)
 def _simulate(schedule: str, p: int, m: int, v: int, costs: tuple):
+    """(makespan, each rank's finish, the compute intervals (start, end) of every rank)."""
     report = simulate(_actions(schedule, p, m, v), v, [list(row) for row in costs])
-    return report.makespan, tuple(r.finish for r in report.ranks), tuple(r.busy for r in report.ranks)
+    intervals = tuple(tuple((start, end) for action, start, end in r.timeline if action.is_compute and end > start)
+                      for r in report.ranks)
+    return report.makespan, tuple(r.finish for r in report.ranks), intervals
+
+
+def shared_core_time(intervals, demand: list[float], cluster: Cluster) -> float:
+    """Wall time of the simulated pipeline when its processes share a CPU: every stretch of the
+    timeline lasts longer by cluster.slowdown_at(the processes computing in it). demand[r]:
+    processes pipeline rank r keeps computing while busy, i.e. its TP x CP x DP replicas times
+    the share of its busy time that computes (collectives, measured with every rank
+    communicating, are not stretched again)."""
+    events = sorted([(start, demand[r]) for r, rank in enumerate(intervals) for start, _ in rank]
+                    + [(end, -demand[r]) for r, rank in enumerate(intervals) for _, end in rank])
+    wall, wanted, last = 0.0, 0.0, 0.0
+    for time, change in events:
+        if time > last:
+            wall += (time - last) * cluster.slowdown_at(wanted)
+            last = time
+        wanted += change
+    return wall
 
 
 def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> tuple[float, float, float]:
@@ -155,14 +176,20 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
         costs = tuple(tuple(Costs(c.forward, c.backward - c.weight, c.weight, p2p) for c in row) for row in table)
         if layout.schedule != "zb_h1":
             costs = tuple(tuple(Costs(c.forward, c.backward + c.weight, 0, c.p2p_latency) for c in row) for row in costs)
-        makespan, finish, _ = _simulate(layout.schedule, p, m, v, costs)
+        makespan, finish, intervals = _simulate(layout.schedule, p, m, v, costs)
     else:
         stage = max(sum(c.forward + c.backward for c in row) for row in table)
         makespan = max(busy) + (p - 1) / v * stage + (2 * (p - 1) * p2p if p > 1 else 0.0)
         finish = tuple(makespan for _ in range(p))
-    compute = [m * sum(c.parts.get(k, 0.0) for c in row for k in COMPUTE_PARTS) for row in table]
-    share = layout.world_size / cluster.cores if 0 < cluster.cores < layout.world_size else 1.0
-    contention = max(0.0, sum(compute) * layout.world_size / p / cluster.cores - makespan) if share > 1 else 0.0
+        intervals = tuple(((0.0, b),) for b in busy)
+    share = cluster.slowdown_at(layout.world_size)
+    contention = 0.0
+    if cluster.slowdown:  # the stretch processor sharing adds to the simulated compute
+        computing = [sum(c.parts.get(k, 0.0) for c in row for k in COMPUTE_PARTS) / sum(c.forward + c.backward for c in row)
+                     for row in table]
+        demand = [layout.world_size / p * share_of_busy for share_of_busy in computing]
+        end = max((e for rank in intervals for _, e in rank), default=0.0)
+        contention = max(0.0, shared_core_time(intervals, demand, cluster) - end)
     ends, details = [], []
     overlap = layout.dp * layout.cp > 1  # the printed flags turn --overlap-grad-reduce on
     for rank, row in enumerate(table):

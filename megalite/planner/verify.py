@@ -19,7 +19,7 @@ from megalite.planner.search import Plan
 
 def dry_run_flags(plan: Plan, prediction) -> list[str]:
     layout, workload = prediction.layout, plan.workload
-    device = "cpu" if plan.cluster.cores or plan.cluster.measured else "cuda"
+    device = "cpu" if plan.cluster.slowdown or plan.cluster.measured else "cuda"
     return (workload.model_flags + ["--seq-length", str(workload.seq_length), "--global-batch-size",
                                     str(workload.global_batch_size)] + layout.flags()
             + ["--dry-run", "--dry-run-world-size", str(layout.world_size), "--dry-run-device", device,

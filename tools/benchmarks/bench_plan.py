@@ -4,6 +4,7 @@ with the planner's own launch line (scripts/pretrain_gpt.sh on gloo), and compar
 
     python tools/benchmarks/bench_plan.py                     # world sizes 4 and 8, 10 layouts
     python tools/benchmarks/bench_plan.py --world-sizes 8 --json out.json
+    python tools/benchmarks/bench_plan.py --calibrate-each    # a loaded machine: calibrate before every run
 
 Reported: predicted and measured step time per layout (measured: median of the iterations after
 the first --skip), the error of each prediction, the rank of each layout by both, and Spearman's
@@ -110,6 +111,8 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--skip", type=int, default=3)
     parser.add_argument("--calibration-dir", help="reuse cpu<W>.json files from here (else calibrate now)")
+    parser.add_argument("--calibrate-each", action="store_true",
+                        help="calibrate again before every run (the load of a shared machine drifts)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per real run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -132,13 +135,15 @@ def main() -> int:
             print(f"calibrated {world} ranks: {cluster.peak_flops / 1e9:.1f} GFLOP/s matmul, "
                   f"{cluster.memory_bandwidth / 1e9:.2f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op ({cluster.source})",
                   flush=True)
-            for layout in LAYOUTS[world]:
+            for i, layout in enumerate(LAYOUTS[world]):
+                if args.calibrate_each and i:
+                    cluster = calibrate(world)
                 prediction = predict(cluster, workload, layout, peak_memory(workload, layout))
                 cmd = command(Plan(workload, cluster, [prediction]), prediction)
                 measured, times = measure(cmd, args.iterations, args.skip, workdir, args.timeout)
                 rows.append({"world": world, "layout": layout.short(), "predicted": prediction.step_time,
-                             "measured": measured, "times": times, "command": cmd,
-                             "breakdown": prediction.breakdown, "load": os.getloadavg()[0]})
+                             "measured": measured, "times": times, "command": cmd, "breakdown": prediction.breakdown,
+                             "load": os.getloadavg()[0], "calibration": cluster.source})
                 print(f"  W={world} {layout.short():28} predicted {prediction.step_time:7.3f} s  measured "
                       f"{measured:7.3f} s  ({prediction.step_time / measured - 1:+.0%})  load {rows[-1]['load']:.1f}",
                       flush=True)
