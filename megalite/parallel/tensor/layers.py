@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel import comm
+from megalite.parallel.tensor.gathered_input import linear_with_gathered_input
 from megalite.parallel.sharding import mark_sequence_parallel, mark_sharded, shard_of_full
 
 
@@ -53,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dimension: rank i computes Y_i = X A_i^T + b_i.
 
     Input X is replicated over the TP group (or, with sequence parallelism, split along the
-    sequence and all-gathered here). With `gather_output` the output is all-gathered along its
+    sequence and all-gathered here; backward gathers it again, see gathered_input.py). With `gather_output` the output is all-gathered along its
     last dimension; otherwise each rank keeps its slice. `stride` > 1 splits each of `stride`
     equal output blocks separately (a fused [gate; up] projection).
     """
@@ -89,12 +90,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x, weight=None):
         """`weight` overrides the layer's own (the output layer tied to the input embedding)."""
-        if self.sequence_parallel:
-            x = comm.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
-        else:
-            x = comm.copy_to_tensor_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight if weight is None else weight, bias)
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:  # saves the input's sequence shard, not the gathered input
+            y = linear_with_gathered_input(x, weight, bias, self.tp_group)
+        else:
+            y = F.linear(comm.copy_to_tensor_parallel_region(x, self.tp_group), weight, bias)
         if self.gather_output:
             y = comm.gather_from_tensor_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y

@@ -98,6 +98,27 @@ def _linear_cases(group):
     return errors
 
 
+def _saved_activation_bytes(group, sequence_parallel: bool) -> tuple[int, int]:
+    """(bytes of the non-parameter tensors a ColumnParallelLinear saves for backward, bytes of its
+    input): under sequence parallelism only the input's sequence shard is kept, never the
+    all-gathered input (which backward gathers again)."""
+    layer = ColumnParallelLinear(IN, OUT, tp_group=group, sequence_parallel=sequence_parallel)
+    layer.reset_parameters(_gen(3))
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    x = torch.randn(S // comm.group_size(group) if sequence_parallel else S, B, IN, generator=_gen(1),
+                    requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.sum().backward()  # the re-gathering backward runs
+    return sum(saved.values()), x.nbytes
+
+
 def _embedding_cases(group):
     vocab = 24
     ids = torch.randint(0, vocab, (S, B), generator=_gen(7))
@@ -203,7 +224,8 @@ def _worker(rank, world_size):
         errors = {**_linear_cases(state.tp_group), **_embedding_cases(state.tp_group),
                   **_cross_entropy_cases(state.tp_group)}
         results[tp] = {"errors": errors, "rng": _rng_cases(state), "tp_rank": state.tp_rank,
-                       "refusals": _refusal_messages(state.tp_group)}
+                       "refusals": _refusal_messages(state.tp_group),
+                       "saved": {sp: _saved_activation_bytes(state.tp_group, sp) for sp in (False, True)}}
     return results
 
 
@@ -233,6 +255,15 @@ def test_layers_and_cross_entropy_tp2_tp4(tp_results):
         group = [r for r in results if r[tp]["tp_rank"] in range(tp)][:tp]
         streams = [r[tp]["rng"]["per_rank"] for r in group]
         assert len({tuple(s.tolist()) for s in streams}) == tp
+
+
+def test_column_parallel_linear_saves_the_input_shard_under_sequence_parallelism(tp_results):
+    for tp in (2, 4):
+        for r in tp_results:
+            saved, shard = r[tp]["saved"][True]
+            assert saved == shard, f"TP={tp} SP: saved {saved} bytes, the input's shard is {shard}"
+            saved, replicated = r[tp]["saved"][False]
+            assert saved == replicated, f"TP={tp}: saved {saved} bytes, the (replicated) input is {replicated}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
