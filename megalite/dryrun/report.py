@@ -2,7 +2,7 @@
 
 from megalite.dryrun.balanced_routing import ASSUMPTION
 from megalite.dryrun.runner import CATEGORIES
-from megalite.training.arguments_context import cp_comm_type_of
+from megalite.training.arguments_context import cp_comm_types_of
 
 MIB = 1024 ** 2
 
@@ -13,7 +13,7 @@ def _mib(n: int) -> str:
 
 def format_report(args, layout, reports) -> str:
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    cp = f" x CP {layout.context} ({cp_comm_type_of(args)})" if layout.context > 1 else ""
+    cp = f" x CP {layout.context} ({' '.join(cp_comm_types_of(args))})" if layout.context > 1 else ""
     ep = (f"; {args.num_experts} experts top-{args.moe_router_topk}, EP {args.expert_model_parallel_size} "
           f"({args.moe_token_dispatcher_type})" if args.num_experts is not None else "")
     lines = [f"dry run: world {layout.world_size} = TP {layout.tensor}{cp} x PP {layout.pipeline} "

@@ -29,7 +29,6 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args
-from megalite.training.arguments_context import cp_comm_type_of
 from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -135,9 +134,8 @@ def comm_checks(args, config, pstate, models, counted: dict) -> dict:
     """Bytes a formula predicts beside what was counted: MoE all-to-all (the dispatchers' count
     of rows sent to other ranks) and all_gather context parallelism."""
     checks = {}
-    if pstate.cp_size > 1 and cp_comm_type_of(args) == "all_gather" and not args.recompute_activations \
-            and args.recompute_granularity is None:
-        layers = sum(len(m.layers) for m in models)
+    layers = sum(config.cp_comm_type_for(int(n)) == "all_gather" for m in models for n in m.layers)
+    if pstate.cp_size > 1 and layers and not args.recompute_activations and args.recompute_granularity is None:
         checks["cp all-gather K,V"] = (
             counted.get(("cp", "all-gather"), 0), all_gather_cp_bytes(args, config, pstate.tp_size, pstate.cp_size, layers))
     moe = moe_layers(models)

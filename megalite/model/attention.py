@@ -23,10 +23,11 @@ from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLin
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, tp_group=None, rng_tracker=None, device=None, cp_group=None):
+    def __init__(self, config, tp_group=None, rng_tracker=None, device=None, cp_group=None, layer_number: int = 0):
         super().__init__()
         tp = comm.group_size(tp_group)
         self.config, self.rng_tracker, self.cp_group = config, rng_tracker, cp_group
+        self.cp_comm_type = config.cp_comm_type_for(layer_number)
         self.head_dim = config.kv_channels
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
@@ -60,7 +61,7 @@ class SelfAttention(nn.Module):
                     seed = int(torch.randint(0, 2 ** 31, (), device=q.device).item())
                 drop = AttentionDropout(dropout, seed)
             # attention_mask: this rank's query rows of the whole sequence's mask [b, 1, s, s * cp]
-            return context_parallel_attention(q, k, v, self.cp_group, self.config.cp_comm_type, scale,
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, scale,
                                               overlap=self.config.cp_ring_overlap, mask=attention_mask,
                                               dropout=drop, a2a_size=self.config.cp_a2a_size,
                                               blocks=FlashBlocks() if self.config.use_flash_attn else TorchBlocks)

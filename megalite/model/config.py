@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field, fields, replace
 
 from megalite.model.moe_config import MoEConfig
+from megalite.parallel.context import CP_COMM_TYPES
 from megalite.parallel.state import ParallelLayout
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -92,9 +93,10 @@ class GPTConfig:
     use_flash_attn: bool = False
     """Attention through the flash_attn package (--use-flash-attn; causal attention without a
     mask): an error when flash_attn is not importable."""
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str | tuple = "p2p"
     """Attention across the context-parallel group (--cp-comm-type): 'p2p' (ring),
-    'all_gather', 'a2a' or 'a2a+p2p'; unused without context parallelism."""
+    'all_gather', 'a2a' or 'a2a+p2p', or one of those per layer (a tuple of num_layers, as
+    Megatron's list); unused without context parallelism."""
     cp_a2a_size: int = 1
     """With 'a2a+p2p': the a2a (inner) group size A of --hierarchical-context-parallel-sizes A P."""
     cp_ring_overlap: bool = True
@@ -138,8 +140,8 @@ class GPTConfig:
             "recompute_granularity": (None, "full", "selective"),
             "recompute_method": ("uniform", "block"),
             "params_dtype": ("float32", "bfloat16", "float16"),
-            "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),
         }
+        self._check_cp_comm_type()
         unknown = set(self.unfused_kernels) - set(UNFUSABLE_OPS)
         if unknown:
             raise ValueError(f"GPTConfig.unfused_kernels: unknown ops {sorted(unknown)} (known: {UNFUSABLE_OPS})")
@@ -147,6 +149,22 @@ class GPTConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _check_cp_comm_type(self) -> None:
+        if isinstance(self.cp_comm_type, list):
+            self.cp_comm_type = tuple(self.cp_comm_type)  # from a config file
+        values = (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else self.cp_comm_type
+        if isinstance(self.cp_comm_type, tuple) and len(values) != self.num_layers:
+            raise ValueError(f"GPTConfig.cp_comm_type: {len(values)} values for {self.num_layers} layers (give one, "
+                             "or one per layer)")
+        for value in values:
+            if value not in CP_COMM_TYPES:
+                raise ValueError(f"GPTConfig.cp_comm_type must be one of {CP_COMM_TYPES} (or a tuple of them, one "
+                                 f"per layer), got {value!r}")
+
+    def cp_comm_type_for(self, layer_number: int) -> str:
+        """The context-parallel comm type of layer `layer_number` (global, from 0)."""
+        return self.cp_comm_type if isinstance(self.cp_comm_type, str) else self.cp_comm_type[layer_number]
 
     @property
     def kernel_impl(self) -> str:

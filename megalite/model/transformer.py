@@ -16,7 +16,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group, layer_number)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
             self.mlp = MoELayer(config, tp_group, expert_state, device)

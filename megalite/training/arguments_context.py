@@ -28,22 +28,30 @@ class ContextArgs:
         False, "Order ranks TP, CP, PP, DP (innermost first) instead of TP, CP, DP, PP.")
 
 
-def cp_comm_type_of(args) -> str:
-    """The one --cp-comm-type of the run (p2p when not given)."""
-    return args.cp_comm_type[0] if args.cp_comm_type else "p2p"
+def cp_comm_types_of(args) -> list[str]:
+    """The --cp-comm-type values of the run: one for every layer, or one per layer (p2p when
+    not given)."""
+    return list(args.cp_comm_type) if args.cp_comm_type else ["p2p"]
+
+
+def cp_comm_type_of(args) -> str | tuple:
+    """GPTConfig.cp_comm_type: the one type, or the tuple of one per layer."""
+    types = cp_comm_types_of(args)
+    return types[0] if len(types) == 1 else tuple(types)
 
 
 def cp_a2a_size_of(args) -> int:
-    """A of --hierarchical-context-parallel-sizes A P with --cp-comm-type a2a+p2p, else 1."""
-    if cp_comm_type_of(args) != "a2a+p2p" or not args.hierarchical_context_parallel_sizes:
+    """A of --hierarchical-context-parallel-sizes A P when some layer uses a2a+p2p, else 1."""
+    if "a2a+p2p" not in cp_comm_types_of(args) or not args.hierarchical_context_parallel_sizes:
         return 1
     return int(args.hierarchical_context_parallel_sizes[0])
 
 
 def _check_hierarchical(args, fail) -> None:
     cp, sizes = args.context_parallel_size, args.hierarchical_context_parallel_sizes
+    hierarchical = "a2a+p2p" in cp_comm_types_of(args)
     if sizes is None:
-        if cp_comm_type_of(args) == "a2a+p2p":
+        if hierarchical:
             fail("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P")
         return
     try:
@@ -56,9 +64,9 @@ def _check_hierarchical(args, fail) -> None:
     if values[0] * values[1] != cp:
         fail(f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: {values[0]} x {values[1]} is not "
              f"--context-parallel-size {cp}")
-    if cp_comm_type_of(args) != "a2a+p2p":
+    if not hierarchical:
         fail(f"--hierarchical-context-parallel-sizes is used only with --cp-comm-type a2a+p2p "
-             f"(got {cp_comm_type_of(args)})")
+             f"(got {' '.join(cp_comm_types_of(args))})")
 
 
 def check_context_args(args, fail) -> None:
@@ -70,9 +78,9 @@ def check_context_args(args, fail) -> None:
         for value in args.cp_comm_type:
             if value not in CP_COMM_TYPES:
                 fail(f"--cp-comm-type {value!r}: expected one of {', '.join(CP_COMM_TYPES)}")
-        if len(set(args.cp_comm_type)) > 1:
-            fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: a different type per layer is not "
-                 "implemented in megalite yet (give one)")
+        if args.num_layers is not None and len(args.cp_comm_type) not in (1, args.num_layers):
+            fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: {len(args.cp_comm_type)} values for --num-layers "
+                 f"{args.num_layers} (give one, or one per layer)")
     _check_hierarchical(args, fail)
     if cp == 1:
         return
@@ -91,11 +99,11 @@ def check_context_args(args, fail) -> None:
         sp = " x --tensor-model-parallel-size (sequence parallelism)" if args.sequence_parallel else ""
         fail(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size{sp} = {split}")
     heads = args.num_attention_heads // args.tensor_model_parallel_size if args.num_attention_heads else None
-    if cp_comm_type_of(args) == "a2a" and heads is not None and heads % cp:
+    if "a2a" in cp_comm_types_of(args) and heads is not None and heads % cp:
         fail(f"--cp-comm-type a2a needs --num-attention-heads {args.num_attention_heads} divisible by "
              f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x --context-parallel-size {cp}")
     a2a = cp_a2a_size_of(args)
-    if cp_comm_type_of(args) == "a2a+p2p" and heads is not None and heads % a2a:
+    if "a2a+p2p" in cp_comm_types_of(args) and heads is not None and heads % a2a:
         fail(f"--cp-comm-type a2a+p2p needs --num-attention-heads {args.num_attention_heads} divisible by "
              f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x the a2a size {a2a} of "
              "--hierarchical-context-parallel-sizes")

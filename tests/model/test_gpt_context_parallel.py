@@ -5,11 +5,14 @@ with position ids that restart mid-sequence (--reset-position-ids), and those to
 a document mask (--reset-attention-mask) for every comm type. With attention dropout on, the
 CP = 4 runs of every comm type equal the CP = 2 ring run (the masks are a function of where
 each probability sits, megalite.parallel.context.dropout) and differ from dropout off. At CP =
-4, a2a+p2p with --hierarchical-context-parallel-sizes 2 2, both families."""
+4, a2a+p2p with --hierarchical-context-parallel-sizes 2 2, both families, and a different comm
+type per layer (Megatron's --cp-comm-type list), each layer's attention called with its own."""
 
 import pytest
 import torch
 
+import megalite.model.attention as attention_module
+from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, masked_mean_loss
 from megalite.model.pipeline_chunks import gpt_forward_step
 from megalite.model.weights import gather_full_weights
@@ -102,12 +105,38 @@ def _cp_worker(rank, world_size):
             failures.append(str(e))
     if world_size == 4:
         failures += _dropout_failures(states[0])
+        failures += _per_layer_failures(states[0])
         for family in ("gpt2", "llama"):  # a2a+p2p: a2a inside pairs of CP ranks, a ring across the pairs
             try:
                 compare(run_cp_model(make_config(family, cp_comm_type="a2a+p2p", cp_a2a_size=2), states[0]),
                         run_model(make_config(family), ParallelState.single()), f"{family} a2a+p2p 2 x 2")
             except AssertionError as e:
                 failures.append(str(e))
+    return failures
+
+
+def _per_layer_failures(cp4_state):
+    """Layer 0 and layer 1 with different comm types: equal to CP = 1, each layer's attention
+    called with its own type (recorded around context_parallel_attention)."""
+    failures, used = [], []
+    original = attention_module.context_parallel_attention
+
+    def recording(q, k, v, group, comm_type, *args, **kwargs):
+        used.append(comm_type)
+        return original(q, k, v, group, comm_type, *args, **kwargs)
+    attention_module.context_parallel_attention = recording
+    try:
+        for family, types in (("gpt2", ("p2p", "a2a")), ("llama", ("all_gather", "a2a+p2p"))):
+            used.clear()
+            try:
+                compare(run_cp_model(make_config(family, cp_comm_type=types, cp_a2a_size=2), cp4_state),
+                        run_model(make_config(family), ParallelState.single()), f"{family} per layer {types}")
+            except AssertionError as e:
+                failures.append(str(e))
+            if used[:2] != list(types):  # forward of layer 0, then layer 1
+                failures.append(f"{family}: layers called context-parallel attention with {used[:2]}, not {types}")
+    finally:
+        attention_module.context_parallel_attention = original
     return failures
 
 
@@ -135,3 +164,14 @@ def _dropout_failures(cp4_state):
 def test_context_parallel_model_matches_cp1(world_size):
     for failures in run_distributed(_cp_worker, world_size):
         assert not failures, failures
+
+
+def test_per_layer_comm_types_are_one_per_layer():
+    config = make_config("llama", cp_comm_type=["a2a", "p2p"])  # a list, as a config file holds it
+    assert config.cp_comm_type == ("a2a", "p2p") and GPTConfig.from_dict(config.to_dict()) == config
+    model = GPTModel(config, ParallelState.single())
+    assert [layer.self_attention.cp_comm_type for layer in model.layers.values()] == ["a2a", "p2p"]
+    with pytest.raises(ValueError, match="3 values for 2 layers"):
+        make_config("llama", cp_comm_type=("a2a", "p2p", "p2p"))
+    with pytest.raises(ValueError, match="'ring'"):
+        make_config("llama", cp_comm_type=("a2a", "ring"))

@@ -7,7 +7,6 @@ from tests.training.test_arguments import parsed, refused
 
 
 @pytest.mark.parametrize("extra, words", [
-    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a", ["--cp-comm-type p2p a2a", "per layer"]),
     ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
 def test_refused_naming_the_flag(extra, words):
@@ -34,6 +33,12 @@ def test_context_parallel_options_reach_the_layout_and_model():
                   "--reset-attention-mask", 8)
     config = model_config_from_args(args, 100)
     assert (config.cp_comm_type, config.cp_a2a_size, config.attention_dropout) == ("a2a+p2p", 2, 0.1)
+    # one comm type per layer, as Megatron's list (BASE has 4 layers)
+    args = parsed("--context-parallel-size 4 --cp-comm-type p2p a2a all_gather a2a+p2p "
+                  "--hierarchical-context-parallel-sizes 2 2", 8)
+    config = model_config_from_args(args, 100)
+    assert (config.cp_comm_type, config.cp_a2a_size) == (("p2p", "a2a", "all_gather", "a2a+p2p"), 2)
+    assert [config.cp_comm_type_for(n) for n in range(4)] == ["p2p", "a2a", "all_gather", "a2a+p2p"]
     mapped = layout_from_args(parsed("--context-parallel-size 2 --attention-dropout 0 "
                                      "--pipeline-model-parallel-size 2 --use-tp-pp-dp-mapping", 8), 8)
     assert mapped.pp_groups()[0] == [0, 2] and mapped.dp_groups()[0] == [0, 4]
@@ -54,6 +59,11 @@ def test_context_parallel_options_reach_the_layout_and_model():
                                                                              "a2a+p2p"]),
     ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 1 "
      "--num-attention-heads 2 --hidden-size 64", ["--cp-comm-type a2a+p2p", "--num-attention-heads 2"]),
+    ("--context-parallel-size 2 --cp-comm-type p2p a2a p2p", ["--cp-comm-type p2p a2a p2p", "3 values",
+                                                              "--num-layers 4"]),
+    ("--context-parallel-size 4 --cp-comm-type p2p a2a p2p p2p --num-attention-heads 2 --hidden-size 64",
+     ["--cp-comm-type a2a", "--num-attention-heads 2"]),
+    ("--context-parallel-size 4 --cp-comm-type p2p a2a+p2p p2p p2p", ["a2a+p2p", "--hierarchical-context-parallel-sizes"]),
 ])
 def test_context_parallel_shapes_refused(extra, words):
     message = refused(extra, 8)

@@ -1,7 +1,7 @@
 """The training driver with context parallelism (`python -m megalite.pretrain_gpt`, four rank
 processes on gloo): five iterations' losses at CP = 2 with TP = 2 and sequence parallelism,
 with PP = 2 interleaved, with DP = 2 and the distributed optimizer, with TP = 2 and FSDP2, and
-at CP = 4, each equal to the single-process run within 1e-5; a checkpoint saved at CP = 2 x
+at CP = 4 (one comm type, and one per layer), each equal to the single-process run within 1e-5; a checkpoint saved at CP = 2 x
 DP = 2 with the distributed optimizer (its state sharded over DP x CP, d = 4) resumes at CP = 1
 (one process), at CP = 2 x DP = 1 (d = 2) and at CP = 4 (d = 4 on other ranks) with the
 uninterrupted run's losses; one saved at CP = 2 x DP = 2 with FSDP2 (sharded over DP x CP)
@@ -43,7 +43,10 @@ def single_process(tmp_path_factory):
      "--cp-comm-type", "all_gather"],
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-torch-fsdp2"],
-], ids=["cp2-tp2-sp-p2p", "cp2-pp2-interleaved-a2a", "cp2-dp2-distopt-all_gather", "cp4-a2a", "cp2-tp2-sp-fsdp2"])
+    ["--context-parallel-size", "4", "--cp-comm-type", "p2p", "a2a", "all_gather", "a2a+p2p",
+     "--hierarchical-context-parallel-sizes", "2", "2"],
+], ids=["cp2-tp2-sp-p2p", "cp2-pp2-interleaved-a2a", "cp2-dp2-distopt-all_gather", "cp4-a2a", "cp2-tp2-sp-fsdp2",
+        "cp4-per-layer"])
 def test_training_losses_equal_single_process(tmp_path, single_process, layout):
     run(COMMON + layout + ["--metrics-file", str(tmp_path / "metrics.jsonl")], 4, tmp_path / "logs")
     _close(train_losses(tmp_path / "metrics.jsonl"), single_process, range(1, ITERS + 1))
