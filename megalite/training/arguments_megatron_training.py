@@ -29,7 +29,8 @@ class MegatronTrainingArgs:
         None, "Minimum learning rate of the word embedding and output layer (default --min-lr).")
     step_batch_size_schedule: str | None = arg(
         None, "Step-wise global batch size 'THRESHOLD:B THRESHOLD:B ...' (thresholds in tokens, "
-        "suffixes K M B T; the first 0); needs --train-samples, replaces --global-batch-size.")
+        "suffixes K M B T; the first 0); replaces --global-batch-size. With --train-iters, the lr "
+        "schedule's iterations count --micro-batch-size x DP samples each, as Megatron counts them.")
     eval_global_batch_size: int | None = arg(
         None, "Sequences per evaluation step (default --global-batch-size).")
     manual_gc: bool = arg(
@@ -51,7 +52,7 @@ class MegatronTrainingArgs:
         "repeated run gives bit-identical results.")
     microbatch_group_size_per_virtual_pipeline_stage: int | None = arg(
         None, "Micro-batches run on one virtual stage before moving to the next (interleaved "
-        "schedule; default the pipeline size).")
+        "schedule; from the pipeline size to the micro-batches per step; default the pipeline size).")
     account_for_embedding_in_pipeline_split: bool = arg(
         False, "Count the embedding as one layer when splitting layers over pipeline stages (the "
         "first stage gets one transformer layer fewer).")
@@ -117,11 +118,6 @@ def check_megatron_training_args(args, world_size: int, fail) -> None:
         fail("--grad-reduce-in-bf16 applies to megalite's DistributedDataParallel, not --use-torch-fsdp2")
     if args.calculate_per_token_loss and args.use_torch_fsdp2:
         fail("--calculate-per-token-loss is not implemented with --use-torch-fsdp2")
-    group = args.microbatch_group_size_per_virtual_pipeline_stage
-    if group is not None and group != args.pipeline_model_parallel_size:
-        fail(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: megalite's interleaved "
-             f"schedule runs groups of --pipeline-model-parallel-size "
-             f"({args.pipeline_model_parallel_size}) micro-batches only")
     if args.profile:
         if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
             fail(f"--profile-step-end {args.profile_step_end} must be larger than "
@@ -143,9 +139,8 @@ def _check_batch_schedule(args, fail) -> None:
         fail("--rampup-batch-size and --step-batch-size-schedule contradict each other (give one)")
     if not given:
         return
-    if args.train_samples is None:
-        fail(f"{given[0]} needs --train-samples (Megatron allows no batch-size change in "
-             "iteration-based training)")
+    if args.rampup_batch_size is not None and args.train_samples is None:
+        fail("--rampup-batch-size needs --train-samples (Megatron ramps up only in sample-based training)")
     if args.rampup_batch_size is not None:
         values = _int_list("rampup_batch_size", args.rampup_batch_size, fail)
         if len(values) != 3 or min(values) <= 0:
@@ -169,13 +164,22 @@ def _check_batch_schedule(args, fail) -> None:
         args.global_batch_size, args.global_batch_size_from_schedule = final, True
 
 
+def interleaved_group_size(args) -> int | None:
+    """--microbatch-group-size-per-virtual-pipeline-stage where it acts, the interleaved
+    schedule (None: its default, the pipeline size; and under every other schedule)."""
+    if args.pipeline_schedule != "interleaved_1f1b":
+        return None
+    return args.microbatch_group_size_per_virtual_pipeline_stage
+
+
 def finish_batch_args(args, fail) -> None:
     """After the batch and schedule checks: every batch size the run will use (ramp-up or step
     schedule, and --eval-global-batch-size) divides into micro-batches, each count runs under
     the pipeline schedule, and --train-samples counts iterations as Megatron counts them."""
     per_step = args.micro_batch_size * args.data_parallel_size
     schedule = batch_schedule_from_args(args, fail)
-    sizes = schedule.sizes(args.train_samples) if schedule.varies and not args.skip_train else []
+    sizes = (schedule.sizes(args.train_samples, args.train_iters) if schedule.varies and not args.skip_train
+             else [])
     if args.eval_global_batch_size is not None:
         sizes.append(args.eval_global_batch_size)
     flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
@@ -185,8 +189,8 @@ def finish_batch_args(args, fail) -> None:
             fail(f"{which}: batch size {size} is not divisible by --micro-batch-size "
                  f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
         validate_schedule(args.pipeline_schedule, args.pipeline_model_parallel_size, size // per_step,
-                          args.virtual_pipeline_model_parallel_size)
-    if schedule.varies and not args.skip_train:
+                          args.virtual_pipeline_model_parallel_size, interleaved_group_size(args))
+    if schedule.varies and not args.skip_train and args.train_samples is not None:
         args.total_train_iters = schedule.train_iters(args.train_samples)
 
 
@@ -203,9 +207,11 @@ def megatron_training_notes(args) -> list[str]:
                      "warm-up and flush too); the flag changes nothing")
     if args.use_pytorch_profiler:
         notes.append("--use-pytorch-profiler: megalite's --profile always uses torch.profiler")
-    if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
-        notes.append("--microbatch-group-size-per-virtual-pipeline-stage equals the pipeline size: "
-                     "megalite's interleaved schedule's own grouping")
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and interleaved_group_size(args) is None:
+        notes.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: no effect without virtual "
+                     "pipeline stages (it groups the interleaved schedule's micro-batches; Megatron ignores it "
+                     "there too)")
     if args.empty_unused_memory_level and on_cpu(args):
         notes.append(f"--empty-unused-memory-level {args.empty_unused_memory_level}: this run is on "
                      "CPU, where there is no CUDA cache to empty")

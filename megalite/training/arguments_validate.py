@@ -20,7 +20,8 @@ from megalite.training.arguments_megatron_data import apply_megatron_data_args
 from megalite.training.arguments_megatron_logging import check_megatron_logging_args
 from megalite.training.arguments_megatron_model import check_megatron_model_args
 from megalite.training.arguments_megatron_training import (apply_pipeline_split_accounting,
-                                                           check_megatron_training_args, finish_batch_args)
+                                                           check_megatron_training_args, finish_batch_args,
+                                                           interleaved_group_size)
 from megalite.training.arguments_moe import check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
@@ -224,7 +225,7 @@ def _check_batch(args, layout: ParallelLayout):
     if args.pipeline_schedule is None:
         args.pipeline_schedule = default_schedule(layout.pipeline, layout.virtual_pipeline)
     validate_schedule(args.pipeline_schedule, layout.pipeline, args.num_micro_batches,
-                      layout.virtual_pipeline)
+                      layout.virtual_pipeline, interleaved_group_size(args))
 
 
 def _check_schedule(args):
@@ -258,7 +259,9 @@ def _check_schedule(args):
     if args.lr_decay_style != "WSD" and wsd_given is not None:
         _fail(f"{wsd_flag} applies only to --lr-decay-style WSD (got {args.lr_decay_style})")
     lengths = schedule_lengths_from_args(args)
-    unit = "samples" if by_samples else "samples (iterations x --global-batch-size)"
+    unit = "samples" if by_samples else (
+        "samples (iterations x --global-batch-size)" if args.step_batch_size_schedule is None else
+        "samples (iterations x --micro-batch-size x DP, as Megatron counts them under --step-batch-size-schedule)")
     if lengths["warmup_steps"] >= lengths["decay_steps"]:
         _fail(f"the lr warmup ({lengths['warmup_steps']:g} {unit}) must be shorter than the decay "
               f"({lengths['decay_steps']} {unit})")

@@ -8,6 +8,12 @@ num-microbatches calculators:
     step schedule "T0:B0 T1:B1 ..." (thresholds in tokens, T0 = 0):
         B_now = B_k for the largest T_k / seq_length <= consumed
 
+A ramp-up needs --train-samples; a step schedule runs with --train-samples (iterations until
+the samples are consumed) or --train-iters. With --train-iters Megatron, which refuses
+--global-batch-size beside a step schedule, leaves the global batch size at its default
+--micro-batch-size x DP, and that is what the learning-rate schedule's iteration counts are
+multiplied by (iteration_samples).
+
     schedule = batch_schedule_from_args(args)
     for each iteration: b = schedule.at(consumed_samples); micro-batches = b / (mbs x DP)
 """
@@ -69,10 +75,17 @@ class BatchSchedule:
                 iterations += 1
         return iterations + (train_samples - consumed) // self.final
 
-    def sizes(self, train_samples: int) -> list[int]:
-        """Every batch size a run of `train_samples` uses."""
+    def samples(self, iterations: int) -> int:
+        """The samples `iterations` iterations consume from the start."""
+        consumed = 0
+        for _ in range(iterations):
+            consumed += self.at(consumed)
+        return consumed
+
+    def sizes(self, train_samples: int | None, train_iters: int | None = None) -> list[int]:
+        """Every batch size a run of `train_samples` (or of `train_iters` iterations) uses."""
         seen, consumed = [], 0
-        for _ in range(self.train_iters(train_samples)):
+        for _ in range(self.train_iters(train_samples) if train_samples is not None else train_iters):
             size = self.at(consumed)
             if size not in seen:
                 seen.append(size)
@@ -106,3 +119,12 @@ def batch_schedule_from_args(args, fail=None) -> BatchSchedule:
     if args.rampup_batch_size is not None:
         return BatchSchedule(args.global_batch_size, rampup=tuple(int(v) for v in args.rampup_batch_size))
     return BatchSchedule(args.global_batch_size)
+
+
+def iteration_samples(args) -> int:
+    """Samples per iteration in an iteration-based (--train-iters) learning-rate schedule:
+    --global-batch-size, or under a step batch-size schedule Megatron's global batch size, which
+    it leaves at --micro-batch-size x DP (see the module doc)."""
+    if args.step_batch_size_schedule is not None:
+        return args.micro_batch_size * args.data_parallel_size
+    return args.global_batch_size

@@ -18,6 +18,8 @@ sample-based schedules are the same object (see `schedule_lengths_from_args`).
 
 import math
 
+from megalite.training.batch_schedule import iteration_samples
+
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
@@ -142,7 +144,8 @@ class LRScheduler:
 def schedule_lengths_from_args(args) -> dict:
     """Warmup, decay and WSD-decay lengths in samples, as Megatron computes them.
 
-    With --train-iters: iterations x --global-batch-size (decay defaults to --train-iters);
+    With --train-iters: iterations x --global-batch-size (decay defaults to --train-iters; under
+    --step-batch-size-schedule, x --micro-batch-size x DP as in Megatron: iteration_samples);
     with --train-samples: samples (decay defaults to --train-samples). --lr-warmup-fraction
     is a fraction of the decay length."""
     if args.train_iters is None and args.train_samples is None:
@@ -152,7 +155,7 @@ def schedule_lengths_from_args(args) -> dict:
         wsd = args.lr_wsd_decay_samples
         warmup = args.lr_warmup_samples
     else:
-        batch = args.global_batch_size
+        batch = iteration_samples(args)
         decay = (args.lr_decay_iters or args.train_iters) * batch
         wsd = args.lr_wsd_decay_iters * batch if args.lr_wsd_decay_iters is not None else None
         warmup = args.lr_warmup_iters * batch

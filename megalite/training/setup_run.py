@@ -27,7 +27,8 @@ from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_note
 from megalite.training.arguments_megatron_data import megatron_data_notes
 from megalite.training.arguments_megatron_logging import megatron_logging_notes
 from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
-from megalite.training.arguments_megatron_training import megatron_training_notes
+from megalite.training.arguments_megatron_training import interleaved_group_size, megatron_training_notes
+from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
@@ -175,7 +176,7 @@ def build_run(args) -> Run:
             chunks, pstate, args.pipeline_schedule, num_microbatches=num_microbatches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
             sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
-            forward_step=per_token or gpt_forward_step)
+            forward_step=per_token or gpt_forward_step, microbatch_group_size=interleaved_group_size(args))
 
     executor = make_executor(args.num_micro_batches)
     peak = peak_flops() if device.type == "cuda" else None
@@ -223,7 +224,8 @@ def build_data(run: Run):
     num_samples = megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, args.global_batch_size)
     eval_batch = args.eval_global_batch_size or args.global_batch_size
     if eval_batch != args.global_batch_size or args.rampup_batch_size or args.step_batch_size_schedule:
-        train = args.train_samples if args.train_samples is not None else num_samples[0]
+        train = args.train_samples if args.train_samples is not None else (
+            batch_schedule_from_args(args).samples(train_iters))
         num_samples = (train, *megatron_num_samples(train_iters, args.eval_interval, args.eval_iters, eval_batch)[1:])
     return build_gpt_datasets(
         data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,

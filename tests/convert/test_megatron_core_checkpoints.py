@@ -1,7 +1,7 @@
 """Checkpoints written by Megatron-Core itself (tests/convert/megatron_core_fixture.py: its
-GPTModel at TP=2 PP=2 on CPU, saved in `torch` and `torch_dist`) load into megalite at TP=1 and
-TP=2 and give Megatron-Core's logits; training continues from them; convert.py --loader megatron
---saver hf gives transformers the same logits.
+GPTModel at TP=2 PP=2 on CPU, saved in `torch` and `torch_dist`) load into megalite at TP=1,
+TP=2 and PP=2 (with and without virtual stages) and give Megatron-Core's logits; training
+continues from them; convert.py --loader megatron --saver hf gives transformers the same logits.
 
 Llama-like (RoPE, RMSNorm, SwiGLU, GQA, untied; `torch` files with Transformer Engine's fused
 norm names) and GPT-2-like (learned positions, LayerNorm, GeLU, biases, tied; local names).
@@ -17,6 +17,7 @@ import torch
 
 from megalite.convert.megatron_reader import MegatronCheckpoint
 from tests.convert.megatron_core_fixture import ITERATION, VOCAB, tokens, write_megatron_checkpoints
+from tests.convert.megatron_core_pipeline import megalite_pipeline_logits
 from tests.distributed import free_port, run_distributed
 
 pytest.importorskip("megatron.core")
@@ -66,6 +67,19 @@ def test_megalite_gives_megatron_core_logits(megatron_dir, tp):
         for fmt, (logits, iteration) in by_format.items():
             assert iteration == ITERATION, fmt
             torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
+
+
+@pytest.mark.parametrize("vp", [1, 2])
+def test_megalite_pipeline_gives_megatron_core_logits(megatron_dir, vp):
+    """Both formats loaded at megalite TP=1 PP=2 (with 2 virtual stages per rank: layers
+    {0, 2} and {1, 3}, where Megatron's PP=2 files hold {0, 1} and {2, 3})."""
+    _, out = megatron_dir
+    reference = torch.load(out / "logits.pt", weights_only=True)
+    formats = ["torch", "torch_dist"]
+    results = run_distributed(megalite_pipeline_logits, 2, [str(out / f) for f in formats], vp)
+    for fmt, (logits, iteration) in zip(formats, results[1]):
+        assert iteration == ITERATION, fmt
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
 
 
 def test_both_formats_hold_the_same_tensors(megatron_dir):

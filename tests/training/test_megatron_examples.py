@@ -36,19 +36,17 @@ def gpt2_bpe_corpus(root):
 
 
 def gpt3_175b_argv(tmp, vocab, merges, data):
-    """examples/gpt3/train_gpt3_175b_distributed.sh's flags, in its order, with two changes the
-    script needs in Megatron itself or in megalite: no --global-batch-size (Megatron-LM refuses it
-    beside --step-batch-size-schedule: 'Cannot specify both'), and the run counted in samples
-    (--train-samples, --lr-decay-samples: megalite applies a batch-size schedule only to
-    sample-based training)."""
+    """examples/gpt3/train_gpt3_175b_distributed.sh's flags, in its order, with one change the
+    script needs in Megatron itself: no --global-batch-size (Megatron-LM refuses it beside
+    --step-batch-size-schedule: 'Cannot specify both')."""
     model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--max-position-embeddings", "32", "--attention-backend", "auto"]
     training = ["--micro-batch-size", "1",
-                "--step-batch-size-schedule", "0:4 64:6 128:8", "--train-samples", "16", "--weight-decay", "0.1",
+                "--step-batch-size-schedule", "0:4 64:6 128:8", "--train-iters", "3", "--weight-decay", "0.1",
                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
                 # --fp16 left out: fp32 on CPU
                 "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-                "--lr-decay-samples", "430"]
+                "--lr-decay-iters", "430"]
     parallel = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     data_args = ["--data-path", data, "--vocab-file", vocab, "--merge-file", merges, "--split", "949,50,1"]
     logging = ["--log-interval", "1", "--save-interval", "3", "--eval-interval", "3", "--save", str(tmp / "ckpt"),
@@ -95,6 +93,10 @@ def test_gpt3_175b_example_flags_train_at_tp2_pp2(tmp_path):
     argv = gpt3_175b_argv(tmp_path, vocab, merges, data) + ["--metrics-file", str(tmp_path / "metrics.jsonl")]
     ranks = run(argv, 4, tmp_path / "logs", timeout=400)
     assert sorted(_losses(tmp_path / "metrics.jsonl")) == [1, 2, 3], ranks.output()
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))[0]
+    # the schedule's batches at --seq-length 32: 4 from 0 samples, 6 from 2 (64 tokens), 8 from 4 (128
+    # tokens); the iterations start at 0, 4 and 12 samples consumed
+    assert [records[i]["global_batch_size"] for i in (1, 2, 3)] == [4, 8, 8]
     assert read_tracker(tmp_path / "ckpt") == 3
     assert "--tokenizer-type not given: GPT2BPETokenizer" in ranks.logs[0].read_text()
 

@@ -18,13 +18,16 @@ from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.training.arguments import model_config_from_args, parse_args, validate_args
-from megalite.training.batch_schedule import BatchSchedule
-from megalite.training.lr_schedule import LRScheduler
+from megalite.training.arguments_megatron_training import interleaved_group_size
+from megalite.training.batch_schedule import BatchSchedule, batch_schedule_from_args
+from megalite.training.lr_schedule import LRScheduler, schedule_lengths_from_args
+from megalite.training.metrics import read_metrics
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr, scale_main_grads, token_factor
 from megalite.training.run_hooks import RunHooks, apply_deterministic_mode, check_weight_hash
 from megalite.training.setup_run import _wrap, startup_notes
 from tests.distributed import run_distributed
-from tests.training.launch import drop_flags
+from tests.training.launch import BASE as LAUNCH_BASE
+from tests.training.launch import drop_flags, run
 from tests.training.test_arguments import BASE, parsed, refused
 
 SAMPLES = drop_flags(BASE, "--train-iters") + ["--train-samples", "40"]
@@ -57,6 +60,32 @@ def test_step_batch_size_schedule_thresholds_in_tokens():
     assert (args.global_batch_size, args.total_train_iters) == (4, 13)
     assert BatchSchedule(4, steps=[(0, 2), (10, 4)]).sizes(40) == [2, 4]
     assert validate_args(args, 1).total_train_iters == 13  # validating twice changes nothing
+
+
+def test_step_batch_size_schedule_with_train_iters():
+    """With --train-iters the schedule sets each iteration's batch (2 until 10 samples, then 4:
+    10 iterations take 5 x 2 + 5 x 4 = 30 samples, which the data must hold), and the lr schedule
+    counts Megatron's global batch size, --micro-batch-size x DP = 2, per iteration: decay over
+    10 x 2 samples, warmup 3 x 2."""
+    args = validated(["--step-batch-size-schedule", "0:2 320:4", "--lr-warmup-iters", "3"], base=BASE)
+    schedule = batch_schedule_from_args(args)
+    assert (args.total_train_iters, args.global_batch_size) == (10, 4)
+    assert schedule.sizes(None, 10) == [2, 4] and schedule.samples(10) == 30
+    assert schedule_lengths_from_args(args) == {"warmup_steps": 6, "decay_steps": 20, "wsd_decay_steps": None}
+    constant = validated(["--global-batch-size", "4", "--lr-warmup-iters", "3"], base=BASE)
+    assert schedule_lengths_from_args(constant)["decay_steps"] == 40
+
+
+def test_step_batch_size_schedule_drives_an_iteration_based_run(tmp_path):
+    """The metrics of a --train-iters run: batch 2 until 160 tokens (5 samples at --seq-length
+    32) are consumed, i.e. for 3 iterations, then 4."""
+    argv = drop_flags(LAUNCH_BASE, "--global-batch-size", "--lr-warmup-iters", "--micro-batch-size") + [
+        "--step-batch-size-schedule", "0:2 160:4", "--train-iters", "4", "--eval-iters", "0",
+        "--micro-batch-size", "1", "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    ranks = run(argv, 1, tmp_path / "logs")
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))[0]
+    assert [records[i]["global_batch_size"] for i in (1, 2, 3, 4)] == [2, 2, 2, 4], ranks.output()
+    assert records[4]["consumed_samples"] == 10
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -215,12 +244,22 @@ def test_served_another_way_prints_one_line(extra, flag):
     assert not [n for n in startup_notes(parsed("", 1)) if n.startswith(flag)]
 
 
-def test_microbatch_group_size_is_the_pipeline_size_or_refused():
-    args = parsed("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-                  "--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 8", 2)
-    assert any(n.startswith("--microbatch-group-size") for n in startup_notes(args))
-    message = refused("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 4", 2)
-    assert "--microbatch-group-size-per-virtual-pipeline-stage 4" in message
+def test_microbatch_group_size_reaches_the_interleaved_schedule():
+    """Any group from the pipeline size to the micro-batches per step, as in Megatron (the
+    schedule it gives: tests/parallel/pipeline); without virtual stages it has no effect and
+    says so; groups Megatron refuses are refused."""
+    interleaved = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+    args = parsed(interleaved + "--microbatch-group-size-per-virtual-pipeline-stage 3 --global-batch-size 10", 2)
+    assert interleaved_group_size(args) == 3 and args.num_micro_batches == 5
+    assert not any(n.startswith("--microbatch-group-size") for n in startup_notes(args))
+    plain = parsed("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 4", 2)
+    assert interleaved_group_size(plain) is None
+    assert any(n.startswith("--microbatch-group-size-per-virtual-pipeline-stage 4: no effect")
+               for n in startup_notes(plain))
+    message = refused(interleaved + "--microbatch-group-size-per-virtual-pipeline-stage 3 --global-batch-size 8", 2)
+    assert "--microbatch-group-size-per-virtual-pipeline-stage 3: the last group would hold 1" in message
+    message = refused(interleaved + "--microbatch-group-size-per-virtual-pipeline-stage 1 --global-batch-size 8", 2)
+    assert "--microbatch-group-size-per-virtual-pipeline-stage 1 must lie between" in message
 
 
 # --- deterministic mode, GC, memory, gradients in bf16 --------------------------------------------

@@ -164,6 +164,49 @@ def with_communication_between_steps(steps: list[list[Action]], rank: int, pipel
     return actions
 
 
+def with_aligned_leading_receives(steps: list[list[Action]], rank: int, pipeline_size: int, num_chunks: int,
+                                  forwards: list[Action], backwards: list[Action]) -> list[Action]:
+    """with_communication_between_steps, except on the rank that leads each direction of the
+    ring (rank 0 for activations, rank p-1 for gradients), as Megatron's interleaved schedule
+    places them (recv_tensor_from_previous_stage): there the batch after this rank's i-th
+    forward (backward) receives what the rank at the other end produced with its (i-(p-1))-th,
+    which it computed at the same time, and keeps it until the chunk that needs it runs. With
+    micro-batch groups of p this is the next step's input; with larger groups N it arrives up to
+    N - p steps early, and only so does every rank receive a peer's messages in the order the
+    peer sent them (at p = 2 activations and gradients share one pair of ranks).
+
+    `forwards` / `backwards`: every rank's forwards and backwards in schedule order (the same
+    (chunk, micro-batch) order on every rank)."""
+    p, v, last = pipeline_size, num_chunks, pipeline_size - 1
+    index = {a: i for i, a in enumerate(forwards)} | {a: i for i, a in enumerate(backwards)}
+
+    def aligned(action):
+        """The leading rank's receive of what the far end sent while this rank ran `action`."""
+        j = index[action] - (p - 1)
+        if action.kind == F and rank == 0 and j >= 0 and forwards[j].chunk < v - 1:
+            return [Action(RECV_F, forwards[j].chunk + 1, forwards[j].microbatch)]
+        if action.kind == B and rank == last and j >= 0 and backwards[j].chunk > 0:
+            return [Action(RECV_B, backwards[j].chunk - 1, backwards[j].microbatch)]
+        return []
+
+    def receives(done, following):
+        out = []
+        for kind, leading in ((F, rank == 0), (B, rank == last)):
+            if leading:
+                out += [r for a in done if a.kind == kind for r in aligned(a)]
+            else:
+                out += [r for a in following if a.kind == kind for r in _receive(a, rank, p, v)]
+        return out
+
+    actions = receives([], steps[0]) if steps else []
+    for i, step in enumerate(steps):
+        actions += step
+        actions += [s for a in step for s in _send(a, rank, p, v)]
+        if i + 1 < len(steps):
+            actions += receives(step, steps[i + 1])
+    return actions
+
+
 def comm_batches(actions: list[Action]) -> list[list[Action]]:
     """Group a rank's list into the units an executor runs: each compute action alone, each
     maximal run of consecutive communication actions as one batch_isend_irecv batch."""

@@ -164,20 +164,24 @@ class PipelineExecutor:
             a compute action early, instead of where the schedule lists them (`eager_order`).
             None: on for gloo, whose transfers never hold the rank; off otherwise (NCCL runs
             the schedule's batches as listed).
+        microbatch_group_size: the interleaved schedule's micro-batches per group on each
+            chunk (--microbatch-group-size-per-virtual-pipeline-stage; None: the pipeline size).
     """
 
     def __init__(self, chunks, pstate: ParallelState, schedule: str, *, num_microbatches: int,
                  seq_length: int, micro_batch_size: int, hidden_size: int,
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None,
                  forward_step, loss_scale: float = 1.0,
-                 deallocate_outputs: bool = True, eager_sends: bool | None = None):
+                 deallocate_outputs: bool = True, eager_sends: bool | None = None,
+                 microbatch_group_size: int | None = None):
         self.chunks = list(chunks)
         self.pstate, self.num_microbatches = pstate, num_microbatches
         self.p, self.rank, self.v = pstate.pp_size, pstate.pp_rank, len(self.chunks)
         if self.v != pstate.vp_size:
             raise ValueError(f"pipeline rank {self.rank} got {self.v} model chunks but "
                              f"--num-virtual-stages-per-pipeline-rank is {pstate.vp_size}")
-        self.actions = schedule_actions(schedule, self.p, self.rank, num_microbatches, self.v)
+        self.actions = schedule_actions(schedule, self.p, self.rank, num_microbatches, self.v,
+                                        microbatch_group_size)
         self._check_chunk_roles()
         tp = pstate.tp_size if sequence_parallel else 1
         if seq_length % (tp * pstate.cp_size):

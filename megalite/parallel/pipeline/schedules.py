@@ -10,19 +10,21 @@ does; see actions.py).
     none              p = 1 gradient accumulation:  F0 B0 F1 B1 ...
     gpipe             all forwards, then all backwards
     1f1b              PipeDream-flush / Megatron's non-interleaved schedule
-    interleaved_1f1b  Megatron's interleaved schedule, v chunks per rank
+    interleaved_1f1b  Megatron's interleaved schedule, v chunks per rank, micro-batches in
+                      groups of N >= p per chunk (--microbatch-group-size-per-virtual-pipeline-stage)
     zb_h1             1F1B with the backward split into input-gradient B and weight-gradient W,
                       W deferred to fill the cool-down bubble (Qi et al. 2023, "ZB-H1")
 """
 
 from collections import deque
 
-from megalite.parallel.pipeline.actions import (B, F, W, Action, with_communication,
-                                                with_communication_between_steps)
+from megalite.parallel.pipeline.actions import (B, F, W, Action, with_aligned_leading_receives,
+                                                with_communication, with_communication_between_steps)
 
 PIPELINE_FLAG = "--pipeline-model-parallel-size"
 VIRTUAL_FLAG = "--num-virtual-stages-per-pipeline-rank"
 SCHEDULE_FLAG = "--pipeline-schedule"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 MICROBATCH_HINT = (
     "micro-batches per step (--global-batch-size / (--micro-batch-size x data-parallel size))")
 
@@ -71,34 +73,34 @@ def one_f_one_b(pipeline_size: int, rank: int, num_microbatches: int,
     return with_communication(_flatten(steps), rank, pipeline_size, 1)
 
 
-def interleaved_virtual_microbatch(index: int, pipeline_size: int, num_chunks: int,
-                                   forward: bool) -> Action:
-    """The index-th forward (or backward) of a rank in Megatron's interleaved order.
-
-    Micro-batches go through the chunks in groups of p: forwards run mb 0..p-1 on chunk 0,
-    the same p on chunk 1, ..., chunk v-1, then mb p..2p-1 on chunk 0, and so on. Backwards
-    follow the same order with the chunks reversed (the last chunk's backward comes first).
-    """
-    group, position = divmod(index, pipeline_size * num_chunks)
-    chunk, offset = divmod(position, pipeline_size)
-    microbatch = group * pipeline_size + offset
-    if forward:
-        return Action(F, chunk, microbatch)
-    return Action(B, num_chunks - 1 - chunk, microbatch)
+def interleaved_order(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) of a rank's forwards in Megatron's interleaved order (its
+    get_schedule_table): micro-batches go through the chunks in groups of `group_size` (N,
+    --microbatch-group-size-per-virtual-pipeline-stage, default p): mb 0..N-1 on chunk 0, the
+    same N on chunk 1, ..., chunk v-1, then mb N..2N-1 on chunk 0, and so on; the last group
+    holds what remains. Backwards follow the same order with the chunks reversed (the last
+    chunk's backward comes first)."""
+    order = []
+    for start in range(0, num_microbatches, group_size):
+        end = min(start + group_size, num_microbatches)
+        order += [(k, c) for c in range(num_chunks) for k in range(start, end)]
+    return order
 
 
 def interleaved_1f1b(pipeline_size: int, rank: int, num_microbatches: int,
-                     num_chunks: int) -> list[Action]:
-    """Megatron's interleaved 1F1B over v chunks: warm-up (p - rank - 1)*2 + (v - 1)*p forwards
-    (capped at m*v), then 1F1B over the m*v chunk-micro-batches, then cool-down. One transfer
-    batch between steps; rank 0 peaks at p*v + p - 1 chunk-activations."""
-    p, v = pipeline_size, num_chunks
+                     num_chunks: int, group_size: int | None = None) -> list[Action]:
+    """Megatron's interleaved 1F1B over v chunks with micro-batch groups of N (default p):
+    warm-up (p - rank - 1)*2 + (v - 1)*N forwards (capped at m*v), then 1F1B over the m*v
+    chunk-micro-batches, then cool-down. One transfer batch between steps; rank 0 peaks at
+    (v - 1)*N + 2p - 1 chunk-activations."""
+    p, v, n = pipeline_size, num_chunks, group_size or pipeline_size
     total = num_microbatches * v
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    forwards = [interleaved_virtual_microbatch(i, p, v, forward=True) for i in range(total)]
-    backwards = [interleaved_virtual_microbatch(i, p, v, forward=False) for i in range(total)]
+    warmup = min((p - rank - 1) * 2 + (v - 1) * n, total)
+    order = interleaved_order(num_microbatches, v, n)
+    forwards = [Action(F, c, k) for k, c in order]
+    backwards = [Action(B, v - 1 - c, k) for k, c in order]
     steps = _one_forward_one_backward(forwards, backwards, warmup)
-    return with_communication_between_steps(steps, rank, p, v)
+    return with_aligned_leading_receives(steps, rank, p, v, forwards, backwards)
 
 
 def zb_h1(pipeline_size: int, rank: int, num_microbatches: int,
@@ -147,10 +149,14 @@ def default_schedule(pipeline_size: int, num_chunks: int = 1) -> str:
 
 
 def validate_schedule(name: str, pipeline_size: int, num_microbatches: int,
-                      num_chunks: int = 1) -> None:
+                      num_chunks: int = 1, group_size: int | None = None) -> None:
     """Refuse, with a one-line ValueError naming the flags, a schedule that cannot run this
-    configuration. Meant to run before any process starts."""
+    configuration (`group_size`: --microbatch-group-size-per-virtual-pipeline-stage). Meant to
+    run before any process starts."""
     p, m, v = pipeline_size, num_microbatches, num_chunks
+    if group_size is not None and name != "interleaved_1f1b":
+        raise ValueError(f"{GROUP_FLAG} {group_size} applies to the interleaved schedule only ({SCHEDULE_FLAG} "
+                         f"{name})")
     if name not in SCHEDULES:
         raise ValueError(f"{SCHEDULE_FLAG} {name!r} is unknown; expected one of "
                          f"{sorted(SCHEDULES)}")
@@ -164,26 +170,36 @@ def validate_schedule(name: str, pipeline_size: int, num_microbatches: int,
         if p < 2 or v < 2:
             raise ValueError(f"{SCHEDULE_FLAG} interleaved_1f1b needs {PIPELINE_FLAG} >= 2 and "
                              f"{VIRTUAL_FLAG} >= 2, got {p} and {v}")
-        if m % p:
+        if group_size is None and m % p:
             raise ValueError(f"{SCHEDULE_FLAG} interleaved_1f1b runs micro-batches in groups of "
                              f"{PIPELINE_FLAG} {p}, so the number of {MICROBATCH_HINT} must be a "
                              f"multiple of {p}, got {m}")
+        if group_size is not None and not p <= group_size <= m:
+            raise ValueError(f"{GROUP_FLAG} {group_size} must lie between {PIPELINE_FLAG} {p} and the "
+                             f"{MICROBATCH_HINT}, {m}")
+        if group_size is not None and 0 < m % group_size < p:
+            raise ValueError(f"{GROUP_FLAG} {group_size}: the last group would hold {m % group_size} of the {m} "
+                             f"{MICROBATCH_HINT}, fewer than {PIPELINE_FLAG} {p} (as Megatron, megalite "
+                             "refuses the bubbles that would leave)")
     elif v > 1:
         raise ValueError(f"{SCHEDULE_FLAG} {name} runs one chunk per rank but {VIRTUAL_FLAG} is "
                          f"{v}; use interleaved_1f1b")
 
 
 def schedule_actions(name: str, pipeline_size: int, rank: int, num_microbatches: int,
-                     num_chunks: int = 1) -> list[Action]:
-    """The ordered actions of `rank` under schedule `name` (a --pipeline-schedule value)."""
-    validate_schedule(name, pipeline_size, num_microbatches, num_chunks)
+                     num_chunks: int = 1, group_size: int | None = None) -> list[Action]:
+    """The ordered actions of `rank` under schedule `name` (a --pipeline-schedule value);
+    `group_size`: the interleaved schedule's micro-batch groups (None: p)."""
+    validate_schedule(name, pipeline_size, num_microbatches, num_chunks, group_size)
     if not 0 <= rank < pipeline_size:
         raise ValueError(f"pipeline rank {rank} outside 0..{pipeline_size - 1}")
+    if group_size is not None:
+        return interleaved_1f1b(pipeline_size, rank, num_microbatches, num_chunks, group_size)
     return SCHEDULES[name](pipeline_size, rank, num_microbatches, num_chunks)
 
 
 def all_ranks(name: str, pipeline_size: int, num_microbatches: int,
-              num_chunks: int = 1) -> list[list[Action]]:
+              num_chunks: int = 1, group_size: int | None = None) -> list[list[Action]]:
     """schedule_actions for every rank of the pipeline, indexed by rank."""
-    return [schedule_actions(name, pipeline_size, r, num_microbatches, num_chunks)
+    return [schedule_actions(name, pipeline_size, r, num_microbatches, num_chunks, group_size)
             for r in range(pipeline_size)]

@@ -1,5 +1,6 @@
 """The pipeline executor against the single-device run: at PP=2 and PP=4, one and two chunks
-per rank, every schedule, even and uneven stages, GPT-2 (tied embeddings) and Llama families,
+per rank, every schedule (interleaved also with micro-batch groups larger than p), even and
+uneven stages, GPT-2 (tied embeddings) and Llama families,
 the loss and every parameter's gradient equal the PP=1 control within 1e-5 relative (fp32,
 dropout off). Also: output activations are freed once sent, p=1 is plain gradient
 accumulation, and impossible configurations fail before any communication.
@@ -45,17 +46,23 @@ CASES = [
     *[(4, v, s, 8, None, None, False) for s, v in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1),
                                                    ("interleaved_1f1b", 2))],
     (2, 2, "interleaved_1f1b", 4, None, None, False),
+    # --microbatch-group-size-per-virtual-pipeline-stage N > p (8th field): Megatron's documented
+    # PP=2 VP=2 N=3 M=5 example, a last group smaller than N, and N = m
+    (2, 2, "interleaved_1f1b", 5, None, None, None, 3), (2, 2, "interleaved_1f1b", 5, None, None, False, 3),
+    (2, 2, "interleaved_1f1b", 6, None, None, None, 4), (4, 2, "interleaved_1f1b", 8, None, None, None, 8),
 ]
 
 
 def case_id(case):
-    p, v, schedule, m, first, last, eager = case
+    p, v, schedule, m, first, last, eager, *group = case
     uneven = f"-first{first}" * (first is not None) + f"-last{last}" * (last is not None)
-    return f"pp{p}-v{v}-{schedule}-m{m}{uneven}" + ("-listed" if eager is False else "")
+    grouped = f"-group{group[0]}" if group else ""
+    return f"pp{p}-v{v}-{schedule}-m{m}{uneven}{grouped}" + ("-listed" if eager is False else "")
 
 
 def _run_case(family, case, state):
-    p, v, schedule, m, first, last, eager = case
+    p, v, schedule, m, first, last, eager, *group = case
+    group = group[0] if group else None
     config = make_config(family)
     chunks = build_model_chunks(config, state, num_layers_first=first, num_layers_last=last,
                                 init_seed=INIT_SEED)
@@ -70,7 +77,7 @@ def _run_case(family, case, state):
     data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
     executor = PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
                                 micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN,
-                                forward_step=forward_step, eager_sends=eager)
+                                forward_step=forward_step, eager_sends=eager, microbatch_group_size=group)
     with _watching_transfers() as posted:
         loss = executor.run(data)
     transfers = {"train": (posted, _transfer_kinds(executor.groups))}
@@ -78,7 +85,7 @@ def _run_case(family, case, state):
         data = microbatches(m) if state.is_first_stage or state.is_last_stage else None
         executor = PipelineExecutor(chunks, state, schedule, num_microbatches=m, seq_length=SEQ,
                                     micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, eager_sends=eager,
-                                    forward_step=gpt_forward_step)
+                                    forward_step=gpt_forward_step, microbatch_group_size=group)
         with _watching_transfers() as posted:
             eval_loss = executor.run(data, forward_only=True)
         transfers["eval"] = (posted, _transfer_kinds(executor.forward_groups))
@@ -151,7 +158,7 @@ def references():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_pipeline_matches_single_device(pipeline_results, references, family, case):
-    p, v, schedule, m, first, last, _ = case
+    p, v, schedule, m, first, last, *_ = case
     what = f"{family} {case_id(case)}"
     ranks = [pipeline_results[(family, case_id(case), r)] for r in range(p)]
     reference = references(family, m)

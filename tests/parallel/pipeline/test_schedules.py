@@ -15,10 +15,16 @@ import pytest
 from megalite.parallel.pipeline.actions import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
                                                 comm_batches)
 from megalite.parallel.pipeline.schedules import (SCHEDULES, all_ranks, default_schedule,
-                                                  interleaved_virtual_microbatch, schedule_actions,
+                                                  interleaved_order, schedule_actions,
                                                   validate_schedule)
 from megalite.parallel.pipeline.simulator import (Costs, DeadlockError, ScheduleError, held_activations,
                                                   simulate)
+
+
+def GROUPS(p, m):
+    """--microbatch-group-size-per-virtual-pipeline-stage values Megatron accepts for p, m:
+    p <= N <= m, the last group empty or holding at least p."""
+    return [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]
 
 
 def _cases():
@@ -32,6 +38,9 @@ def _cases():
 
 
 CASES = _cases()
+# Interleaved 1F1B with micro-batch groups N other than p: (p, v, m, N)
+GROUP_CASES = [(p, v, m, n) for p in (2, 4) for v in (2, 3) for m in (p + 1, 2 * p, 2 * p + 1, 3 * p)
+               for n in GROUPS(p, m) if n != p]
 
 
 def _costs(name, v):
@@ -101,6 +110,20 @@ def test_schedule_is_complete_ordered_and_deadlock_free(name, p, v, m):
         report = simulate(lists, v, _costs(name, v), rendezvous=rendezvous)
         _check_dependencies(report, p, v, m)
         assert [r.peak_held for r in report.ranks] == [held_activations(a) for a in lists]
+
+
+@pytest.mark.parametrize("p,v,m,n", GROUP_CASES)
+def test_grouped_interleaving_is_complete_ordered_and_deadlock_free(p, v, m, n):
+    """Groups of N micro-batches per chunk: still every action once, in dependency order,
+    deadlock-free under both transfer rules; rank 0 holds its warm-up + 1 =
+    2(p - 1) + (v - 1)N + 1 chunk-activations (capped at all m*v)."""
+    lists = all_ranks("interleaved_1f1b", p, m, v, n)
+    _check_complete("interleaved_1f1b", lists, p, v, m)
+    for rendezvous in (False, True):
+        report = simulate(lists, v, _costs("interleaved_1f1b", v), rendezvous=rendezvous)
+        _check_dependencies(report, p, v, m)
+        assert [r.peak_held for r in report.ranks] == [held_activations(a) for a in lists]
+    assert held_activations(lists[0]) == min(2 * (p - 1) + (v - 1) * n + 1, m * v)
 
 
 @pytest.mark.parametrize("name,p,v,m", [c for c in CASES if c[0] != "zb_h1"])
@@ -188,28 +211,36 @@ def test_interleaved_order_matches_megatron_core():
     for p in (2, 4, 8):
         for v in (None, 2, 4):
             chunks = v or 1
-            for m in (p, 2 * p, 3 * p):
-                table = schedules.get_schedule_table(m, chunks, p)
-                for rank in range(p):
-                    total, _, warmup, _ = schedules.get_pp_rank_microbatches(
-                        m, chunks, p, p2p_communicator=Communicator(p, rank, v))
-                    fwd = [Action(F, c, k) for k, c in table]
-                    bwd = [Action(B, chunks - 1 - c, k) for k, c in table]
-                    expected = fwd[:warmup]
-                    for i in range(total - warmup):
-                        expected += [fwd[warmup + i], bwd[i]]
-                    expected += bwd[total - warmup:]
-                    name = "interleaved_1f1b" if v else "1f1b"
-                    got = [a for a in schedule_actions(name, p, rank, m, chunks) if a.is_compute]
-                    assert got == expected, (p, v, m, rank)
+            for m in (p, 2 * p, 3 * p, 2 * p + 1):
+                for n in ([None] if v is None else [None, *GROUPS(p, m)]):
+                    if (v is None or n is None) and m % p:
+                        continue
+                    table = schedules.get_schedule_table(m, chunks, n or p)
+                    for rank in range(p):
+                        total, _, warmup, _ = schedules.get_pp_rank_microbatches(
+                            m, chunks, n or p, p2p_communicator=Communicator(p, rank, v))
+                        fwd = [Action(F, c, k) for k, c in table]
+                        bwd = [Action(B, chunks - 1 - c, k) for k, c in table]
+                        expected = fwd[:warmup]
+                        for i in range(total - warmup):
+                            expected += [fwd[warmup + i], bwd[i]]
+                        expected += bwd[total - warmup:]
+                        name = "interleaved_1f1b" if v else "1f1b"
+                        got = [a for a in schedule_actions(name, p, rank, m, chunks, n) if a.is_compute]
+                        assert got == expected, (p, v, m, n, rank)
 
 
-def test_interleaved_virtual_microbatch_order():
+def test_interleaved_order_groups_micro_batches():
     # p=2, v=2: mb 0,1 on chunk 0, then mb 0,1 on chunk 1, then mb 2,3 on chunk 0 ...
-    order = [interleaved_virtual_microbatch(i, 2, 2, True) for i in range(8)]
-    assert [(a.chunk, a.microbatch) for a in order] == [(0, 0), (0, 1), (1, 0), (1, 1),
-                                                        (0, 2), (0, 3), (1, 2), (1, 3)]
-    assert interleaved_virtual_microbatch(0, 2, 2, False) == Action(B, 1, 0)
+    assert interleaved_order(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    # Megatron's documented example, PP=2 VP=2 with groups of 3 and 5 micro-batches:
+    # rank 0 | 0 1 2 0 1 2 3 4 3 4 (the last group holds the 2 that remain)
+    assert interleaved_order(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+                                          (3, 0), (4, 0), (3, 1), (4, 1)]
+    compute = [a for a in schedule_actions("interleaved_1f1b", 2, 0, 5, 2, 3) if a.is_compute]
+    # warm-up (2 - 0 - 1)*2 + (2 - 1)*3 = 5 forwards, then one forward one backward
+    assert compute[:7] == [Action(F, 0, 0), Action(F, 0, 1), Action(F, 0, 2), Action(F, 1, 0), Action(F, 1, 1),
+                           Action(F, 1, 2), Action(B, 1, 0)]
 
 
 def test_registry_and_default():
@@ -227,13 +258,17 @@ def test_registry_and_default():
     (("gpipe", 2, 4, 2), r"use interleaved_1f1b"),
     (("none", 2, 4, 1), r"--pipeline-schedule none runs a single stage"),
     (("looped_bfs", 2, 4, 1), r"--pipeline-schedule 'looped_bfs' is unknown"),
+    (("interleaved_1f1b", 4, 8, 2, 3), r"group-size-per-virtual-pipeline-stage 3 must lie between .* 4 and .* 8"),
+    (("interleaved_1f1b", 4, 8, 2, 9), r"group-size-per-virtual-pipeline-stage 9 must lie between"),
+    (("interleaved_1f1b", 4, 9, 2, 4), r"the last group would hold 1 of the 9"),
+    (("1f1b", 4, 8, 1, 4), r"group-size-per-virtual-pipeline-stage 4 applies to the interleaved schedule only"),
     (("1f1b", 2, 0, 1), r"micro-batches per step .* must be a positive integer"),
 ])
 def test_validation_names_the_flags(args, match):
     with pytest.raises(ValueError, match=match):
         validate_schedule(*args)
     with pytest.raises(ValueError, match=match):
-        schedule_actions(args[0], args[1], 0, args[2], args[3])
+        schedule_actions(args[0], args[1], 0, *args[2:])
 
 
 def test_simulator_reports_deadlock_with_ranks_and_actions():
