@@ -22,6 +22,7 @@ pipeline neighbour on another node is one NIC's bandwidth.
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
@@ -125,12 +126,9 @@ class Cluster:
 
     def group_link(self, ranks: list[int]) -> tuple[float, float]:
         """(latency, bus bandwidth) of a collective over `ranks`, by where they sit."""
-        nodes = {}
-        for r in ranks:
-            nodes[self.node_of(r)] = nodes.get(self.node_of(r), 0) + 1
-        if len(nodes) == 1:
+        per_node = _ranks_per_node(tuple(ranks), self.gpus_per_node)
+        if per_node == len(ranks):
             return self.intra_node_latency, self.intra_node_bandwidth
-        per_node = min(nodes.values())
         return self.inter_node_latency, min(self.intra_node_bandwidth, per_node * self.inter_node_bandwidth)
 
     def p2p_link(self, src: int, dst: int) -> tuple[float, float]:
@@ -157,6 +155,15 @@ class Cluster:
             return latency + nbytes / bandwidth
         steps = _STEPS[kind]
         return steps * (n - 1) * latency + steps * (n - 1) / n * nbytes / bandwidth
+
+
+@lru_cache(maxsize=65536)
+def _ranks_per_node(ranks: tuple, gpus_per_node: int) -> int:
+    """The fewest of `ranks` any node they use holds (all of them when they share one node)."""
+    nodes = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    return len(ranks) if len(nodes) == 1 else min(nodes.values())
 
 
 def _nearest(table: dict, n: int) -> tuple[float, float]:

@@ -128,10 +128,12 @@ def _layer_gemms(cluster: Cluster, workload: Workload, layout: Layout, tokens: f
     return times["dense"], times["core"]
 
 
-@lru_cache(maxsize=None)
-def _groups(layout: Layout):
+@lru_cache(maxsize=4096)
+def _groups(world: int, tp: int, pp: int, vp: int, cp: int, ep: int):
     """Rank lists of rank 0's TP, CP, DP x CP and EP groups, and its pipeline neighbours."""
-    parallel = layout.parallel_layout()
+    from megalite.parallel.state import ParallelLayout
+    parallel = ParallelLayout(world, tensor=tp, pipeline=pp, virtual_pipeline=vp, context=cp)
+    layout = Layout(tp, pp, world // (tp * pp * cp), vp, cp, ep)
     tp, cp, dp_cp, pp = parallel.tp_groups()[0], parallel.cp_groups()[0], parallel.dp_cp_groups()[0], parallel.pp_groups()[0]
     ep = ExpertLayout(parallel, layout.ep).ep_groups()[0] if layout.ep > 1 else [0]
     edp = ExpertLayout(parallel, layout.ep).edp_groups()[0] if layout.ep > 1 else dp_cp
@@ -139,7 +141,7 @@ def _groups(layout: Layout):
 
 
 def groups_of(layout: Layout) -> dict:
-    return _groups(layout)
+    return _groups(layout.world_size, layout.tp, layout.pp, layout.vp, layout.cp, layout.ep)
 
 
 def _tp_comm(cluster: Cluster, layout: Layout, activation_bytes: float, group) -> float:

@@ -122,18 +122,27 @@ def shared_core_time(intervals, demand: list[float], cluster: Cluster) -> float:
     return wall
 
 
+@lru_cache(maxsize=4096)
+def _stage_groups(world: int, tp: int, pp: int, vp: int, cp: int, ep: int, rank: int) -> tuple:
+    """The DP x CP group and (with experts) the EDP group of pipeline rank `rank`'s first rank,
+    and the first and last stages' first ranks."""
+    layout = Layout(tp, pp, world // (tp * pp * cp), vp, cp, ep)
+    parallel = layout.parallel_layout()
+    group = [parallel.rank_of(0, d, rank, c) for d in range(layout.dp) for c in range(layout.cp)]
+    stride = parallel.rank_of(0, 0, rank) - parallel.rank_of(0, 0, 0)
+    edp = [r + stride for r in groups_of(layout)["edp"]]
+    return group, edp, [parallel.rank_of(0, 0, 0), parallel.rank_of(0, 0, pp - 1)]
+
+
 def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> tuple[float, float, float]:
     """(gradient reduction, parameter all-gather, tied-embedding all-reduce) seconds of pipeline
     rank `rank`."""
-    parallel = layout.parallel_layout()
     dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
     weight, grad = state_bytes(workload.precision, 1, False, 1)[:2]
-    group = [parallel.rank_of(0, d, rank, c) for d in range(layout.dp) for c in range(layout.cp)]
+    group, edp, ends = _stage_groups(layout.world_size, layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, rank)
     groups = [(dense, group)]
     if expert:
-        edp = groups_of(layout)["edp"]
-        stride = parallel.rank_of(0, 0, rank) - parallel.rank_of(0, 0, 0)
-        groups.append((expert, [r + stride for r in edp]))
+        groups.append((expert, edp))
     reduce = gather = 0.0
     for count, ranks in groups:
         if layout.distributed_optimizer:
@@ -145,7 +154,6 @@ def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: i
     tied = not workload.config.untie_embeddings_and_output_weights
     if tied and layout.pp > 1 and rank in (0, layout.pp - 1):
         vocab = workload.config.padded_vocab_size(layout.tp) // layout.tp * workload.config.hidden_size
-        ends = [parallel.rank_of(0, 0, 0), parallel.rank_of(0, 0, layout.pp - 1)]
         embedding = cluster.collective_time("all_reduce", vocab * grad, ends)
     return reduce, gather, embedding
 
