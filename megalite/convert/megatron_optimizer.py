@@ -111,10 +111,10 @@ class MegatronOptimizerState:
             refuse(self.where, "the distributed optimizer's param groups hold no step count")
         self.step = steps.pop() if steps else 0
 
-    def _rank_params(self, t: int, p: int) -> list[tuple[str, str, tuple]]:
-        """(chunk key, name, local shape) of the rank's parameters in named_parameters order."""
+    def _rank_params(self, t: int, p: int) -> list[tuple[str, str, tuple, torch.dtype]]:
+        """(chunk key, name, local shape, dtype) of the rank's parameters in named_parameters order."""
         files = self.checkpoint.files
-        return [(chunk, name, tuple(value.shape)) for chunk in files.chunk_keys
+        return [(chunk, name, tuple(value.shape), value.dtype) for chunk in files.chunk_keys
                 for name, value in files._model(t, p, chunk).items()
                 if isinstance(value, torch.Tensor) and not name.endswith("._extra_state")]
 
@@ -129,11 +129,16 @@ class MegatronOptimizerState:
         members = assign_param_groups(self._rank_params(t, p), inner["param_groups"], self.checkpoint.args, where)
         entries = {}
         for g, (group, params) in enumerate(zip(inner["param_groups"], members)):
-            for i, (index, (chunk, name, shape)) in enumerate(zip(group["params"], params)):
+            copies = iter(mains[g]) if mains is not None else None  # the group's 16-bit parameters' fp32 copies
+            for index, (chunk, name, shape, dtype) in zip(group["params"], params):
                 found = inner["state"].get(index, {})
                 entry = {k: found[k] for k in self.keys if k in found}
-                if mains is not None:
-                    entry["param"] = mains[g][i]
+                if copies is not None:
+                    entry["param"] = next(copies, None) if dtype in (torch.float16, torch.bfloat16) else (
+                        files._model(t, p, chunk)[name])  # an fp32 parameter is its own main copy
+                    if entry["param"] is None:
+                        refuse(where, f"'fp32_from_fp16_params' group {g} has fewer tensors than the group's 16-bit "
+                               "parameters")
                 if "step" in found:
                     steps.add(int(found["step"]))
                 for key, value in entry.items():
@@ -152,32 +157,40 @@ class MegatronOptimizerState:
         data = safe_torch_load(path)
         if not isinstance(data, dict) or not data.get("buckets_coalesced"):
             refuse(path, "an older distributed-optimizer layout (not 'buckets_coalesced')")
-        dp = _optimizer_dp_size(ns, files.tp, files.pp, path)
-        bucket_size = (_get(ns, "ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)) if _get(ns, "overlap_grad_reduce", False) else None
-        entries = {}
+        dp_cp, dp = _optimizer_dp_size(ns, files.tp, files.pp, path)
+        bucket_size = None  # Megatron's resolve_ddp_bucket_size
+        if _get(ns, "overlap_grad_reduce", False):
+            buckets = _get(ns, "ddp_num_buckets")
+            rank_numel = sum(math.prod(shape) for _, _, shape, _ in self._rank_params(t, p))
+            bucket_size = rank_numel // buckets if buckets else _get(ns, "ddp_bucket_size") or max(40_000_000, 1_000_000 * dp_cp)
+        entries, buffer_index = {}, 0
         for index, chunk in enumerate(files.chunk_keys):
-            params = [(name, shape) for c, name, shape in self._rank_params(t, p) if c == chunk]
-            buffers = data.get(index)
-            if not isinstance(buffers, dict) or len(buffers) != 1:
-                refuse(path, f"model chunk {index}: {len(buffers or {})} parameter buffers (megalite reads one "
-                       "dtype per chunk)")
-            world = next(iter(buffers.values()))
-            names = {n for n, _ in params}
+            params = [(name, shape, dtype) for c, name, shape, dtype in self._rank_params(t, p) if c == chunk]
+            names = {n for n, _, _ in params}
             shared = set()
             if files.pp > 1 and not _get(ns, "untie_embeddings_and_output_weights", False):
                 shared = {n for n in _EMBEDDING_OR_OUTPUT if n in names} if len(names & set(_EMBEDDING_OR_OUTPUT)) == 1 else set()
-            layout, numel = bucket_layout([(n, math.prod(s)) for n, s in params], dp,
-                                          None if p > 0 or index > 0 else bucket_size, frozenset(shared),
-                                          bool(_get(ns, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-            missing = [k for k in ("param", *self.keys) if not isinstance(world.get(k), torch.Tensor)]
-            if missing:
-                refuse(path, f"model chunk {index} has no {missing[0]!r} tensor")
-            if numel != int(world.get("numel_unpadded", -1)) or world["param"].numel() != numel:
-                refuse(path, f"model chunk {index} holds {world['param'].numel()} elements, but Megatron's bucket layout "
-                       f"of this rank's parameters (DP {dp}, bucket size {bucket_size}) gives {numel}")
-            shapes = dict(params)
-            entries[chunk] = {name: {k: world[k][a:b].view(shapes[name]) for k in ("param", *self.keys)}
-                              for name, (a, b) in layout.items()}
+            entries[chunk] = {}
+            for dtype in dict.fromkeys(d for _, _, d in params):  # one buffer per dtype, in order of appearance
+                mine = [(n, s) for n, s, d in params if d == dtype]
+                buffers = data.get(buffer_index)
+                if not isinstance(buffers, dict) or len(buffers) != 1 or next(iter(buffers))[0] != dtype:
+                    refuse(path, f"no buffer {buffer_index} of {dtype} parameters (model chunk {index}) where Megatron's "
+                           "DistributedDataParallel puts one")
+                world = next(iter(buffers.values()))
+                layout, numel = bucket_layout([(n, math.prod(s)) for n, s in mine], dp,
+                                              None if p > 0 or index > 0 else bucket_size, frozenset(shared),
+                                              bool(_get(ns, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+                missing = [k for k in ("param", *self.keys) if not isinstance(world.get(k), torch.Tensor)]
+                if missing:
+                    refuse(path, f"buffer {buffer_index} has no {missing[0]!r} tensor")
+                if numel != int(world.get("numel_unpadded", -1)) or world["param"].numel() != numel:
+                    refuse(path, f"buffer {buffer_index} holds {world['param'].numel()} elements, but Megatron's bucket "
+                           f"layout of this rank's parameters (DP {dp}, bucket size {bucket_size}) gives {numel}")
+                shapes = dict(mine)
+                entries[chunk].update({name: {k: world[k][a:b].view(shapes[name]) for k in ("param", *self.keys)}
+                                       for name, (a, b) in layout.items()})
+                buffer_index += 1
         return entries
 
     # --- torch_dist: tensors by name -------------------------------------------------------------
@@ -210,16 +223,16 @@ class MegatronOptimizerState:
                     refuse(self.checkpoint.path, f"no {prefix}* tensors (the optimizer's {key!r})")
 
 
-def _optimizer_dp_size(ns, tp: int, pp: int, where) -> int:
-    """The size of the group Megatron's distributed optimizer shards over (DP x CP, over the
-    optimizer instances)."""
+def _optimizer_dp_size(ns, tp: int, pp: int, where) -> tuple[int, int]:
+    """(DP x CP, and the size of the group Megatron's distributed optimizer shards over: DP x CP
+    over the optimizer instances)."""
     cp = _get(ns, "context_parallel_size", 1)
     dp = _get(ns, "data_parallel_size")
     if dp is None and _get(ns, "world_size") is not None:
         dp = ns.world_size // (tp * pp * cp)
     if not dp:
         refuse(where, "the checkpoint's args have no data_parallel_size (needed for the distributed optimizer's layout)")
-    return dp * cp // _get(ns, "num_distributed_optimizer_instances", 1)
+    return dp * cp, dp * cp // _get(ns, "num_distributed_optimizer_instances", 1)
 
 
 def assign_param_groups(params: list, groups: list[dict], ns, where) -> list[list]:

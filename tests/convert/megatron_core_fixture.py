@@ -70,7 +70,7 @@ def megatron_args(family: str, **overrides) -> argparse.Namespace:
     return args
 
 
-def _config(family: str, tp: int = TP, pp: int = PP, vp: int | None = None):
+def _config(family: str, tp: int = TP, pp: int = PP, vp: int | None = None, bf16: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     f = FAMILIES[family]
@@ -81,11 +81,12 @@ def _config(family: str, tp: int = TP, pp: int = PP, vp: int | None = None):
         activation_func=F.silu if f["gated_linear_unit"] else F.gelu, add_bias_linear=f["add_bias_linear"],
         layernorm_epsilon=f["layernorm_epsilon"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
-        use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32,
+        use_cpu_initialization=True, perform_initialization=True, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, sequence_parallel=False, init_method_std=0.02,
-        pipeline_dtype=torch.float32)
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 class _NoCudaRngTracker:
@@ -100,9 +101,11 @@ def _no_tracker(*args, **kwargs):
     return _NoCudaRngTracker()
 
 
-def build_model(family: str, seed: int, tp: int = TP, pp: int = PP, vp: int | None = None, vp_stage: int | None = None):
-    """Megatron-Core's GPTModel (local layer spec, fp32, CPU) for this rank of an initialised
-    parallel state: the chunk `vp_stage` of `vp` virtual stages per pipeline rank, if given."""
+def build_model(family: str, seed: int, tp: int = TP, pp: int = PP, vp: int | None = None, vp_stage: int | None = None,
+                bf16: bool = False):
+    """Megatron-Core's GPTModel (local layer spec, fp32 or `bf16`, CPU) for this rank of an
+    initialised parallel state: the chunk `vp_stage` of `vp` virtual stages per pipeline rank,
+    if given."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -112,7 +115,7 @@ def build_model(family: str, seed: int, tp: int = TP, pp: int = PP, vp: int | No
     tensor_parallel.get_cuda_rng_tracker = tensor_parallel.random.get_cuda_rng_tracker = _no_tracker
     stage = {} if vp is None else {"vp_stage": vp_stage}
     return GPTModel(
-        _config(family, tp, pp, vp), get_gpt_layer_local_spec(normalization=f["normalization"]),
+        _config(family, tp, pp, vp, bf16), get_gpt_layer_local_spec(normalization=f["normalization"]),
         vocab_size=PADDED_VOCAB, max_sequence_length=64,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **stage),

@@ -127,9 +127,12 @@ def _save_torch_dist(root: Path, args, ddp, optimizer, scheduler, sharding: str 
 
 
 def train_and_save(rank: int, world: int, out: str, family: str, tp: int, distributed: bool,
-                   saves: list[tuple[str, str | None]]) -> None:
+                   saves: list[tuple[str, str | None]], bucket_size: int | None = None, bf16: bool = False) -> None:
     """Spawned worker (world = tp x dp): STEPS_SAVED steps, a checkpoint in each (format,
-    sharding) of `saves` under out/<format>[_<sharding>], STEPS_AFTER more steps; out/losses.pt."""
+    sharding) of `saves` under out/<format>[_<sharding>], STEPS_AFTER more steps; out/losses.pt.
+    `bucket_size`: --overlap-grad-reduce with --ddp-bucket-size (gradient buckets of about that
+    many elements; default one bucket). `bf16`: bf16 weights, fp32 main parameters in the optimizer
+    (Float16OptimizerWithFloat16Params, or the distributed optimizer's fp32 shards)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -139,12 +142,13 @@ def train_and_save(rank: int, world: int, out: str, family: str, tp: int, distri
     dp = world // tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     try:
-        model = build_model(family, seed=1234, tp=tp, pp=1)
+        model = build_model(family, seed=1234, tp=tp, pp=1, bf16=bf16)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True, overlap_grad_reduce=bucket_size is not None,
+            bucket_size=bucket_size), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.999,
-            adam_eps=1e-8, clip_grad=CLIP, use_distributed_optimizer=distributed), [ddp])
+            adam_eps=1e-8, clip_grad=CLIP, use_distributed_optimizer=distributed, bf16=bf16), [ddp])
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * GLOBAL_BATCH,
             lr_decay_steps=DECAY * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
@@ -157,6 +161,8 @@ def train_and_save(rank: int, world: int, out: str, family: str, tp: int, distri
         for fmt, sharding in saves:
             root = Path(out) / (fmt + (f"_{sharding}" if sharding else ""))
             args = training_args(family, tp, dp, distributed, fmt, sharding)
+            args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
+            args.bf16, args.params_dtype = bf16, torch.bfloat16 if bf16 else torch.float32
             if fmt == "torch":
                 _save_torch(root, args, ddp, optimizer, scheduler, distributed)
             else:
@@ -165,5 +171,56 @@ def train_and_save(rank: int, world: int, out: str, family: str, tp: int, distri
                    for i in range(STEPS_SAVED, STEPS_SAVED + STEPS_AFTER)]
         if rank == 0:
             torch.save(torch.tensor(losses, dtype=torch.float64), Path(out) / "losses.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def save_bucket_layout_probe(rank: int, world: int, out: str, bucket_size: int) -> None:
+    """Spawned worker (4 ranks): the distributed optimizer's bucket layout under every rule at
+    once. Tied GPT-2 at TP=1 PP=2 DP=2 with 2 virtual stages (the tied embedding's copies get
+    buckets of their own; only pipeline rank 0's first chunk is cut into buckets of about
+    `bucket_size` elements), Megatron-Core's DDP and DistributedOptimizer over both chunks, one
+    Adam step at learning rate 0 whose gradients are the weights themselves, so that every
+    element holds exp_avg = 0.1 w and exp_avg_sq = 0.001 w^2 beside its unchanged weight w;
+    saved in the torch format (model0 / model1 and distrib_optim.pt per pipeline rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cpu_shims(optimizer=True)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2)
+    try:
+        chunks = [build_model("gpt2", seed=1234, tp=1, pp=2, vp=2, vp_stage=c) for c in range(2)]
+        ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+            bucket_size=bucket_size), chunk, disable_bucketing=c > 0) for c, chunk in enumerate(chunks)]
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=0.0, weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=True), ddps)
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+            for param in ddp.module.parameters():
+                param.main_grad.copy_(param.detach())
+            ddp.start_grad_sync()
+            ddp.finish_grad_sync()
+        ok, _, _ = optimizer.step()
+        assert ok
+        pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+        folder = Path(out) / f"iter_{ITERATION:07d}" / f"mp_rank_00_{pp_rank:03d}"
+        if dp_rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+        if dp_rank == 0:
+            args = megatron_args("gpt2", tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                 virtual_pipeline_model_parallel_size=2, data_parallel_size=2, world_size=4,
+                                 use_distributed_optimizer=True, optimizer="adam", overlap_grad_reduce=True,
+                                 ddp_bucket_size=bucket_size, iteration=ITERATION)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                        **{f"model{c}": ddp.module.state_dict_for_save_checkpoint() for c, ddp in enumerate(ddps)},
+                        "optimizer": optimizer.state_dict()}, folder / "model_optim_rng.pt")
+        dist.barrier()
+        if rank == 0:
+            (Path(out) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     finally:
         parallel_state.destroy_model_parallel()

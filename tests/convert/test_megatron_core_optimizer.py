@@ -7,7 +7,8 @@ them). Read at TP=1 and at megalite TP=1 PP=2 DP=2 with its distributed optimize
 
 Megatron's plain optimizer (FP32Optimizer, TP=2 DP=1): `torch` and `torch_dist`. Its distributed
 optimizer (TP=2 DP=2): `torch` (distrib_optim.pt), `torch_dist` 'fully_reshardable'; its default
-'dp_reshardable' is refused naming the file.
+'dp_reshardable' is refused naming the file. The distributed optimizer's bucket layout is also
+checked element for element at PP=2 DP=2 with virtual stages, tied embeddings and many buckets.
 """
 
 import os
@@ -21,7 +22,7 @@ from megalite.convert.megatron_reader import MegatronCheckpoint
 from megalite.training.checkpoint_format import CheckpointError
 from tests.convert.megatron_core_training import (
     CLIP, DECAY, GLOBAL_BATCH, ITERATION, LR, MIN_LR, SEQ, STEPS_AFTER, STEPS_SAVED, VOCAB, WARMUP, WEIGHT_DECAY,
-    batches, train_and_save,
+    batches, save_bucket_layout_probe, train_and_save,
 )
 from tests.distributed import free_port, run_distributed
 
@@ -163,3 +164,70 @@ def test_rng_states_restored_at_the_same_tp_pp(megatron_runs, fmt):
     out = megatron_runs["distributed"]
     for tp_rank, state in enumerate(run_distributed(_rng_after_load, 2, str(out / fmt))):
         assert torch.equal(state, torch.load(out / f"torch_rng_tp{tp_rank}.pt", weights_only=True)), tp_rank
+
+
+def test_bucket_layout_with_buckets_virtual_stages_and_tied_copies(tmp_path):
+    """Megatron-Core's distributed optimizer at PP=2 DP=2 with 2 virtual stages, tied embeddings
+    and one bucket per parameter on the first chunk (megatron_core_training.py's probe: every
+    element holds exp_avg = 0.1 w, exp_avg_sq = 0.001 w^2): each parameter's three states sit
+    where the rebuilt layout says, on both pipeline ranks and both chunks."""
+    run_distributed(save_bucket_layout_probe, 4, str(tmp_path), 30, timeout=900)
+    checkpoint = MegatronCheckpoint(tmp_path)
+    assert checkpoint.files.chunk_keys == ["model0", "model1"] and checkpoint.files.pp == 2
+    state = MegatronOptimizerState(checkpoint)
+    assert state.step == 1
+    for name in checkpoint.names():
+        weight = checkpoint.get(name)
+        assert torch.equal(state.get(name, "param"), weight), name
+        torch.testing.assert_close(state.get(name, "exp_avg"), 0.1 * weight, rtol=1e-5, atol=1e-9, msg=name)
+        torch.testing.assert_close(state.get(name, "exp_avg_sq"), 1e-3 * weight * weight, rtol=1e-4, atol=1e-12,
+                                   msg=name)
+
+
+@pytest.fixture(scope="module")
+def megatron_bf16_runs(tmp_path_factory) -> dict:
+    """bf16 weights with fp32 main parameters (the norms stay fp32 in Megatron-Core's local spec,
+    so the plain optimizer's groups and the distributed optimizer's buffers mix both dtypes)."""
+    runs = {}
+    for name, world, distributed, saves in (("plain", 2, False, [("torch", None)]),
+                                            ("distributed", 4, True, [("torch", None),
+                                                                      ("torch_dist", "fully_reshardable")])):
+        out = tmp_path_factory.mktemp(f"megatron_bf16_{name}")
+        run_distributed(train_and_save, world, str(out), "llama", 2, distributed, saves, None, True, timeout=900)
+        runs[name] = out
+    return runs
+
+
+def _loaded_optimizer_state(rank, world, port, argv_args):
+    from megalite.training.arguments import parse_args
+    from megalite.training.setup_run import build_run
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    run = build_run(parse_args(_argv(world, *argv_args)))
+    return run.optimizer.state_dict()
+
+
+def test_bf16_main_parameters_are_megatrons_fp32_copies(megatron_bf16_runs):
+    """The fp32 main values (Float16OptimizerWithFloat16Params' fp32_from_fp16_params, the
+    distributed optimizer's fp32 buffers) round to the bf16 weights, agree between the torch and
+    torch_dist files of one run, and are what megalite's optimizer holds after --load --bf16."""
+    for run, formats in (("plain", ["torch"]), ("distributed", ["torch", "torch_dist_fully_reshardable"])):
+        states = [MegatronOptimizerState(MegatronCheckpoint(megatron_bf16_runs[run] / f)) for f in formats]
+        checkpoint = states[0].checkpoint
+        rounded_off = 0
+        for name in checkpoint.names():
+            main, weight = states[0].get(name, "param"), checkpoint.get(name)
+            assert main.dtype == torch.float32 and torch.equal(main.to(weight.dtype), weight), (run, name)
+            rounded_off += int(not torch.equal(main, weight.float()))
+            for other in states[1:]:
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(states[0].get(name, key), other.get(name, key)), (run, name, key)
+        assert rounded_off > 0, run  # the fp32 copies hold more than the bf16 weights
+    loaded = run_distributed(_loaded_optimizer_state, 1, free_port(),
+                             (str(megatron_bf16_runs["distributed"] / "torch"), 1, 1, "--bf16"), timeout=600)[0]
+    state = MegatronOptimizerState(MegatronCheckpoint(megatron_bf16_runs["distributed"] / "torch"))
+    assert loaded["step"] == ITERATION
+    for name, entry in loaded["params"].items():
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], state.get(name, key)), (name, key)
