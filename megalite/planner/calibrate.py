@@ -10,8 +10,8 @@ their ratio is how much slower a rank computes while k ranks compute (the cores 
 loaded machine the other processes too), which the step model applies to the stretches of the
 pipeline where k ranks compute. Collectives: `world_size` processes. GPU: one
 process per device, NCCL, bf16 matmuls; the same measurements with device synchronisation.
-Each collective is timed at two sizes and its ring-model latency and bandwidth solved from
-them (cluster.py); times are medians over repetitions.
+Each collective is timed at four sizes from 4 KiB to 4 MiB and its ring-model latency and
+bandwidth fitted to them by least squares (cluster.py); times are medians over repetitions.
 """
 
 import os
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megalite.parallel import comm
 from megalite.planner.cluster import Cluster
 
-_SMALL, _LARGE = 1 << 12, 1 << 22  # bytes per collective (fp32 elements x 4)
+SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per collective (fp32 elements x 4)
 _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 
@@ -62,16 +62,16 @@ def _collective(kind: str, nbytes: int, group, device):
     return lambda: dist.all_to_all_single(out, x, splits, splits, group=group)
 
 
-def _fit(kind: str, n: int, small: float, large: float) -> list[float]:
-    """Latency and bus bandwidth of the ring model through two measured points."""
-    if kind == "p2p":
-        bandwidth = (_LARGE - _SMALL) / max(large - small, 1e-9)
-        return [max(small - _SMALL / bandwidth, 0.0), bandwidth]
-    steps = _STEPS[kind]
-    moved = steps * (n - 1) / n
-    bandwidth = moved * (_LARGE - _SMALL) / max(large - small, 1e-9)
-    latency = max(small - moved * _SMALL / bandwidth, 0.0) / (steps * (n - 1))
-    return [latency, bandwidth]
+def fit(kind: str, n: int, sizes, seconds) -> list[float]:
+    """[latency, bus bandwidth] of the ring model (cluster.py) fitted by least squares to the
+    seconds measured at `sizes` bytes: seconds = hops x latency + moved bytes / bandwidth."""
+    hops, share = (1, 1.0) if kind == "p2p" else (_STEPS[kind] * (n - 1), _STEPS[kind] * (n - 1) / n)
+    xs = [share * size for size in sizes]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(seconds)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, seconds)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = max(slope, 1e-12)  # noise can tilt it; a collective never gets faster with size
+    intercept = max(mean_y - slope * mean_x, 0.0)
+    return [intercept / hops, 1 / slope]
 
 
 def _p2p(rank: int, world: int, nbytes: int, device):
@@ -87,9 +87,8 @@ def _p2p(rank: int, world: int, nbytes: int, device):
 
 
 def _compute(device, repeats: int, group) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    m, k, n = (8192, 8192, 8192) if device.type == "cuda" else (512, 1024, 1024)
-    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    a, b = _matmul_operands(device)
+    (m, k), n = a.shape, b.shape[1]
     matmul = _median_time(lambda: [a @ b for _ in range(4)], device, repeats, group)
     x = torch.randn(1 << (25 if device.type == "cuda" else 23), device=device)
     y = torch.randn_like(x)
@@ -110,29 +109,51 @@ def _compute(device, repeats: int, group) -> dict:
             "optimizer_bytes": step * bandwidth / sum(p.numel() for p in params)}
 
 
-def _compute_rates(rank: int, world: int, repeats: int) -> dict:
-    """Compute rates of one of `world` processes all computing (one per core)."""
-    return _compute(torch.device("cpu"), repeats, dist.group.WORLD)
+def _matmul_operands(device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m, k, n = (8192, 8192, 8192) if device.type == "cuda" else (512, 1024, 1024)
+    return torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+
+
+def _sharing(rank: int, world: int, repeats: int) -> dict:
+    """{k: median seconds of a matmul on a process while k processes compute at once}. Sweeps of
+    k = 1, 2, 4, ... world alternate, so that the machine's drifting load hits every k alike;
+    processes not computing wait in a barrier, which leaves their core free (gloo blocks)."""
+    device = torch.device("cpu")
+    a, b = _matmul_operands(device)
+    busy = sorted({1, world} | {k for k in (2, 4, 8, 16, 32) if k < world})
+    times = {k: [] for k in busy}
+    for _ in range(repeats):
+        for k in busy:
+            dist.barrier()
+            if rank < k:
+                start = time.perf_counter()
+                for _ in range(4):
+                    a @ b
+                times[k].append(time.perf_counter() - start)
+    dist.barrier()
+    return {k: statistics.median(t) for k, t in times.items() if t}
 
 
 def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    result = {"compute": _compute(device, repeats, dist.group.WORLD) if device.type == "cuda" else None,
-              "measured": {}}
+    alone = dist.new_group([0])  # on a CPU rank 0 measures its rates alone, the others wait
+    gpu = device.type == "cuda"
+    result = {"compute": _compute(device, repeats, dist.group.WORLD if gpu else alone) if rank == 0 or gpu else None,
+              "sharing": _sharing(rank, world, repeats) if device.type == "cpu" else {}, "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
         group = groups[rank // n]
         for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-            small = _median_time(_collective(kind, _SMALL, group, device), device, repeats, dist.group.WORLD)
-            large = _median_time(_collective(kind, _LARGE, group, device), device, repeats, dist.group.WORLD)
-            result["measured"].setdefault(kind, {})[n] = _fit(kind, n, small, large)
+            seconds = [_median_time(_collective(kind, size, group, device), device, repeats, dist.group.WORLD)
+                       for size in SIZES]
+            result["measured"].setdefault(kind, {})[n] = fit(kind, n, SIZES, seconds)
     if world % 2 == 0:
-        small = _median_time(_p2p(rank, world, _SMALL, device), device, repeats, dist.group.WORLD)
-        large = _median_time(_p2p(rank, world, _LARGE, device), device, repeats, dist.group.WORLD)
-        result["measured"]["p2p"] = {2: _fit("p2p", 2, small, large)}
+        seconds = [_median_time(_p2p(rank, world, size, device), device, repeats, dist.group.WORLD) for size in SIZES]
+        result["measured"]["p2p"] = {2: fit("p2p", 2, SIZES, seconds)}
     return result
 
 
@@ -150,12 +171,9 @@ def _run(world: int, backend: str, repeats: int) -> tuple[list[dict], dict]:
     k processes computing})."""
     if backend == "gloo":
         from megalite.parallel.spawn import run_distributed
-        busy = sorted({1, world} | {k for k in (2, 4, 8, 16, 32) if k < world})
-        rates = {k: run_distributed(_compute_rates, k, repeats, timeout=1800) for k in busy}
         ranks = list(run_distributed(_measure, world, backend, repeats, timeout=1800))
-        alone = rates[1][0]
-        flops = {k: statistics.median(r["flops"] for r in per_rank) for k, per_rank in rates.items()}
-        return [dict(r, compute=alone) for r in ranks], flops
+        seconds = {k: statistics.median(r["sharing"][k] for r in ranks if k in r["sharing"]) for k in ranks[0]["sharing"]}
+        return [dict(r, compute=ranks[0]["compute"]) for r in ranks], {k: 1 / t for k, t in seconds.items()}
     import torch.multiprocessing as mp
     from megalite.parallel.spawn import free_port
     ctx = mp.get_context("spawn")

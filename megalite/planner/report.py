@@ -81,3 +81,10 @@ def finalists(plan: Plan, count: int = 3) -> str:
         lines.append("(on each node; add your data, tokenizer and learning-rate flags, and MASTER_ADDR / NODE_RANK "
                      "or run under srun)")
     return "\n".join(lines)
+
+
+def narayanan_flops_per_step(num_layers: int, hidden: int, seq: int, batch: int, vocab: int) -> float:
+    """FLOPs of one step as Narayanan et al. 2021 count them (their equation 3, which includes
+    full activation recomputation's extra forward): 96 B s l h^2 (1 + s/6h + V/16lh)."""
+    l, h, s, b, v = num_layers, hidden, seq, batch, vocab
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))

@@ -14,6 +14,7 @@ calibration and the runs see it.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -143,7 +144,7 @@ def main() -> int:
                 measured, times = measure(cmd, args.iterations, args.skip, workdir, args.timeout)
                 rows.append({"world": world, "layout": layout.short(), "predicted": prediction.step_time,
                              "measured": measured, "times": times, "command": cmd, "breakdown": prediction.breakdown,
-                             "load": os.getloadavg()[0], "calibration": cluster.source})
+                             "load": os.getloadavg()[0], "calibration": dataclasses.asdict(cluster)})
                 print(f"  W={world} {layout.short():28} predicted {prediction.step_time:7.3f} s  measured "
                       f"{measured:7.3f} s  ({prediction.step_time / measured - 1:+.0%})  load {rows[-1]['load']:.1f}",
                       flush=True)
