@@ -67,6 +67,14 @@ def gemm_time(cluster: Cluster, m: float, k: float, n: float, element: int, batc
     return max(flops / cluster.matmul_flops, nbytes / cluster.memory_bandwidth)
 
 
+def _score_elements(workload: Workload, layout: Layout, tokens: float) -> float:
+    """Elements the softmax and dropout of attention without a flash kernel read and write (the
+    part selective recompute redoes); none with one."""
+    if workload.flash_attention:
+        return 0.0
+    return 4 * tokens * workload.seq_length * workload.config.num_attention_heads / layout.tp
+
+
 def _elementwise_elements(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> float:
     """Elements memory-bound kernels read and write in one layer's forward on one rank."""
     config, t = workload.config, layout.tp
@@ -85,10 +93,7 @@ def _elementwise_elements(workload: Workload, layout: Layout, tokens: float, moe
         ffn_tokens = tokens
     up = 2 if config.activation == "swiglu" else 1
     elements += ffn_tokens * f * (up + 1) / t                 # activation: read, write
-    if not workload.flash_attention:
-        scores = tokens * workload.seq_length * config.num_attention_heads / t
-        elements += 4 * scores                                # softmax and dropout: read, write
-    return elements
+    return elements + _score_elements(workload, layout, tokens)
 
 
 def layer_gemms(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> list[tuple]:
@@ -170,8 +175,9 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
                                                             core if layout.recompute == "selective" else 0))
     times.weight += dense + core
     accumulate = accumulation_time(cluster, workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
-    times.add("memory-bound", elementwise,
-              2 * elementwise + (elementwise if layout.recompute == "full" else 0) + accumulate)
+    redone = {"none": 0.0, "full": elementwise,
+              "selective": _score_elements(workload, layout, tokens) * e / cluster.memory_bandwidth}[layout.recompute]
+    times.add("memory-bound", elementwise, 2 * elementwise + redone + accumulate)
     times.add("operators", overhead_f, overhead_b + (overhead_f if layout.recompute == "full" else 0))
     activation = tokens * config.hidden_size * e
     tp = 2 * _tp_comm(cluster, layout, activation, groups["tp"])
