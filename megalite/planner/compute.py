@@ -7,7 +7,9 @@ roofline), with FLOPs counted as formulas.md counts them (2 per multiply-add, at
 non-causal); the backward is twice the forward (input and weight gradients). Memory-bound
 kernels (norms, residual adds, activations, rotary, softmax and dropout without a flash
 kernel, the loss) move the elements listed in `_elementwise_elements`, the backward twice
-the forward's. Operators cost `cluster.op_overhead` each, counted by running the model
+the forward's; every micro-batch's backward also adds each weight's gradient into its
+main-gradient buffer (megalite's DistributedDataParallel: read the gradient, read and write the
+buffer). Operators cost `cluster.op_overhead` each, counted by running the model
 (megalite.planner.op_count). Recompute adds its forward to the backward: the whole layer
 (full) or the attention core (selective).
 
@@ -16,7 +18,8 @@ all-reduces forward and 2 backward of the b x s x h activation (with sequence pa
 all-gather and a reduce-scatter for each, formulas.md); the embedding's and output layer's
 and the vocab-parallel loss's collectives; a context-parallel ring passing K and V blocks
 (dK, dV as well in the backward), hidden behind the attention core it overlaps; the expert
-all-to-all dispatch and combine.
+all-to-all dispatch and combine (the planner's launch lines choose the all-to-all dispatcher),
+with tokens spread evenly over the experts.
 """
 
 from dataclasses import dataclass, field
