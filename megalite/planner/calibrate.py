@@ -115,6 +115,12 @@ def _matmul_operands(device):
     return torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
 
 
+def _matmul_flops() -> float:
+    """FLOPs of the four CPU matmuls `_sharing` times."""
+    a, b = _matmul_operands(torch.device("cpu"))
+    return 4 * 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
 def _sharing(rank: int, world: int, repeats: int) -> dict:
     """{k: median seconds of a matmul on a process while k processes compute at once}. Sweeps of
     k = 1, 2, 4, ... world alternate, so that the machine's drifting load hits every k alike;
@@ -142,7 +148,7 @@ def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     alone = dist.new_group([0])  # on a CPU rank 0 measures its rates alone, the others wait
     gpu = device.type == "cuda"
     result = {"compute": _compute(device, repeats, dist.group.WORLD if gpu else alone) if rank == 0 or gpu else None,
-              "sharing": _sharing(rank, world, repeats) if device.type == "cpu" else {}, "measured": {}}
+              "sharing": _sharing(rank, world, 3 * repeats) if device.type == "cpu" else {}, "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
@@ -211,7 +217,9 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
     bandwidth = measured.get("all_reduce", {}).get(world_size, [0, 1e9])
     p2p = measured.get("p2p", {}).get(2, bandwidth)
     return Cluster(name=name, num_gpus=world_size, gpus_per_node=world_size, memory_bytes=memory,
-                   peak_flops=median("flops"), matmul_efficiency=1.0, memory_bandwidth=median("bandwidth"),
+                   # on a CPU the rate alone from the sweep, whose k = 1 and k = world samples interleave
+                   peak_flops=busy_flops[1] * _matmul_flops() if busy_flops else median("flops"),
+                   matmul_efficiency=1.0, memory_bandwidth=median("bandwidth"),
                    intra_node_bandwidth=bandwidth[1], inter_node_bandwidth=p2p[1], intra_node_latency=bandwidth[0],
                    inter_node_latency=p2p[0], op_overhead=median("op_overhead") if backend == "gloo" else 0.0,
                    slowdown={k: busy_flops[1] / f for k, f in busy_flops.items() if k > 1},

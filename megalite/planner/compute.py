@@ -7,7 +7,9 @@ roofline), with FLOPs counted as formulas.md counts them (2 per multiply-add, at
 non-causal); the backward is twice the forward (input and weight gradients). Memory-bound
 kernels (norms, residual adds, activations, rotary, softmax and dropout without a flash
 kernel, the loss) move the elements listed in `_elementwise_elements`, the backward twice
-the forward's. Operators cost `cluster.op_overhead` each, counted by running the model
+the forward's; every micro-batch's backward also adds each weight's gradient into its
+main-gradient buffer (megalite's DistributedDataParallel: read the gradient, read and write the
+buffer). Operators cost `cluster.op_overhead` each, counted by running the model
 (megalite.planner.op_count). Recompute adds its forward to the backward: the whole layer
 (full) or the attention core (selective).
 
@@ -16,7 +18,8 @@ all-reduces forward and 2 backward of the b x s x h activation (with sequence pa
 all-gather and a reduce-scatter for each, formulas.md); the embedding's and output layer's
 and the vocab-parallel loss's collectives; a context-parallel ring passing K and V blocks
 (dK, dV as well in the backward), hidden behind the attention core it overlaps; the expert
-all-to-all dispatch and combine.
+all-to-all dispatch and combine (the planner's launch lines choose the all-to-all dispatcher),
+with tokens spread evenly over the experts.
 """
 
 from dataclasses import dataclass, field
@@ -67,6 +70,14 @@ def gemm_time(cluster: Cluster, m: float, k: float, n: float, element: int, batc
     return max(flops / cluster.matmul_flops, nbytes / cluster.memory_bandwidth)
 
 
+def _score_elements(workload: Workload, layout: Layout, tokens: float) -> float:
+    """Elements the softmax and dropout of attention without a flash kernel read and write (the
+    part selective recompute redoes); none with one."""
+    if workload.flash_attention:
+        return 0.0
+    return 4 * tokens * workload.seq_length * workload.config.num_attention_heads / layout.tp
+
+
 def _elementwise_elements(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> float:
     """Elements memory-bound kernels read and write in one layer's forward on one rank."""
     config, t = workload.config, layout.tp
@@ -85,10 +96,7 @@ def _elementwise_elements(workload: Workload, layout: Layout, tokens: float, moe
         ffn_tokens = tokens
     up = 2 if config.activation == "swiglu" else 1
     elements += ffn_tokens * f * (up + 1) / t                 # activation: read, write
-    if not workload.flash_attention:
-        scores = tokens * workload.seq_length * config.num_attention_heads / t
-        elements += 4 * scores                                # softmax and dropout: read, write
-    return elements
+    return elements + _score_elements(workload, layout, tokens)
 
 
 def layer_gemms(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> list[tuple]:
@@ -170,8 +178,9 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
                                                             core if layout.recompute == "selective" else 0))
     times.weight += dense + core
     accumulate = accumulation_time(cluster, workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
-    times.add("memory-bound", elementwise,
-              2 * elementwise + (elementwise if layout.recompute == "full" else 0) + accumulate)
+    redone = {"none": 0.0, "full": elementwise,
+              "selective": _score_elements(workload, layout, tokens) * e / cluster.memory_bandwidth}[layout.recompute]
+    times.add("memory-bound", elementwise, 2 * elementwise + redone + accumulate)
     times.add("operators", overhead_f, overhead_b + (overhead_f if layout.recompute == "full" else 0))
     activation = tokens * config.hidden_size * e
     tp = 2 * _tp_comm(cluster, layout, activation, groups["tp"])

@@ -167,6 +167,7 @@ def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) 
     grad = state_bytes(workload.precision, 1, False, 1)[1]
     moved = updated * cluster.optimizer_bytes_per_parameter + 2 * (dense + expert) * grad
     norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
+    # about 20 operators: foreach AdamW's, the norm's, zeroing the buffers (host overhead on a CPU)
     return moved / cluster.memory_bandwidth + norm + 20 * cluster.op_overhead
 
 

@@ -64,6 +64,14 @@ def test_recompute_adds_its_forward_to_the_backward():
     assert full.forward == none.forward
     assert full.backward == pytest.approx(none.backward + none.forward)
     assert none.backward < selective.backward < full.backward
+    # selective recompute redoes the core attention: with a flash kernel its GEMMs only, without
+    # one also the softmax and dropout over the s x s scores
+    assert selective.parts["memory-bound"] == none.parts["memory-bound"]
+    unfused = workload(GPT, seq=128, batch=16, flash=False)
+    plain = layer_times(H100, unfused, layout(mbs=2), 0, ops).parts["memory-bound"]
+    redone = layer_times(H100, unfused, layout(mbs=2, recompute="selective"), 0, ops).parts["memory-bound"]
+    scores = 4 * 2 * 128 * 128 * GPT.num_attention_heads * 2 / H100.memory_bandwidth
+    assert redone - plain == pytest.approx(scores)
 
 
 def test_ring_model_and_topology():

@@ -133,12 +133,13 @@ def main() -> int:
                 if args.calibration_dir:
                     Path(args.calibration_dir).mkdir(parents=True, exist_ok=True)
                     cluster.save(str(Path(args.calibration_dir) / f"cpu{world}.json"))
-            print(f"calibrated {world} ranks: {cluster.peak_flops / 1e9:.1f} GFLOP/s matmul, "
-                  f"{cluster.memory_bandwidth / 1e9:.2f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op ({cluster.source})",
-                  flush=True)
             for i, layout in enumerate(LAYOUTS[world]):
                 if args.calibrate_each and i:
                     cluster = calibrate(world)
+                if args.calibrate_each or not i:
+                    print(f"calibrated {world} ranks: {cluster.peak_flops / 1e9:.1f} GFLOP/s matmul alone, slowdown "
+                          f"{ {k: round(v, 2) for k, v in cluster.slowdown.items()} }, {cluster.memory_bandwidth / 1e9:.2f} "
+                          f"GB/s, {cluster.op_overhead * 1e6:.1f} us/op ({cluster.source})", flush=True)
                 prediction = predict(cluster, workload, layout, peak_memory(workload, layout))
                 cmd = command(Plan(workload, cluster, [prediction]), prediction)
                 measured, times = measure(cmd, args.iterations, args.skip, workdir, args.timeout)
