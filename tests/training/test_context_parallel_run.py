@@ -85,7 +85,8 @@ def fsdp2_checkpoint(tmp_path_factory, single_process):
     return _saved_at_cp2(tmp_path_factory.mktemp("fsdp2_cp2"), single_process, ["--use-torch-fsdp2"])
 
 
-@pytest.mark.parametrize("world, cp", [(2, 1), pytest.param(4, 4, marks=pytest.mark.slow)], ids=["cp1-dp2", "cp4"])
+@pytest.mark.slow
+@pytest.mark.parametrize("world, cp", [(2, 1), (4, 4)], ids=["cp1-dp2", "cp4"])
 def test_fsdp2_checkpoint_at_cp2_resumes_at_other_cp_sizes(tmp_path, single_process, fsdp2_checkpoint, world, cp):
     _resumes(tmp_path, fsdp2_checkpoint, single_process, world, cp, ["--use-torch-fsdp2"])
 

@@ -8,6 +8,7 @@ partial results merged by their log-sum-exp, the backward pass a ring too), `all
 `a2a+p2p` (hierarchical.py: a2a inside groups of CP ranks, a ring across them); each with
 document masks (--reset-attention-mask: each rank's query rows of the whole sequence's mask)
 and attention dropout (dropout.py: masks hashed from positions, the same at every CP size).
+The block attention is plain torch (blocks.py) or flash_attn's kernels (flash_blocks.py).
 
 Imports: torch and megalite.parallel's shared modules (comm, state) only; never
 megalite.model, megalite.training or megalite.optimizer.
