@@ -81,8 +81,6 @@ def check_context_args(args, fail) -> None:
                                "implemented in megalite yet"),
         (args.use_flash_attn, f"--use-flash-attn with --context-parallel-size {cp} is not "
                               "implemented in megalite yet"),
-        (getattr(args, "num_experts", None) is not None,
-         f"--num-experts with --context-parallel-size {cp} is not implemented in megalite yet"),
     )
     for bad, message in checks:
         if bad:

@@ -239,7 +239,7 @@ class Trainer:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
-            update_expert_bias(run.models, run.pstate.dp_group)
+            update_expert_bias(run.models, run.pstate.dp_cp_group)
         if ok:
             run.scheduler.step(batch)
         run.iteration += 1

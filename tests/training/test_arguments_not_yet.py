@@ -9,7 +9,6 @@ from tests.training.test_arguments import parsed, refused
 @pytest.mark.parametrize("extra, words", [
     ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a", ["--cp-comm-type p2p a2a", "per layer"]),
     ("--context-parallel-size 2 --attention-dropout 0 --use-torch-fsdp2", ["--use-torch-fsdp2", "not implemented"]),
-    ("--context-parallel-size 2 --attention-dropout 0 --num-experts 4", ["--num-experts", "--context-parallel-size 2"]),
 ])
 def test_refused_naming_the_flag(extra, words):
     message = refused(extra)

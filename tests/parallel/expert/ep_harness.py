@@ -13,8 +13,10 @@ from megalite.model.moe_config import MoEConfig
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel import comm
+from megalite.parallel.context import gather_sequence, split_sequence
+from megalite.parallel.context.split import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
-from megalite.parallel.expert.groups import ExpertState
+from megalite.parallel.expert.groups import ExpertState, tensor_split_of
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
@@ -42,27 +44,40 @@ def moe_model_config(dispatcher: str, router: str, sequence_parallel=False, **mo
                      sequence_parallel=sequence_parallel, moe=moe)
 
 
-def rank_batches(step: int, dp_rank: int, dp_size: int) -> list[dict]:
+def rank_batches(step: int, dp_rank: int, dp_size: int, cp_size: int = 1, cp_rank: int = 0) -> list[dict]:
+    """This DP rank's micro-batches of the step, each sequence cut to this CP rank's chunks."""
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
     mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.2).float()
     per_rank = GLOBAL // dp_size
     lo = dp_rank * per_rank
-    return [dict(tokens=tokens[i:i + MICRO], labels=labels[i:i + MICRO], loss_mask=mask[i:i + MICRO])
-            for i in range(lo, lo + per_rank, MICRO)]
+    cut = lambda t: split_sequence(t, 1, cp_size, cp_rank)  # noqa: E731
+    positions = local_positions(SEQ, cp_size, cp_rank).expand(MICRO, -1)
+    return [dict(tokens=cut(tokens[i:i + MICRO]), labels=cut(labels[i:i + MICRO]), loss_mask=cut(mask[i:i + MICRO]),
+                 position_ids=positions) for i in range(lo, lo + per_rank, MICRO)]
 
 
 def eval_tokens():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
 
 
-def full_state(chunks, tp_group, grads=False) -> dict:
+def eval_logits(model, pstate) -> torch.Tensor:
+    """Logits of eval_tokens() over the whole sequence and vocabulary."""
+    cp, cp_rank = pstate.cp_size, pstate.cp_rank
+    tokens = split_sequence(eval_tokens(), 1, cp, cp_rank)
+    with torch.no_grad():
+        logits = model(tokens, position_ids=local_positions(SEQ, cp, cp_rank).expand(tokens.shape[0], -1))
+    logits = comm.gather_dim(logits, 2, pstate.tp_group)[..., :VOCAB]
+    return gather_sequence(logits, 1, pstate.cp_group).clone()
+
+
+def full_state(chunks, pstate, grads=False) -> dict:
     out = {}
     for chunk in chunks:
         for name, param in chunk.module.named_parameters():
             value = param.main_grad if grads else param.detach()
-            out[name] = gather_tp_full(param, value.float(), tp_group).clone()
+            out[name] = gather_tp_full(param, value.float(), tensor_split_of(pstate, param)[0]).clone()
         if not grads:
             out.update({n: b.clone() for n, b in chunk.module.named_buffers() if n.endswith("expert_bias")})
     return out
@@ -72,7 +87,8 @@ def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS)
     chunks = [DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt)
               for c in build_model_chunks(config, pstate, init_seed=7)]
     optimizer = build_optimizer(chunks, pstate, use_distributed_optimizer=dist_opt, **OPTIM)
-    batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size)  # noqa: E731
+    batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size, pstate.cp_size,  # noqa: E731
+                                           pstate.cp_rank)
     m = len(batches_of(0))
     executor = None
     if pstate.pp_size > 1:
@@ -95,23 +111,20 @@ def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS)
         finalize_model_grads(chunks, pstate)
         result["losses"].append(None if loss is None else float(loss))
         if step == 0 and not dist_opt:
-            result["grads"] = full_state(chunks, pstate.tp_group, grads=True)
+            result["grads"] = full_state(chunks, pstate, grads=True)
         optimizer.step()
-        update_expert_bias([c.module for c in chunks], pstate.dp_group)
-    result["params"] = full_state(chunks, pstate.tp_group)
+        update_expert_bias([c.module for c in chunks], pstate.dp_cp_group)
+    result["params"] = full_state(chunks, pstate)
     if pstate.pp_size == 1:
-        model = chunks[0].module.eval()
-        with torch.no_grad():
-            logits = model(eval_tokens())
-        result["logits"] = comm.gather_dim(logits, 2, pstate.tp_group)[..., :VOCAB].clone()
+        result["logits"] = eval_logits(chunks[0].module.eval(), pstate)
     return result
 
 
-def expert_state(tp=1, pp=1, ep=1, world=None) -> ParallelState:
+def expert_state(tp=1, pp=1, ep=1, etp=None, cp=1, world=None) -> ParallelState:
     """A ParallelState (collective) with its ExpertState attached."""
     world = world or torch.distributed.get_world_size()
-    pstate = ParallelState.create(ParallelLayout(world, tensor=tp, pipeline=pp))
-    pstate.expert = ExpertState.create(pstate, ep, num_experts=8)
+    pstate = ParallelState.create(ParallelLayout(world, tensor=tp, pipeline=pp, context=cp))
+    pstate.expert = ExpertState.create(pstate, ep, num_experts=8, expert_tensor_size=etp)
     return pstate
 
 
