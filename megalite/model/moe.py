@@ -62,6 +62,30 @@ class Expert(nn.Module):
                                        etp_group, dtype, device)
 
 
+class LocalExperts(nn.ModuleDict):
+    """This rank's routed experts, keyed by global expert number, run as one grouped matmul per
+    linear (a module of its own so that FSDP2 can shard it over the expert-data-parallel group)."""
+
+    def __init__(self, config, expert_ids, etp_group, device):
+        super().__init__({str(e): Expert(config, config.moe.ffn_hidden_size, etp_group, device) for e in expert_ids})
+        self.config = config
+
+    def _stacked(self, which: str) -> torch.Tensor:
+        """[local experts, in, out(/etp)] weights of linear_fc1 or linear_fc2."""
+        return torch.stack([getattr(expert, which).weight for expert in self.values()]).transpose(1, 2)
+
+    def forward(self, rows, counts):
+        """The experts on their rows (counts[i] rows for the i-th local expert): this rank's ETP
+        share of each output, summed over the ETP group by the dispatcher's combine."""
+        grouped = self.config.moe.grouped_gemm
+        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, grouped)
+        if self.config.activation == "swiglu":
+            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
+        return grouped_mm(hidden, self._stacked("linear_fc2"), counts, grouped)
+
+
 class SharedExpert(MLP):
     """The dense MLP every token passes through, optionally scaled by sigmoid(x . gate_weight)."""
 
@@ -104,27 +128,11 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(moe.token_dispatcher_type, moe.num_experts, expert_state)
         start, count = self.dispatcher.local_start, self.dispatcher.num_local
         self.local_expert_ids = list(range(start, start + count))
-        self.local_experts = nn.ModuleDict({str(e): Expert(config, moe.ffn_hidden_size, expert_state.etp_group, device)
-                                            for e in self.local_expert_ids})
+        self.local_experts = LocalExperts(config, self.local_expert_ids, expert_state.etp_group, device)
         self.shared_experts = (SharedExpert(config, tp_group, device)
                                if moe.shared_expert_intermediate_size else None)
         self.last_tokens_per_expert = None
         """Rows each local expert received in the last forward (padding included)."""
-
-    def _stacked(self, which: str) -> torch.Tensor:
-        """[local experts, in, out(/etp)] weights of linear_fc1 or linear_fc2."""
-        return torch.stack([getattr(self.local_experts[str(e)], which).weight
-                            for e in self.local_expert_ids]).transpose(1, 2)
-
-    def run_experts(self, rows, counts):
-        """The local experts on their rows: this rank's ETP share of each output, to be summed
-        over the ETP group by the dispatcher's combine."""
-        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, self.moe.grouped_gemm)
-        if self.config.activation == "swiglu":
-            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
-        else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
-        return grouped_mm(hidden, self._stacked("linear_fc2"), counts, self.moe.grouped_gemm)
 
     def forward(self, x):
         tp_group, tp = self.tp_group, comm.group_size(self.tp_group)
@@ -144,7 +152,7 @@ class MoELayer(nn.Module):
                 tokens = scatter_rows(tokens, sizes, tp_group)
         rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
         self.last_tokens_per_expert = counts
-        out = self.dispatcher.combine(self.run_experts(rows, counts))
+        out = self.dispatcher.combine(self.local_experts(rows, counts))
         if tp > 1 and not sequence_parallel:
             out = gather_rows(out, sizes, tp_group, grad_is_partial=False)
         out = out.view(s, b, h)
@@ -157,10 +165,14 @@ def moe_layers(chunks) -> list[MoELayer]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
 
 
-def set_loss_backward_scale(chunks, scale: float) -> None:
-    """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches)."""
+def set_loss_backward_scale(chunks, scale: float, per_token_loss: bool = False) -> None:
+    """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches).
+    With per_token_loss (--calculate-per-token-loss, whose gradients end up divided by the global
+    batch's loss tokens instead of averaged over micro-batches and replicas) each auxiliary loss
+    also counts as many times as its micro-batch routes tokens, as Megatron scales it."""
     for layer in moe_layers(chunks):
         layer.router.loss_backward_scale = scale
+        layer.router.per_token_loss = per_token_loss
 
 
 @torch.no_grad()

@@ -147,6 +147,8 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.loss_backward_scale = 1.0
+        self.per_token_loss = False
+        """Weight each auxiliary loss by the micro-batch's routed tokens (see set_loss_backward_scale)."""
         self.logged = {}
         """Per loss name, [sum over forward calls, calls] of the unscaled losses (for logging;
         the mean over the CP ranks is the whole sequence's loss)."""
@@ -187,17 +189,19 @@ class TopKRouter(nn.Module):
         order, attaching the auxiliary losses to the graph when training."""
         moe, cp = self.moe, comm.group_size(self.cp_group)
         training = self.training and torch.is_grad_enabled()
+        # Megatron's per-token mode: x the micro-batch's tokens (on one model replica, all CP ranks')
+        scale = self.loss_backward_scale * (logits.shape[0] * cp if self.per_token_loss else 1)
         if training and moe.z_loss_coeff:
             loss = z_loss(logits, moe.z_loss_coeff)
             self._log("z_loss", loss / moe.z_loss_coeff)
-            logits = AttachLoss.apply(logits, loss / cp, self.loss_backward_scale)
+            logits = AttachLoss.apply(logits, loss / cp, scale)
         probs, routing_map = topk_routing(logits, moe, self.expert_bias)
         if moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, moe)
         if training and moe.load_balancing_type != "none" and moe.aux_loss_coeff:
             name, loss = self._balancing_loss(logits, seq_length, batch)
             self._log(name, loss * cp / moe.aux_loss_coeff)
-            probs = AttachLoss.apply(probs, loss, self.loss_backward_scale)
+            probs = AttachLoss.apply(probs, loss, scale)
         if training and self.expert_bias is not None:
             self.tokens_per_expert += routing_map.sum(0)
         return probs, routing_map

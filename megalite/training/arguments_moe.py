@@ -104,11 +104,6 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         fail(f"--moe-router-topk {k} is more than --num-experts {e}")
     if not args.disable_bias_linear:
         fail("--num-experts needs --disable-bias-linear (megalite's experts have no biases)")
-    if getattr(args, "calculate_per_token_loss", False):
-        fail("--calculate-per-token-loss with --num-experts is not supported (the auxiliary losses are "
-             "scaled per micro-batch)")
-    if args.use_torch_fsdp2:
-        fail("--use-torch-fsdp2 with --num-experts is not supported (use the distributed optimizer)")
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if e % ep:
         fail(f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}")

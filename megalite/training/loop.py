@@ -211,7 +211,8 @@ class Trainer:
             self.rerun.restore_rng(rng)
         run.optimizer.zero_grad()
         executor.loss_scale = run.optimizer.loss_scale
-        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches)
+        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches,
+                                run.per_token is not None)
         started = time.perf_counter()
         with self.timers("forward-backward"):
             loss, factor = self.step_loss(executor, microbatches)

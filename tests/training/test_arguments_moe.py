@@ -45,6 +45,8 @@ def test_expert_grid_over_tensor_and_context_ranks():
     args = parsed(MOE + " --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 4 "
                   "--context-parallel-size 2 --attention-dropout 0", 8)
     assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size, args.data_parallel_size) == (1, 4, 2)
+    for extra in ("--use-torch-fsdp2", "--calculate-per-token-loss"):  # both run with experts
+        assert parsed(MOE + " --expert-model-parallel-size 2 " + extra, 4).expert_model_parallel_size == 2
 
 
 @pytest.mark.parametrize("extra, world, words", [
@@ -69,8 +71,6 @@ def test_expert_grid_over_tensor_and_context_ranks():
     (MOE + " --moe-router-score-function sqrtsoftplus", 1, ["--moe-router-score-function"]),
     (MOE + " --moe-router-load-balancing-type sinkhorn", 1, ["--moe-router-load-balancing-type"]),
     (MOE + " --moe-aux-loss-coeff -1", 1, ["--moe-aux-loss-coeff"]),
-    (MOE + " --use-torch-fsdp2", 1, ["--use-torch-fsdp2"]),
-    (MOE + " --calculate-per-token-loss", 1, ["--calculate-per-token-loss"]),
 ])
 def test_refused_naming_the_flag(extra, world, words):
     message = refused(extra, world)

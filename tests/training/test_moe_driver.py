@@ -3,7 +3,8 @@ run at DP = 4 with EP = 2 (alltoall, distributed optimizer, MoE on every other l
 auxiliary and z-losses logged per layer) saves at iteration 4; resuming that checkpoint at
 EP = 4 with the allgather dispatcher, at TP = 2 with EP = 2, at TP = 2 with ETP = 1 and EP = 4,
 and at CP = 2 with EP = 2 and ETP = 2 gives the same losses as the uninterrupted run (1e-5
-relative: only the order of floating-point sums differs)."""
+relative: only the order of floating-point sums differs); so do the whole run under FSDP2 and
+with --calculate-per-token-loss."""
 
 import shutil
 
@@ -51,5 +52,18 @@ def test_moe_driver_resume_at_another_ep_size(tmp_path):
                                   str(resumed / "metrics.jsonl")], 4, resumed / "logs")
         b = train_losses(resumed / "metrics.jsonl")
         assert sorted(b) == list(range(5, ITERS + 1))
+        for it in b:
+            assert abs(b[it] - a[it]) <= 1e-5 * abs(a[it]), f"{name} iteration {it}: {b[it]} vs {a[it]}"
+    # the whole run again under FSDP2 (experts sharded over EDP = 2) and with
+    # --calculate-per-token-loss (every mock token counts in the loss, so per-token weighting of the
+    # auxiliary losses is the default mode's): the same losses
+    dist_opt = [a for a in MOE if a != "--use-distributed-optimizer"]
+    for name, extra in (("fsdp2", ["--use-torch-fsdp2"]), ("per-token", ["--calculate-per-token-loss",
+                                                                         "--use-distributed-optimizer"])):
+        again = tmp_path / name
+        run(BASE + dist_opt + extra + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                       "--metrics-file", str(again / "metrics.jsonl")], 4, again / "logs")
+        b = train_losses(again / "metrics.jsonl")
+        assert sorted(b) == list(range(1, ITERS + 1))
         for it in b:
             assert abs(b[it] - a[it]) <= 1e-5 * abs(a[it]), f"{name} iteration {it}: {b[it]} vs {a[it]}"

@@ -2,7 +2,11 @@
 
 Each transformer layer and then the root model are sharded over a DeviceMesh built from
 pstate.dp_group, so megalite's own tensor parallelism composes with it: TP layers are plain
-modules holding TP-local parameters, which FSDP2 shards further along dim 0 over DP.
+modules holding TP-local parameters, which FSDP2 shards further along dim 0 over DP. A
+mixture-of-experts layer's local experts are sharded first, over their own mesh of the
+expert-data-parallel group (torchtitan's dp_shard_mod_ep), with the gradient divided by DP
+as the dense gradients are (each rank's expert gradient already sums its ETP x EP block's
+tokens).
 
 Mixed precision is FSDP2's: keep the model's parameters in fp32 (they are the optimizer's main
 parameters) and pass param_dtype=torch.bfloat16 to compute in bf16; gradients are reduced in
@@ -17,6 +21,7 @@ megalite's parameter attributes (tensor_model_parallel, sequence_parallel, share
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -25,7 +30,7 @@ from torch.distributed.tensor import distribute_tensor
 from megalite.parallel.state import ParallelState
 
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                     "shared_embedding")
+                     "shared_embedding", "expert_parallel")
 
 
 class FSDPChunk(nn.Module):
@@ -83,10 +88,38 @@ def apply_fsdp2(model: nn.Module, pstate: ParallelState, *, param_dtype: torch.d
     attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
                   for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    expert_mesh = _expert_mesh(model, pstate, device_type)
     for layer in model.layers.values():
+        for experts in _expert_modules(layer):
+            fully_shard(experts, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            experts.set_gradient_divide_factor(float(pstate.dp_size))
+            # gloo has no PREMUL_SUM: a sum, then the division (on one rank torch 2.13 would divide twice)
+            if expert_mesh.size() > 1 and dist.get_backend(pstate.dp_group) != "nccl":
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for name, param in model.named_parameters():
         for attribute, value in attributes[name].items():
             setattr(param, attribute, value)
     return FSDPChunk(model, mesh)
+
+
+def _expert_modules(layer: nn.Module) -> list[nn.Module]:
+    """The outermost submodules of `layer` holding expert parameters (param.expert_parallel) only."""
+    found, covered = [], set()
+    for module in layer.modules():  # outer modules first
+        params = list(module.parameters())
+        if module not in covered and params and all(getattr(p, "expert_parallel", False) for p in params):
+            found.append(module)
+            covered.update(module.modules())
+    return found
+
+
+def _expert_mesh(model: nn.Module, pstate: ParallelState, device_type: str) -> DeviceMesh | None:
+    """A mesh of the expert-data-parallel group (this rank alone when that group has one rank)."""
+    if pstate.expert is None or not any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        return None
+    group = pstate.expert.edp_group
+    if group is None:
+        group = dist.new_group([pstate.rank], use_local_synchronization=True)
+    return DeviceMesh.from_group(group, device_type)

@@ -16,10 +16,12 @@ from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, split_sequence
 from megalite.parallel.context.split import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.data.fsdp import FSDPChunk, apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState, tensor_split_of
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.training.per_token_loss import PerTokenLoss, scale_main_grads, token_factor
 
 VOCAB, SEQ, MICRO, GLOBAL, HIDDEN, STEPS = 64, 8, 2, 8, 16, 2
 OPTIM = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, clip_grad=1.0)
@@ -44,12 +46,15 @@ def moe_model_config(dispatcher: str, router: str, sequence_parallel=False, **mo
                      sequence_parallel=sequence_parallel, moe=moe)
 
 
-def rank_batches(step: int, dp_rank: int, dp_size: int, cp_size: int = 1, cp_rank: int = 0) -> list[dict]:
+def rank_batches(step: int, dp_rank: int, dp_size: int, cp_size: int = 1, cp_rank: int = 0,
+                 full_masks: bool = False) -> list[dict]:
     """This DP rank's micro-batches of the step, each sequence cut to this CP rank's chunks."""
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
     mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.2).float()
+    if full_masks:
+        mask = torch.ones_like(mask)
     per_rank = GLOBAL // dp_size
     lo = dp_rank * per_rank
     cut = lambda t: split_sequence(t, 1, cp_size, cp_rank)  # noqa: E731
@@ -76,44 +81,57 @@ def full_state(chunks, pstate, grads=False) -> dict:
     out = {}
     for chunk in chunks:
         for name, param in chunk.module.named_parameters():
-            value = param.main_grad if grads else param.detach()
+            value = (param.grad if isinstance(chunk, FSDPChunk) else param.main_grad) if grads else param.detach()
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's shards
             out[name] = gather_tp_full(param, value.float(), tensor_split_of(pstate, param)[0]).clone()
         if not grads:
             out.update({n: b.clone() for n, b in chunk.module.named_buffers() if n.endswith("expert_bias")})
     return out
 
 
-def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS) -> dict:
-    chunks = [DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt)
-              for c in build_model_chunks(config, pstate, init_seed=7)]
+def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS, fsdp=False, per_token=False,
+          full_masks=False) -> dict:
+    """Train `steps` steps; fsdp: FSDP2 in place of DistributedDataParallel; per_token:
+    --calculate-per-token-loss; full_masks: every token counts in the loss."""
+    models = build_model_chunks(config, pstate, init_seed=7)
+    chunks = [apply_fsdp2(c, pstate) if fsdp else DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt)
+              for c in models]
     optimizer = build_optimizer(chunks, pstate, use_distributed_optimizer=dist_opt, **OPTIM)
     batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size, pstate.cp_size,  # noqa: E731
-                                           pstate.cp_rank)
+                                           pstate.cp_rank, full_masks)
     m = len(batches_of(0))
+    forward_step = PerTokenLoss() if per_token else gpt_forward_step
     executor = None
     if pstate.pp_size > 1:
         executor = PipelineExecutor(chunks, pstate, "1f1b", num_microbatches=m, seq_length=SEQ,
                                     micro_batch_size=MICRO, hidden_size=HIDDEN,
-                                    sequence_parallel=config.sequence_parallel, forward_step=gpt_forward_step)
+                                    sequence_parallel=config.sequence_parallel, forward_step=forward_step)
     result = {"losses": []}
     for step in range(steps):
         optimizer.zero_grad()
-        set_loss_backward_scale(chunks, 1.0 / m)
+        set_loss_backward_scale(models, 1.0 / m, per_token_loss=per_token)
+        if per_token:
+            forward_step.tokens = 0
         if executor is not None:
             loss = executor.run(batches_of(step))
         else:
             loss = 0.0
             for i, batch in enumerate(batches_of(step)):
                 with contextlib.nullcontext() if i == m - 1 else chunks[0].no_sync():
-                    micro_loss = gpt_forward_step(chunks[0], batch, None) / m
+                    micro_loss = forward_step(chunks[0], batch, None) / m
                     micro_loss.backward()
                 loss += float(micro_loss.detach())
         finalize_model_grads(chunks, pstate)
+        if per_token:
+            factor = token_factor(forward_step, pstate, m, torch.device("cpu"))
+            scale_main_grads(chunks, factor)
+            if loss is not None:  # each CP rank's is the sum over its own tokens
+                loss = float(comm.all_reduce(torch.tensor(loss * factor, dtype=torch.float64), pstate.cp_group))
         result["losses"].append(None if loss is None else float(loss))
         if step == 0 and not dist_opt:
             result["grads"] = full_state(chunks, pstate, grads=True)
         optimizer.step()
-        update_expert_bias([c.module for c in chunks], pstate.dp_cp_group)
+        update_expert_bias(models, pstate.dp_cp_group)
     result["params"] = full_state(chunks, pstate)
     if pstate.pp_size == 1:
         result["logits"] = eval_logits(chunks[0].module.eval(), pstate)
@@ -128,10 +146,10 @@ def expert_state(tp=1, pp=1, ep=1, etp=None, cp=1, world=None) -> ParallelState:
     return pstate
 
 
-def reference(config: GPTConfig) -> dict:
+def reference(config: GPTConfig, **options) -> dict:
     pstate = ParallelState.single()
     pstate.expert = ExpertState.single()
-    return train(pstate, config)
+    return train(pstate, config, **options)
 
 
 def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
