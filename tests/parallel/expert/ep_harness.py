@@ -11,6 +11,7 @@ from megalite.model.gpt import masked_mean_loss
 from megalite.model.moe import set_loss_backward_scale, update_expert_bias
 from megalite.model.moe_config import MoEConfig
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
+from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, split_sequence
@@ -22,6 +23,7 @@ from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.training.per_token_loss import PerTokenLoss, scale_main_grads, token_factor
+from tests.numerics import rel_error
 
 VOCAB, SEQ, MICRO, GLOBAL, HIDDEN, STEPS = 64, 8, 2, 8, 16, 2
 OPTIM = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, clip_grad=1.0)
@@ -133,6 +135,7 @@ def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS,
         optimizer.step()
         update_expert_bias(models, pstate.dp_cp_group)
     result["params"] = full_state(chunks, pstate)
+    result["memory"] = memory_report(chunks, optimizer, pstate)[0]
     if pstate.pp_size == 1:
         result["logits"] = eval_logits(chunks[0].module.eval(), pstate)
     return result
@@ -152,6 +155,62 @@ def reference(config: GPTConfig, **options) -> dict:
     return train(pstate, config, **options)
 
 
+GRID = ("tp", "pp", "cp", "ep", "etp")
+
+
+def layout_config(spec: dict, dispatcher: str, router: str) -> GPTConfig:
+    return moe_model_config(dispatcher, router, sequence_parallel=spec.get("sp", False))
+
+
+def train_runs(rank: int, world_size: int, layouts: dict, runs) -> dict:
+    """A run_distributed worker: train every run (layout name, dispatcher, router), `layouts`
+    mapping a name to its grid sizes (tp, pp, cp, ep, etp), sp (sequence parallelism) and
+    options of train(); {'layout/dispatcher/router': train()'s result}."""
+    out, states = {}, {}
+    for layout, dispatcher, router in runs:
+        spec = layouts[layout]
+        if layout not in states:
+            states[layout] = expert_state(**{k: v for k, v in spec.items() if k in GRID})
+        options = {k: v for k, v in spec.items() if k not in (*GRID, "sp")}
+        out[f"{layout}/{dispatcher}/{router}"] = train(states[layout], layout_config(spec, dispatcher, router), **options)
+    return out
+
+
+def compare(per_rank: list[dict], ref: dict, tol: float = 1e-5) -> list[str]:
+    """What differs by more than `tol` relative between every rank's results and the reference:
+    the mean loss over the ranks that report one, full gradients and parameters, logits."""
+    problems = []
+    losses = [r["losses"] for r in per_rank if r["losses"][0] is not None]
+    mean = torch.tensor(losses).mean(0)
+    if rel_error(mean, torch.tensor(ref["losses"])) > tol:
+        problems.append(f"losses {mean.tolist()} vs {ref['losses']}")
+    for key in ("grads", "params"):
+        seen = set()
+        for r in per_rank:
+            for name, value in r.get(key, {}).items():
+                seen.add(name)
+                want = ref[key][name]
+                err = rel_error(value[:want.shape[0]], want)  # the vocabulary padding grows with TP
+                if err > tol:
+                    problems.append(f"{key} {name}: rel error {err:.2e}")
+        if key in per_rank[0] and seen != set(ref[key]):
+            problems.append(f"{key}: missing {sorted(set(ref[key]) - seen)[:3]}")
+    for r in per_rank:
+        if "logits" in r and rel_error(r["logits"], ref["logits"]) > tol:
+            problems.append(f"logits: rel error {rel_error(r['logits'], ref['logits']):.2e}")
+    return problems
+
+
+def check_run(results: list[dict], layouts: dict, run) -> None:
+    """Assert that `run` (of train_runs, on every rank) equals the single-process EP = 1 run."""
+    layout, dispatcher, router = run
+    spec = layouts[layout]
+    ref = reference(layout_config(spec, dispatcher, router).replace(sequence_parallel=False),
+                    per_token=spec.get("per_token", False))
+    assert ref["losses"][1] < ref["losses"][0] + 0.5  # the reference trains at all
+    assert compare([r[f"{layout}/{dispatcher}/{router}"] for r in results], ref) == []
+
+
 def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
     """One MoE layer at this EP size against the EP = 1 layer on the same tokens, a different
     number of tokens on each rank (3 + rank sequences positions): relative errors of the output,
@@ -159,7 +218,6 @@ def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
     gradients summed over the EP group, as every rank's tokens reach the expert)."""
     from megalite.model.moe import MoELayer
     from tests.model.moe_reference import tiny_config
-    from tests.numerics import rel_error
 
     config = tiny_config(token_dispatcher_type=dispatcher, **moe)
     reference, layer = MoELayer(config), MoELayer(config, expert_state=pstate.expert)

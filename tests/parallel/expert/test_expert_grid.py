@@ -15,47 +15,42 @@ import pytest
 from megalite.parallel.expert.groups import ExpertLayout
 from megalite.parallel.state import ParallelLayout
 from tests.distributed import run_distributed
-from tests.parallel.expert.ep_harness import expert_state, moe_model_config, reference, train
-from tests.parallel.expert.test_expert_parallel import _check
+from tests.parallel.expert.ep_harness import check_run, train_runs
 
-LAYOUTS = {  # name: (tp, cp, ep, etp, sequence_parallel, dist_opt)
-    "tp2-sp-etp1-ep2": (2, 1, 2, 1, True, False),
-    "tp2-etp1-ep4-distopt": (2, 1, 4, 1, False, True),
-    "tp1-etp2-ep2": (1, 1, 2, 2, False, False),
-    "cp2-ep2": (1, 2, 2, None, False, False),
-    "cp2-tp2-sp-etp1-ep4-distopt": (2, 2, 4, 1, True, True),
+LAYOUTS = {
+    "tp2-sp-etp1-ep2": dict(tp=2, ep=2, etp=1, sp=True),
+    "tp2-etp1-ep4-distopt": dict(tp=2, ep=4, etp=1, dist_opt=True),
+    "tp1-etp2-ep2": dict(ep=2, etp=2),
+    "cp2-ep2": dict(cp=2, ep=2),
+    "cp2-tp2-sp-etp1-ep4-distopt": dict(tp=2, cp=2, ep=4, etp=1, sp=True, dist_opt=True),
 }
 RUNS = [(layout, "alltoall", "softmax") for layout in LAYOUTS] + \
        [(layout, "allgather", "sigmoid") for layout in LAYOUTS] + \
        [("cp2-ep2", "alltoall", "sigmoid"), ("cp2-ep2", "allgather", "softmax")]
 
 
-def _config(layout, dispatcher, router):
-    return moe_model_config(dispatcher, router, sequence_parallel=LAYOUTS[layout][4])
-
-
-def _worker(rank, world_size):
-    out, states = {}, {}
-    for layout, dispatcher, router in RUNS:
-        tp, cp, ep, etp, _, dist_opt = LAYOUTS[layout]
-        if layout not in states:
-            states[layout] = expert_state(tp=tp, cp=cp, ep=ep, etp=etp)
-        out[f"{layout}/{dispatcher}/{router}"] = train(states[layout], _config(layout, dispatcher, router), dist_opt)
-    return out
-
-
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, 4, timeout=900)
+    return run_distributed(train_runs, 4, LAYOUTS, RUNS, timeout=900)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
 def test_expert_grid_equals_ep1(results, run):
-    layout, dispatcher, router = run
-    ref = reference(_config(layout, dispatcher, router).replace(sequence_parallel=False))
-    per_rank = [r[f"{layout}/{dispatcher}/{router}"] for r in results]
-    assert ref["losses"][1] < ref["losses"][0] + 0.5  # the reference trains at all
-    assert _check(per_rank, ref) == []
+    check_run(results, LAYOUTS, run)
+
+
+def test_memory_report_shards_experts_over_edp(results):
+    """TP = 2, ETP = 1, EP = 4 with the distributed optimizer: dense weights' state is sharded over
+    DP = 2, the experts' over EDP = 1; the measured bytes per parameter follow that blend of
+    formulas.md (within the buckets' padding), not the dense formula alone."""
+    for r in results:
+        info = r["tp2-etp1-ep4-distopt/alltoall/softmax"]["memory"]
+        dense, experts = info["num_params"] - info["expert_params"], info["expert_params"]
+        blended = (dense * (8 + 8 / 2) + experts * (8 + 8 / 1)) / (dense + experts)  # fp32: 8 + 8/d
+        assert info["formula_bytes_per_param"] == pytest.approx(blended)
+        assert abs(info["bytes_per_param"] - blended) < 0.05 * blended
+        assert abs(info["bytes_per_param"] - 12.0) > 0.1 * 12.0
+        assert "experts d=1" in info["formula"]
 
 
 def test_expert_grid_by_hand():
