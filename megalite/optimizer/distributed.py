@@ -141,7 +141,7 @@ def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[Buck
                 main.grad = bucket.grad_data[a:b] if grad_flat is None else grad_flat[a - s0:b - s0]
                 counted = counts_in_norm(param, tp_rank, ddp_chunk.module)
                 if expert_parallel(ddp_chunk.pstate):  # one replica: rank 0 of each group replicating it
-                    counted = counted and comm.group_rank(bucket.cp_group) == 0 and \
+                    counted = counted and comm.group_rank(getattr(bucket, "cp_group", None)) == 0 and \
                         (bucket.sharded_over_dp or comm.group_rank(bucket.dp_group) == 0)
                 mains.append(MainParam(names[param], param, main, lo, hi, counted))
             shards.append(BucketShard(bucket, mains, main_flat, grad_flat))
