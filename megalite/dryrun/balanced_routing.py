@@ -4,7 +4,7 @@ Which expert a token goes to depends on the router's values, and a fake tensor h
 the number of rows each expert receives (and so every shape after the router) is unknown. A
 dry run therefore assumes balanced routing: each of a rank's T tokens picks k experts and
 every expert receives T*k/E rows from every rank (the remainder, when E does not divide T*k,
-one more row to each of the first experts). Every rank of the EP group holds the same T, so
+one more row to each of the first experts). Every rank of an ETP x EP block holds the same T, so
 the counts each rank receives equal the counts it sends. The dispatchers below make the same
 collectives as the real ones (megalite.parallel.expert.dispatch), with these counts in place
 of the router's; a real run moves more or less as its routing is skewed.
@@ -12,7 +12,8 @@ of the router's; a real run moves more or less as its routing is skewed.
 
 import torch
 
-from megalite.parallel.expert.collectives import all_to_all, gather_rows, row_counts
+from megalite.parallel import comm
+from megalite.parallel.expert.collectives import gather_rows, row_counts
 from megalite.parallel.expert.dispatch import AllGatherDispatcher, AllToAllDispatcher
 
 ASSUMPTION = ("MoE token counts: balanced routing assumed (every expert receives T*k/E rows of each rank's T "
@@ -40,21 +41,14 @@ class BalancedAllToAll(AllToAllDispatcher):
         self.topk = topk
 
     def dispatch(self, tokens, probs, routing_map):
-        ep, local = self.ep_size, self.num_local
         self.num_tokens = tokens.shape[0]
         rows, self.token_ids, self.row_probs, counts = _balanced_permute(tokens, probs, self.topk, self.num_experts)
-        if ep == 1:
-            return rows, counts
-        sent = torch.tensor(counts, device=tokens.device)
-        torch.distributed.all_to_all_single(torch.empty_like(sent), sent, group=self.ep_group)  # its bytes
-        per_rank = [counts[r * local:(r + 1) * local] for r in range(ep)]
-        self.input_splits = [sum(c) for c in per_rank]
-        self.received = [per_rank[self.ep_rank]] * ep  # every rank sends this rank's experts the same
-        self.output_splits = [sum(c) for c in self.received]
-        x = all_to_all(rows, self.output_splits, self.input_splits, self.ep_group, self.traffic)
-        by_source = x.split([n for per_source in self.received for n in per_source])
-        x = torch.cat([by_source[r * local + e] for e in range(local) for r in range(ep)])
-        return x, [ep * n for n in per_rank[self.ep_rank]]
+        return self.send_rows(rows, counts)
+
+    def exchange_counts(self, counts, device):
+        self.count_collectives(counts, device)  # its bytes
+        mine = counts[self.local_start:self.local_start + self.num_local]
+        return [[mine] * self.ep_size] * self.etp_size  # every rank sends this rank's experts the same
 
 
 class BalancedAllGather(AllGatherDispatcher):
@@ -63,11 +57,12 @@ class BalancedAllGather(AllGatherDispatcher):
         self.topk = topk
 
     def dispatch(self, tokens, probs, routing_map):
-        row_counts(tokens.shape[0], self.ep_group, tokens.device)  # its bytes; every rank holds the same T
-        self.sizes = [tokens.shape[0]] * self.ep_size
-        tokens = gather_rows(tokens, self.sizes, self.ep_group)
-        probs = gather_rows(probs, self.sizes, self.ep_group)
-        gather_rows(routing_map.to(torch.uint8), self.sizes, self.ep_group)
+        group = self.etp_ep_group
+        row_counts(tokens.shape[0], group, tokens.device)  # its bytes; every rank holds the same T
+        self.sizes = [tokens.shape[0]] * comm.group_size(group)
+        tokens = gather_rows(tokens, self.sizes, group)
+        probs = gather_rows(probs, self.sizes, group)
+        gather_rows(routing_map.to(torch.uint8), self.sizes, group)
         self.num_tokens = tokens.shape[0]
         rows, self.token_ids, row_probs, counts = _balanced_permute(tokens, probs, self.topk, self.num_experts)
         local = slice(self.local_start, self.local_start + self.num_local)

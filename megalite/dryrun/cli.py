@@ -1,6 +1,7 @@
 """`python -m megalite.pretrain_gpt --dry-run [the run's flags] --dry-run-world-size N`: one
 iteration of each distinct rank on a fake device, in this one process (see runner.py)."""
 
+import math
 import sys
 
 import torch
@@ -22,10 +23,13 @@ def distinct_ranks(layout, all_stages: bool) -> list[int]:
 
 
 def default_world_size(args) -> int:
-    """The smallest world the layout needs: TP x CP x PP, with DP = the EP size (EP is carved
-    from the data-parallel ranks)."""
-    ep = args.expert_model_parallel_size if args.num_experts is not None else 1
-    return args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size * ep
+    """The smallest world the layout needs: TP x CP x PP x DP, with the smallest DP whose
+    stage of TP x CP x DP ranks the expert grid's ETP x EP blocks tile."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    block = 1
+    if args.num_experts is not None:
+        block = args.expert_model_parallel_size * (args.expert_tensor_parallel_size or tp)
+    return tp * cp * args.pipeline_model_parallel_size * (block // math.gcd(block, tp * cp))
 
 
 def run_dry(args, argv: list[str]) -> int:

@@ -14,8 +14,9 @@ def _mib(n: int) -> str:
 def format_report(args, layout, reports) -> str:
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     cp = f" x CP {layout.context} ({' '.join(cp_comm_types_of(args))})" if layout.context > 1 else ""
+    etp = args.expert_tensor_parallel_size or layout.tensor
     ep = (f"; {args.num_experts} experts top-{args.moe_router_topk}, EP {args.expert_model_parallel_size} "
-          f"({args.moe_token_dispatcher_type})" if args.num_experts is not None else "")
+          f"x ETP {etp} ({args.moe_token_dispatcher_type})" if args.num_experts is not None else "")
     lines = [f"dry run: world {layout.world_size} = TP {layout.tensor}{cp} x PP {layout.pipeline} "
              f"(x{layout.virtual_pipeline} virtual) x DP {layout.data}{ep}, {dtype}, "
              f"{args.num_micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_length}, "

@@ -97,9 +97,10 @@ def _state(layout, rank: int, args) -> ParallelState:
         groups[name] = _own_group(lists, rank)
     pstate = ParallelState(layout, rank, {n: g for n, g in groups.items() if g is not None})
     if args.num_experts is not None:
-        expert = ExpertLayout(layout, args.expert_model_parallel_size, args.num_experts)
-        pstate.expert = ExpertState(expert, rank, _own_group(expert.ep_groups(), rank) if expert.expert > 1 else None,
-                                    _own_group(expert.edp_groups(), rank) if expert.expert_data > 1 else None)
+        expert = ExpertLayout(layout, args.expert_model_parallel_size, args.num_experts,
+                              args.expert_tensor_parallel_size)
+        pstate.expert = ExpertState(expert, rank, {name: _own_group(lists, rank)
+                                                   for name, lists in ExpertState.group_lists(expert).items()})
     return pstate
 
 
@@ -140,7 +141,7 @@ def comm_checks(args, config, pstate, models, counted: dict) -> dict:
             counted.get(("cp", "all-gather"), 0), all_gather_cp_bytes(args, config, pstate.tp_size, pstate.cp_size, layers))
     moe = moe_layers(models)
     if moe and isinstance(moe[0].dispatcher, AllToAllDispatcher) and pstate.expert.ep_size > 1:
-        tokens = args.seq_length // pstate.cp_size * args.micro_batch_size
+        tokens = args.seq_length // pstate.cp_size * args.micro_batch_size // pstate.tp_size  # this rank's share
         element = 2 if args.bf16 or args.fp16 else 4
         checks["ep all-to-all tokens to other ranks"] = (
             sum(layer.dispatcher.traffic[0] for layer in moe),
@@ -173,7 +174,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         layout = layout_from_args(args, world_size)
         pstate = ParallelState.create(layout) if real else _state(layout, rank, args)
         if real and args.num_experts is not None:
-            pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts)
+            pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
+                                               expert_tensor_size=args.expert_tensor_parallel_size)
         config = model_config_from_args(args, vocab_size)
         fake = contextlib.nullcontext() if real else FakeTensorMode()
         modules = ModuleTracker()
@@ -181,7 +183,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         # without CP, dp_cp_group is dp_group: the later "dp" names it
         counter = CommCounter({pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
                                pstate.dp_group: "dp", pstate.pp_group: "pp", pstate.mp_group: "mp", pstate.embedding_group: "embedding",
-                               pstate.world_group: "world", **({expert.ep_group: "ep", expert.edp_group: "edp"}
+                               pstate.world_group: "world", **({expert.etp_ep_group: "etp_ep", expert.etp_group: "etp",
+                                                                 expert.ep_group: "ep", expert.edp_group: "edp"}
                                                                if expert is not None else {})})
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,

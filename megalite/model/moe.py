@@ -1,11 +1,14 @@
 """Mixture-of-experts MLP (Megatron's MoELayer): a router picks each token's top-k experts, a
 token dispatcher moves the tokens to the EP ranks holding those experts, the experts (SwiGLU or
-GeLU MLPs without biases, tensor-parallel over TP) run as one grouped matmul, and the weighted
-outputs come back; an optional shared expert sees every token.
+GeLU MLPs without biases, split over the expert-tensor-parallel group) run as one grouped
+matmul, and the weighted outputs come back; an optional shared expert sees every token.
 
 Expert e is `local_experts.e` (its global number) on whichever EP rank holds it, so
-checkpoints reshard across EP sizes by name. Under sequence parallelism the layer gathers the
-sequence, routes every token on every TP rank alike, and returns its own slice.
+checkpoints reshard across EP and ETP sizes by name. Every TP rank routes all tokens of its TP
+group alike (under sequence parallelism from the gathered router logits), so routing, capacity
+and the balancing losses do not depend on TP; each TP rank then dispatches only its own share
+of the tokens (its sequence-parallel slice, or without sequence parallelism a 1/TP slice of the
+rows), as Megatron's dispatchers take them into the expert grid (megalite.parallel.expert).
 """
 
 import torch
@@ -16,6 +19,7 @@ from megalite import kernels
 from megalite.model.mlp import MLP
 from megalite.model.moe_router import TopKRouter
 from megalite.parallel import comm
+from megalite.parallel.expert.collectives import gather_rows, scatter_rows
 from megalite.parallel.expert.dispatch import build_dispatcher
 from megalite.parallel.expert.grouped_gemm import grouped_mm
 from megalite.parallel.expert.groups import ExpertState
@@ -24,13 +28,13 @@ from megalite.parallel.tensor.layers import output_init_std
 
 
 class ExpertWeight(nn.Module):
-    """One expert linear's weight [out(/tp), in], a TP shard of the full weight like
+    """One expert linear's weight [out(/etp), in], an ETP shard of the full weight like
     ColumnParallelLinear (partition_dim 0) or RowParallelLinear (partition_dim 1)."""
 
-    def __init__(self, out_size, in_size, partition_dim, stride, init_std, tp_group, dtype, device):
+    def __init__(self, out_size, in_size, partition_dim, stride, init_std, etp_group, dtype, device):
         super().__init__()
-        tp = comm.group_size(tp_group)
-        self.full_shape, self.init_std, self.tp_group = (out_size, in_size), init_std, tp_group
+        tp = comm.group_size(etp_group)
+        self.full_shape, self.init_std, self.tp_group = (out_size, in_size), init_std, etp_group
         shape = [out_size, in_size]
         shape[partition_dim] //= tp
         self.weight = mark_sharded(nn.Parameter(torch.empty(shape, dtype=dtype, device=device)), partition_dim, stride)
@@ -47,15 +51,39 @@ class ExpertWeight(nn.Module):
 class Expert(nn.Module):
     """One routed expert: linear_fc1 (SwiGLU's [gate; up]) and linear_fc2, no biases."""
 
-    def __init__(self, config, ffn, tp_group, device):
+    def __init__(self, config, ffn, etp_group, device):
         super().__init__()
         dtype = getattr(torch, config.params_dtype)
         swiglu = config.activation == "swiglu"
         self.linear_fc1 = ExpertWeight(ffn * (2 if swiglu else 1), config.hidden_size, 0, 2 if swiglu else 1,
-                                       config.init_method_std, tp_group, dtype, device)
+                                       config.init_method_std, etp_group, dtype, device)
         self.linear_fc2 = ExpertWeight(config.hidden_size, ffn, 1, 1,
                                        output_init_std(config.init_method_std, config.num_layers),
-                                       tp_group, dtype, device)
+                                       etp_group, dtype, device)
+
+
+class LocalExperts(nn.ModuleDict):
+    """This rank's routed experts, keyed by global expert number, run as one grouped matmul per
+    linear (a module of its own so that FSDP2 can shard it over the expert-data-parallel group)."""
+
+    def __init__(self, config, expert_ids, etp_group, device):
+        super().__init__({str(e): Expert(config, config.moe.ffn_hidden_size, etp_group, device) for e in expert_ids})
+        self.config = config
+
+    def _stacked(self, which: str) -> torch.Tensor:
+        """[local experts, in, out(/etp)] weights of linear_fc1 or linear_fc2."""
+        return torch.stack([getattr(expert, which).weight for expert in self.values()]).transpose(1, 2)
+
+    def forward(self, rows, counts):
+        """The experts on their rows (counts[i] rows for the i-th local expert): this rank's ETP
+        share of each output, summed over the ETP group by the dispatcher's combine."""
+        grouped = self.config.moe.grouped_gemm
+        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, grouped)
+        if self.config.activation == "swiglu":
+            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
+        return grouped_mm(hidden, self._stacked("linear_fc2"), counts, grouped)
 
 
 class SharedExpert(MLP):
@@ -86,7 +114,7 @@ class SharedExpert(MLP):
 class MoELayer(nn.Module):
     """The MoE MLP of one transformer layer; input and output [s(/tp), b, h]."""
 
-    def __init__(self, config, tp_group=None, expert_state: ExpertState | None = None, device=None):
+    def __init__(self, config, tp_group=None, expert_state: ExpertState | None = None, device=None, cp_group=None):
         super().__init__()
         moe = config.moe
         self.config, self.moe, self.tp_group = config, moe, tp_group
@@ -94,44 +122,40 @@ class MoELayer(nn.Module):
         if config.add_bias_linear:
             raise ValueError("--num-experts needs --disable-bias-linear: megalite's experts have no biases")
         self.router = TopKRouter(config.hidden_size, moe, config.init_method_std,
-                                 getattr(torch, config.params_dtype), device)
-        self.dispatcher = build_dispatcher(moe.token_dispatcher_type, moe.num_experts, expert_state.ep_group)
+                                 getattr(torch, config.params_dtype), device, cp_group)
+        # Under sequence parallelism each TP rank's router weight sees only its own tokens' logits.
+        mark_sequence_parallel(self.router.weight, config.sequence_parallel)
+        self.dispatcher = build_dispatcher(moe.token_dispatcher_type, moe.num_experts, expert_state)
         start, count = self.dispatcher.local_start, self.dispatcher.num_local
         self.local_expert_ids = list(range(start, start + count))
-        self.local_experts = nn.ModuleDict({str(e): Expert(config, moe.ffn_hidden_size, tp_group, device)
-                                            for e in self.local_expert_ids})
+        self.local_experts = LocalExperts(config, self.local_expert_ids, expert_state.etp_group, device)
         self.shared_experts = (SharedExpert(config, tp_group, device)
                                if moe.shared_expert_intermediate_size else None)
         self.last_tokens_per_expert = None
         """Rows each local expert received in the last forward (padding included)."""
 
-    def _stacked(self, which: str) -> torch.Tensor:
-        """[local experts, in, out(/tp)] weights of linear_fc1 or linear_fc2."""
-        return torch.stack([getattr(self.local_experts[str(e)], which).weight
-                            for e in self.local_expert_ids]).transpose(1, 2)
-
-    def run_experts(self, rows, counts):
-        rows = comm.copy_to_tensor_parallel_region(rows, self.tp_group)
-        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, self.moe.grouped_gemm)
-        if self.config.activation == "swiglu":
-            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
-        else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
-        out = grouped_mm(hidden, self._stacked("linear_fc2"), counts, self.moe.grouped_gemm)
-        return comm.reduce_from_tensor_parallel_region(out, self.tp_group)
-
     def forward(self, x):
-        sequence_parallel = self.config.sequence_parallel
-        full = comm.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
-            if sequence_parallel else x
-        s, b, h = full.shape
-        tokens = full.reshape(s * b, h)
-        probs, routing_map = self.router(tokens, s, b)
+        tp_group, tp = self.tp_group, comm.group_size(self.tp_group)
+        sequence_parallel = self.config.sequence_parallel and tp > 1
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        logits = self.router.gating(tokens)
+        if sequence_parallel:
+            logits = gather_rows(logits, [s * b] * tp, tp_group, grad_is_partial=False)
+        probs, routing_map = self.router.route(logits, logits.shape[0] // b, b)
+        if tp > 1:  # this rank's share of the TP group's rows (its own under sequence parallelism)
+            sizes = [logits.shape[0] // tp + (r < logits.shape[0] % tp) for r in range(tp)]
+            start = sum(sizes[:comm.group_rank(tp_group)])
+            probs = scatter_rows(probs, sizes, tp_group)
+            routing_map = routing_map[start:start + probs.shape[0]]
+            if not sequence_parallel:
+                tokens = scatter_rows(tokens, sizes, tp_group)
         rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
         self.last_tokens_per_expert = counts
-        out = self.dispatcher.combine(self.run_experts(rows, counts)).view(s, b, h)
-        if sequence_parallel:
-            out = comm.scatter_to_sequence_parallel_region(out, self.tp_group)
+        out = self.dispatcher.combine(self.local_experts(rows, counts))
+        if tp > 1 and not sequence_parallel:
+            out = gather_rows(out, sizes, tp_group, grad_is_partial=False)
+        out = out.view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -141,21 +165,25 @@ def moe_layers(chunks) -> list[MoELayer]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
 
 
-def set_loss_backward_scale(chunks, scale: float) -> None:
-    """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches)."""
+def set_loss_backward_scale(chunks, scale: float, per_token_loss: bool = False) -> None:
+    """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches).
+    With per_token_loss (--calculate-per-token-loss, whose gradients end up divided by the global
+    batch's loss tokens instead of averaged over micro-batches and replicas) each auxiliary loss
+    also counts as many times as its micro-batch routes tokens, as Megatron scales it."""
     for layer in moe_layers(chunks):
         layer.router.loss_backward_scale = scale
+        layer.router.per_token_loss = per_token_loss
 
 
 @torch.no_grad()
-def update_expert_bias(chunks, dp_group) -> None:
+def update_expert_bias(chunks, dp_cp_group) -> None:
     """After each optimizer step: move each expert's bias by rate toward balance (up for experts
-    below the mean token count over the data-parallel group, down above it)."""
+    below the mean token count over the data- and context-parallel group, down above it)."""
     for layer in moe_layers(chunks):
         router = layer.router
         if router.expert_bias is None:
             continue
-        counts = comm.all_reduce(router.tokens_per_expert, dp_group)
+        counts = comm.all_reduce(router.tokens_per_expert, dp_cp_group)
         router.expert_bias += torch.sign(counts.mean() - counts) * layer.moe.bias_update_rate
         counts.zero_()
 

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.parallel import comm
+
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -103,20 +105,22 @@ def aux_loss_scores(logits, moe):
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
 
 
-def switch_aux_loss(scores, routing_map, topk: int, coeff: float):
+def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, coeff: float):
     """E * sum_i f_i * P_i * coeff with f_i the fraction of routed (token, expert) pairs and P_i
-    the mean score of expert i (Switch Transformer), over the rows given."""
-    tokens, experts = scores.shape
-    return (scores.sum(0) * routing_map.sum(0)).sum() * (experts * coeff / (topk * tokens * tokens))
+    the mean score of expert i (Switch Transformer). `scores` may be one rank's part of the
+    tokens: with `tokens_per_expert` and `total_tokens` counted over all of them, the parts'
+    losses sum to the whole's (Megatron's switch_load_balancing_loss_func)."""
+    experts = scores.shape[-1]
+    return (scores.sum(0) * tokens_per_expert).sum() * (experts * coeff / (topk * total_tokens * total_tokens))
 
 
-def seq_aux_loss(scores, routing_map, topk: int, coeff: float, seq_length: int, batch: int):
-    """The Switch loss of each sequence alone, averaged over the batch."""
-    experts = scores.shape[1]
-    per_seq_scores = scores.view(seq_length, batch, experts)
-    per_seq_map = routing_map.view(seq_length, batch, experts)
-    load = (per_seq_scores.sum(0) * per_seq_map.sum(0)).sum()
-    return load * (experts * coeff / (topk * seq_length * seq_length)) / batch
+def seq_aux_loss(scores, tokens_per_expert, seq_length: int, topk: int, coeff: float):
+    """The Switch loss of each sequence alone, averaged over the batch: `scores` [s, b, E]
+    (one rank's positions of each sequence), `tokens_per_expert` [b, E] over all positions,
+    `seq_length` the full length."""
+    batch = scores.shape[1]
+    return (scores.sum(0) * tokens_per_expert).sum() * (
+        scores.shape[-1] * coeff / (topk * seq_length * seq_length)) / batch
 
 
 def z_loss(logits, coeff: float):
@@ -125,11 +129,16 @@ def z_loss(logits, coeff: float):
 
 class TopKRouter(nn.Module):
     """Router weights [E, h] (replicated over TP) and, with expert bias, the bias and the token
-    counts it is updated from (buffers: saved in checkpoints, never trained by the optimizer)."""
+    counts it is updated from (buffers: saved in checkpoints, never trained by the optimizer).
 
-    def __init__(self, hidden_size: int, moe, init_std: float, dtype=torch.float32, device=None):
+    Under context parallelism each CP rank routes its part of every sequence; the balancing
+    losses count tokens over the whole CP group, as Megatron's do over its sequence partition
+    group, so that the CP ranks' losses sum to the unsplit sequence's (the z-loss, a mean,
+    takes 1/CP of its coefficient on each). Gradients are summed over CP (megalite.parallel.data)."""
+
+    def __init__(self, hidden_size: int, moe, init_std: float, dtype=torch.float32, device=None, cp_group=None):
         super().__init__()
-        self.moe, self.init_std = moe, init_std
+        self.moe, self.init_std, self.cp_group = moe, init_std, cp_group
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype, device=device))
         if moe.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
@@ -138,8 +147,11 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.loss_backward_scale = 1.0
+        self.per_token_loss = False
+        """Weight each auxiliary loss by the micro-batch's routed tokens (see set_loss_backward_scale)."""
         self.logged = {}
-        """Per loss name, [sum over forward calls, calls] of the unscaled losses (for logging)."""
+        """Per loss name, [sum over forward calls, calls] of the unscaled losses (for logging;
+        the mean over the CP ranks is the whole sequence's loss)."""
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         with torch.no_grad():
@@ -151,28 +163,45 @@ class TopKRouter(nn.Module):
         total[0] += float(value.detach())
         total[1] += 1
 
+    def gating(self, tokens):
+        """Router logits [T, E] of tokens [T, h] (in the router's dtype)."""
+        dtype = ROUTER_DTYPES[self.moe.router_dtype] or tokens.dtype
+        return F.linear(tokens.to(dtype), self.weight.to(dtype))
+
     def forward(self, tokens, seq_length: int, batch: int):
-        moe = self.moe
-        dtype = ROUTER_DTYPES[moe.router_dtype] or tokens.dtype
-        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        return self.route(self.gating(tokens), seq_length, batch)
+
+    def _balancing_loss(self, logits, seq_length: int, batch: int):
+        """(log name, loss of this CP rank's part) of the configured balancing loss."""
+        moe, cp = self.moe, comm.group_size(self.cp_group)
+        scores, top_map = aux_loss_scores(logits, moe)
+        if moe.load_balancing_type == "aux_loss":
+            counts = comm.all_reduce(top_map.sum(0).to(scores.dtype), self.cp_group)
+            return "load_balancing_loss", switch_aux_loss(scores, counts, logits.shape[0] * cp, moe.router_topk,
+                                                          moe.aux_loss_coeff)
+        per_seq = top_map.view(seq_length, batch, -1)
+        counts = comm.all_reduce(per_seq.sum(0).to(scores.dtype), self.cp_group)
+        return "seq_load_balancing_loss", seq_aux_loss(scores.view(seq_length, batch, -1), counts,
+                                                       seq_length * cp, moe.router_topk, moe.aux_loss_coeff)
+
+    def route(self, logits, seq_length: int, batch: int):
+        """(probs [T, E], routing_map bool [T, E]) of logits [T, E] for tokens in [seq, batch]
+        order, attaching the auxiliary losses to the graph when training."""
+        moe, cp = self.moe, comm.group_size(self.cp_group)
         training = self.training and torch.is_grad_enabled()
+        # Megatron's per-token mode: x the micro-batch's tokens (on one model replica, all CP ranks')
+        scale = self.loss_backward_scale * (logits.shape[0] * cp if self.per_token_loss else 1)
         if training and moe.z_loss_coeff:
             loss = z_loss(logits, moe.z_loss_coeff)
             self._log("z_loss", loss / moe.z_loss_coeff)
-            logits = AttachLoss.apply(logits, loss, self.loss_backward_scale)
+            logits = AttachLoss.apply(logits, loss / cp, scale)
         probs, routing_map = topk_routing(logits, moe, self.expert_bias)
         if moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, moe)
         if training and moe.load_balancing_type != "none" and moe.aux_loss_coeff:
-            scores, top_map = aux_loss_scores(logits, moe)
-            if moe.load_balancing_type == "aux_loss":
-                name, loss = "load_balancing_loss", switch_aux_loss(scores, top_map, moe.router_topk,
-                                                                    moe.aux_loss_coeff)
-            else:
-                name, loss = "seq_load_balancing_loss", seq_aux_loss(
-                    scores, top_map, moe.router_topk, moe.aux_loss_coeff, seq_length, batch)
-            self._log(name, loss / moe.aux_loss_coeff)
-            probs = AttachLoss.apply(probs, loss, self.loss_backward_scale)
+            name, loss = self._balancing_loss(logits, seq_length, batch)
+            self._log(name, loss * cp / moe.aux_loss_coeff)
+            probs = AttachLoss.apply(probs, loss, scale)
         if training and self.expert_bias is not None:
             self.tokens_per_expert += routing_map.sum(0)
         return probs, routing_map

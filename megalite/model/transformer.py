@@ -19,7 +19,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group, layer_number)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
-            self.mlp = MoELayer(config, tp_group, expert_state, device)
+            self.mlp = MoELayer(config, tp_group, expert_state, device, cp_group)
         else:
             self.mlp = MLP(config, tp_group, device)
 

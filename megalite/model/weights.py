@@ -6,7 +6,7 @@ import torch
 
 from megalite.model.hf_mapping import hf_to_megalite, megalite_to_hf
 from megalite.model.hf_mapping_moe import split_fused_experts
-from megalite.parallel import comm
+from megalite.parallel.expert.groups import tensor_split_of
 from megalite.parallel.sharding import gather_tp_full, param_shard_of_full
 
 
@@ -20,8 +20,8 @@ def source_name(model, name: str) -> str:
 @torch.no_grad()
 def load_full_weights(model, get_full: Callable[[str], torch.Tensor]) -> None:
     """Copy this rank's shard of every parameter from `get_full(name)` (full tensors)."""
-    rank, world = comm.group_rank(model.tp_group), comm.group_size(model.tp_group)
     for name, param in model.named_parameters():
+        _, world, rank = tensor_split_of(model.pstate, param)
         full = get_full(source_name(model, name))
         shard = param_shard_of_full(param, full, rank, world)
         if shard.shape != param.shape:
@@ -33,12 +33,12 @@ def load_full_weights(model, get_full: Callable[[str], torch.Tensor]) -> None:
 @torch.no_grad()
 def gather_full_weights(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of this chunk's parameters (or of their gradients), gathered over the TP
-    group: a collective every TP rank must enter."""
+    group (expert weights over the ETP group): a collective every rank of them must enter."""
     out = {}
     for name, param in model.named_parameters():
         value = param.grad if grads else param
         if value is not None:
-            out[source_name(model, name)] = gather_tp_full(param, value, model.tp_group)
+            out[source_name(model, name)] = gather_tp_full(param, value, tensor_split_of(model.pstate, param)[0])
     return out
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.data.grad_buffer import Bucket
+from megalite.parallel.expert.groups import reduction_index
 from megalite.parallel.sharding import is_sharded
 
 
@@ -95,19 +96,18 @@ def counts_in_norm(param, tp_rank: int, chunk_module) -> bool:
 
 
 def expert_parallel(pstate) -> bool:
-    """Whether EP ranks hold different experts: the gradient norm then sums over all ranks,
+    """Whether expert weights are laid out or reduced unlike dense ones (EP > 1, ETP != TP, or
+    their expert-data-parallel group spanning CP): the gradient norm then sums over all ranks,
     each replica counted once."""
-    return pstate.expert is not None and pstate.expert.ep_size > 1
+    return pstate.expert is not None and pstate.expert.layout.differs_from_dense
 
 
-def reduction_rank(pstate, param) -> tuple[int, callable]:
-    """(this rank's index in the group `param`'s gradients are reduced and its optimizer state
-    sharded over, and the (DP rank, CP rank) of each index): DP x CP, or for expert parameters
-    the expert-data-parallel group."""
-    expert = pstate.expert
-    if expert is not None and getattr(param, "expert_parallel", False):
-        return expert.edp_rank, lambda j: (expert.dp_rank_of(j), pstate.cp_rank)
-    return pstate.dp_cp_rank, pstate.dp_cp_coords
+def norm_group(pstate, sharded_over_dp: bool):
+    """The ranks whose counted elements hold each gradient once: every rank when the state is
+    sharded (over DP x CP) or experts are laid out unlike dense weights, else one model replica."""
+    if sharded_over_dp or expert_parallel(pstate):
+        return pstate.world_group
+    return pstate.mp_group
 
 
 def fsdp_main_params(fsdp_chunk, tp_rank: int) -> list[MainParam]:
@@ -141,8 +141,9 @@ def build_bucket_shards(ddp_chunk, tp_rank: int, cpu_offload: bool) -> list[Buck
                     main.copy_(flat)
                 main.grad = bucket.grad_data[a:b] if grad_flat is None else grad_flat[a - s0:b - s0]
                 counted = counts_in_norm(param, tp_rank, ddp_chunk.module)
-                if expert_parallel(ddp_chunk.pstate) and not bucket.sharded_over_dp:
-                    counted = counted and comm.group_rank(bucket.dp_group) == 0  # one replica
+                if expert_parallel(ddp_chunk.pstate):  # one replica: rank 0 of each group replicating it
+                    counted = counted and comm.group_rank(getattr(bucket, "cp_group", None)) == 0 and \
+                        (bucket.sharded_over_dp or comm.group_rank(bucket.dp_group) == 0)
                 mains.append(MainParam(names[param], param, main, lo, hi, counted))
             shards.append(BucketShard(bucket, mains, main_flat, grad_flat))
     return shards
@@ -214,10 +215,11 @@ def dtensor_dp_ranges(dtensor) -> list[tuple[int, int]] | None:
     return ranges
 
 
-def rank_layout(ranges: list | None, group_rank: int, numel: int) -> tuple[int, int, list | None]:
-    """(lo, hi, ranges): the elements sharding-group rank `group_rank` holds of a flattened
-    tensor of `numel` elements laid out by `ranges` (from bucket_dp_ranges or
-    dtensor_dp_ranges; None: every rank holds all of it)."""
+def rank_layout(ranges: list | None, pstate, param, numel: int) -> tuple[int, int, list | None]:
+    """(lo, hi, ranges): the elements this rank holds of flattened `param` (or a tensor laid out
+    like it) of `numel` elements laid out by `ranges` over its reduction group (DP x CP, for
+    expert weights the EDP group; from bucket_dp_ranges or dtensor_dp_ranges; None: every rank
+    of it holds all of it)."""
     if ranges is None:
         return 0, numel, None
-    return (*ranges[group_rank], ranges)
+    return (*ranges[reduction_index(pstate, param)], ranges)

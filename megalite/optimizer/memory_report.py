@@ -110,17 +110,24 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
     offload = optimizer is not None and optimizer.cpu_offload
     host_bytes = optimizer_bytes if offload else 0
     d = pstate.dp_size * pstate.cp_size  # the distributed optimizer and FSDP2 shard over DP x CP
+    # expert weights shard over the expert-data-parallel group: formulas.md with d = EDP for them
+    edp = pstate.expert.edp_size if pstate.expert is not None and expert_params else d
+    experts_d = f", experts d={edp}" if edp != d else ""
+
+    def blended(per_param_at):
+        return ((num_params - expert_params) * per_param_at(d) + expert_params * per_param_at(edp)) / max(num_params, 1)
+
     distributed = optimizer is not None and optimizer.sharded_over_dp
     if offload:
         formula, described = None, ("n/a under --optimizer-cpu-offload (formulas.md counts one device holding "
                                     "everything)")
     elif fsdp:
-        formula, described = fsdp_bytes_per_parameter(d), f"FSDP2 (2+2+12)/d, d={d}"
+        formula, described = blended(fsdp_bytes_per_parameter), f"FSDP2 (2+2+12)/d, d={d}{experts_d}"
     elif precision is None or optimizer is None or optimizer.kind != "adam":
         formula, described = None, "no formula for this setup (formulas.md assumes Adam)"
     else:
-        formula = bytes_per_parameter(precision, distributed, d)
-        described = f"{precision}" + (f" + distributed optimizer, d={d}" if distributed else "")
+        formula = blended(lambda n: bytes_per_parameter(precision, distributed, n))
+        described = f"{precision}" + (f" + distributed optimizer, d={d}{experts_d}" if distributed else "")
     per_param = 1 / max(num_params, 1)
     info = {"rank": pstate.rank, "num_params": num_params, "expert_params": expert_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optimizer_bytes": optimizer_bytes, "total_bytes": total, "cpu_offload": offload,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megalite.optimizer.distributed import (
     FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, fsdp_main_params, gather_full, rank_layout,
-    expert_parallel, reduction_rank, sharded_dp_group,
+    norm_group, sharded_dp_group,
 )
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.parallel import comm
@@ -124,8 +124,8 @@ class MixedPrecisionOptimizer:
         return [g for m in self.mains if (m.counted or not counted_only) and (g := m.grad()) is not None]
 
     def _norm_group(self):
-        """Ranks whose counted elements hold each gradient once: all if sharded (or EP), else one replica."""
-        return self.pstate.world_group if self.sharded_over_dp or expert_parallel(self.pstate) else self.pstate.mp_group
+        """Ranks holding distinct gradients, each counted once (see norm_group)."""
+        return norm_group(self.pstate, self.sharded_over_dp)
 
     def _unscale_and_find_inf(self) -> bool:
         grads = self._grads()
@@ -283,7 +283,7 @@ class MixedPrecisionOptimizer:
     def _layout(self, chunk, param, entry) -> tuple[int, int, list | None]:
         """(lo, hi) of the elements of flattened `param` this rank holds, and every DP x CP rank's."""
         ranges = dtensor_dp_ranges(entry.main) if isinstance(chunk, FSDPChunk) else bucket_dp_ranges(chunk, param)
-        return rank_layout(ranges, reduction_rank(self.pstate, param)[0], param.numel())
+        return rank_layout(ranges, self.pstate, param, param.numel())
 
     def sharded_state_dict(self) -> dict:
         """`state_dict` without gathering: per parameter name and key a FlatShard holding a CPU

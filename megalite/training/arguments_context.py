@@ -84,16 +84,9 @@ def check_context_args(args, fail) -> None:
     _check_hierarchical(args, fail)
     if cp == 1:
         return
-    checks = (
-        (args.use_flash_attn and args.attention_dropout > 0,
-         f"--use-flash-attn with --context-parallel-size {cp} needs --attention-dropout 0 (flash_attn's dropout "
-         "masks cannot be the ones megalite's context-parallel dropout draws per block)"),
-        (getattr(args, "num_experts", None) is not None,
-         f"--num-experts with --context-parallel-size {cp} is not implemented in megalite yet"),
-    )
-    for bad, message in checks:
-        if bad:
-            fail(message)
+    if args.use_flash_attn and args.attention_dropout > 0:
+        fail(f"--use-flash-attn with --context-parallel-size {cp} needs --attention-dropout 0 (flash_attn's "
+             "dropout masks cannot be the ones megalite's context-parallel dropout draws per block)")
     split = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     if args.seq_length is not None and args.seq_length % split:
         sp = " x --tensor-model-parallel-size (sequence parallelism)" if args.sequence_parallel else ""

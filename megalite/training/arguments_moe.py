@@ -4,6 +4,8 @@ meaning), the MoEConfig they describe, and their checks (check_moe_args)."""
 from dataclasses import dataclass, fields
 
 from megalite.model.moe_config import MoEConfig, parse_layer_freq
+from megalite.parallel.expert.groups import ExpertLayout
+from megalite.parallel.state import ParallelLayout
 from megalite.training.arguments_field import arg, flag_of
 
 TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -20,8 +22,8 @@ class MoEArgs:
         "such as '([0]+[1]*3)*2'.")
     expert_model_parallel_size: int = arg(1, "Expert-parallel size: ranks the experts are split over.")
     expert_tensor_parallel_size: int | None = arg(
-        None, "Tensor-parallel size inside each expert (default: --tensor-model-parallel-size, the "
-        "only value megalite runs).")
+        None, "Ranks each expert's weights are split over, independent of the attention's TP "
+        "(default: --tensor-model-parallel-size); the ETP x EP grid tiles the TP x CP x DP ranks.")
     moe_router_topk: int = arg(2, "Experts each token is routed to.")
     moe_router_score_function: str = arg(
         "softmax", "Router score function.", choices=("softmax", "sigmoid", "sqrtsoftplus"),
@@ -69,6 +71,16 @@ def moe_config_from_args(args, ffn_hidden_size: int) -> MoEConfig | None:
         token_dispatcher_type=args.moe_token_dispatcher_type)
 
 
+def check_expert_width(args, fail) -> None:
+    """Refuse experts whose width ETP does not split (after --ffn-hidden-size has its default)."""
+    if args.num_experts is None:
+        return
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if ffn % etp:
+        fail(f"--moe-ffn-hidden-size {ffn} is not divisible by --expert-tensor-parallel-size {etp}")
+
+
 def check_moe_args(args, fail, world_size: int | None = None) -> None:
     """Refuse what cannot run, with one line naming the flags."""
     if args.num_experts is None:
@@ -77,7 +89,8 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
             fail(f"{changed[0]} needs --num-experts (mixture-of-experts layers)")
         return
     e, k = args.num_experts, args.moe_router_topk
-    for name in ("num_experts", "moe_router_topk", "expert_model_parallel_size", "moe_ffn_hidden_size",
+    for name in ("num_experts", "moe_router_topk", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                 "moe_ffn_hidden_size",
                  "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -91,22 +104,17 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         fail(f"--moe-router-topk {k} is more than --num-experts {e}")
     if not args.disable_bias_linear:
         fail("--num-experts needs --disable-bias-linear (megalite's experts have no biases)")
-    if getattr(args, "calculate_per_token_loss", False):
-        fail("--calculate-per-token-loss with --num-experts is not supported (the auxiliary losses are "
-             "scaled per micro-batch)")
-    if args.use_torch_fsdp2:
-        fail("--use-torch-fsdp2 with --num-experts is not supported (use the distributed optimizer)")
-    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    if args.expert_tensor_parallel_size not in (None, tp):
-        fail(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: megalite's experts are "
-             f"tensor-parallel over the whole TP group (--tensor-model-parallel-size {tp})")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if e % ep:
         fail(f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}")
     if world_size is not None:
-        dp = world_size // (tp * args.pipeline_model_parallel_size)
-        if dp % ep:
-            fail(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} it is "
-                 "carved from")
+        try:
+            ExpertLayout(ParallelLayout(world_size, tensor=args.tensor_model_parallel_size,
+                                        pipeline=args.pipeline_model_parallel_size,
+                                        context=args.context_parallel_size, tp_pp_dp_mapping=args.use_tp_pp_dp_mapping),
+                         ep, e, etp)
+        except ValueError as err:
+            fail(str(err))
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if group_topk is not None:
         if groups is None:

@@ -22,7 +22,7 @@ from megalite.training.arguments_megatron_model import check_megatron_model_args
 from megalite.training.arguments_megatron_training import (apply_pipeline_split_accounting,
                                                            check_megatron_training_args, finish_batch_args,
                                                            interleaved_group_size)
-from megalite.training.arguments_moe import check_moe_args
+from megalite.training.arguments_moe import check_expert_width, check_moe_args
 from megalite.training.lr_schedule import schedule_lengths_from_args
 
 _POSITIVE = (
@@ -351,6 +351,7 @@ def validate_args(args, world_size: int):
                     "micro_batch_size"))
     _check_ranges(args)
     _check_model(args)
+    check_expert_width(args, _fail)
     apply_pipeline_split_accounting(args, _fail)
     layout = layout_from_args(args, world_size)
     layers_per_chunk = _check_pipeline(args, layout)

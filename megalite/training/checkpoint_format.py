@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout, reduction_rank
+from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
+from megalite.parallel.expert.groups import holder_rank, reduction_index, tensor_split_of
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -135,11 +136,12 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard
 
-    tp_sharded = getattr(like, "tensor_model_parallel", False) and pstate.tp_size > 1
+    _, tp_size, tp_rank = tensor_split_of(pstate, like)  # expert weights: over ETP
+    own_index = reduction_index(pstate, like)  # expert weights: over the expert-data-parallel group
+    tp_sharded = getattr(like, "tensor_model_parallel", False) and tp_size > 1
     is_vocab = name in VOCAB_PARAMS
-    group_rank, coords_of = reduction_rank(pstate, like)  # over DP x CP (experts: over EDP)
     if hasattr(local, "to_local"):  # an FSDP2 parameter: this DP x CP rank's rows of the TP-local tensor
-        lo, hi, ranges = rank_layout(dtensor_dp_ranges(local), group_rank, local.numel())
+        lo, hi, ranges = rank_layout(dtensor_dp_ranges(local), pstate, like, local.numel())
         local = FlatShard(local.to_local().reshape(-1), lo, hi, local.shape, ranges)
     if isinstance(local, torch.Tensor):
         if not tp_sharded:
@@ -154,36 +156,34 @@ def describe(local, like: torch.Tensor, name: str, pstate, vocab_size: int):
     full_shape = list(shape)
     if tp_sharded:
         dim = like.partition_dim
-        full_shape[dim] *= pstate.tp_size
-        chunks = tp_chunks(full_shape, dim, like.partition_stride, pstate.tp_size, vocab_size if is_vocab else None)
-        holders_tp = range(pstate.tp_size)
+        full_shape[dim] *= tp_size
+        chunks = tp_chunks(full_shape, dim, like.partition_stride, tp_size, vocab_size if is_vocab else None)
+        holders_tp = range(tp_size)
     else:
         dim = 0
         trimmed = [min(shape[0], vocab_size) if is_vocab else shape[0], *shape[1:]]
-        chunks = {pstate.tp_rank: [([0] * len(shape), trimmed, 0)]}
-        holders_tp = [pstate.tp_rank]
-    # (DP rank, CP rank) and elements of every holder; CP ranks without sharding hold identical
-    # replicas: each describes its own (DCP writes one copy of each shard)
-    mine = (pstate.dp_rank, pstate.cp_rank)
-    holders_dp = ([(coords_of(j), r) for j, r in enumerate(local.dp_ranges)] if local.dp_ranges
-                  else [(mine, (local.lo, local.hi))])
+        chunks = {tp_rank: [([0] * len(shape), trimmed, 0)]}
+        holders_tp = [tp_rank]
+    # reduction-group index and elements of every holder; CP ranks without sharding hold
+    # identical replicas: each describes its own (DCP writes one copy of each shard)
+    holders_dp = list(enumerate(local.dp_ranges)) if local.dp_ranges else [(own_index, (local.lo, local.hi))]
     global_shape = list(full_shape)
     if is_vocab:
         global_shape[0] = vocab_size
     device = local.values.device
     device_str = "cpu" if device.type == "cpu" else f"{device.type}:{device.index}"
     metas, shards = [], []
-    for (d, c), (lo, hi) in holders_dp:
+    for d, (lo, hi) in holders_dp:
         boxes = flat_boxes(lo, hi, shape)
         starts = [0]
         for _, sizes in boxes:
             starts.append(starts[-1] + math.prod(sizes))
         for t in holders_tp:
-            placement = f"rank:{pstate.layout.rank_of(t, d, pstate.pp_rank, c)}/{device_str}"
+            placement = f"rank:{holder_rank(pstate, like, t, d)}/{device_str}"
             for offsets, sizes, i, shift in _full_boxes(boxes, chunks[t], dim):
                 meta = ShardMetadata(offsets, sizes, placement)
                 metas.append(meta)
-                if (t, (d, c)) != (pstate.tp_rank, mine):
+                if (t, d) != (tp_rank, own_index):
                     continue
                 box = local.values[starts[i]:starts[i + 1]].view(boxes[i][1]).narrow(dim, shift, sizes[dim])
                 if not box.is_contiguous():

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalite.model.weights import source_name
+from megalite.parallel.expert.groups import tensor_split_of
 from megalite.training.checkpoint_format import (
     CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
     read_metadata_file, single_process_dcp, verify_files,
@@ -212,7 +213,7 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
 def _check_shapes(metadata, entries, pstate, vocab, path: Path):
     known = metadata.state_dict_metadata
     for key, local, like, name in entries:
-        expected = global_shape_of(local, like, name, pstate.tp_size, vocab)
+        expected = global_shape_of(local, like, name, tensor_split_of(pstate, like)[1], vocab)
         if key not in known:
             hint = " (use --no-load-optim or --finetune to skip optimizer state)" if key.startswith("optimizer/") else ""
             raise CheckpointError(f"{path}: checkpoint has no tensor {key} (expected shape {expected}){hint}")

@@ -211,7 +211,8 @@ class Trainer:
             self.rerun.restore_rng(rng)
         run.optimizer.zero_grad()
         executor.loss_scale = run.optimizer.loss_scale
-        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches)
+        set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches,
+                                run.per_token is not None)
         started = time.perf_counter()
         with self.timers("forward-backward"):
             loss, factor = self.step_loss(executor, microbatches)
@@ -239,7 +240,7 @@ class Trainer:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
-            update_expert_bias(run.models, run.pstate.dp_group)
+            update_expert_bias(run.models, run.pstate.dp_cp_group)
         if ok:
             run.scheduler.step(batch)
         run.iteration += 1

@@ -142,7 +142,7 @@ def build_run(args) -> Run:
     pstate, device = init_distributed(args)
     if args.num_experts is not None:
         pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
-                                           args.distributed_timeout_minutes)
+                                           args.distributed_timeout_minutes, args.expert_tensor_parallel_size)
     if pstate.rank == 0:
         for note in checkpoint_notes + startup_notes(args, device.type):
             print(note, flush=True)

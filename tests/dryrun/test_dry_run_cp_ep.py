@@ -101,6 +101,25 @@ def test_expert_parallel_dry_run(dispatcher):
         assert ep2.comm[("ep", "all-gather")] == L * per_layer
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("grid", ["tp2-sp-etp1-ep2", "cp2-ep2"])
+def test_expert_grid_dry_run(grid, dispatcher):
+    """ETP = 1 under TP = 2 (each TP rank holds 2 whole experts, routes its own half of the
+    tokens), and EP carved from CP: every expert counted at its full size, gradients
+    reduce-scattered over EDP = 2, the all-to-all as the formula says for this rank's tokens."""
+    extra = {"tp2-sp-etp1-ep2": "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
+             "cp2-ep2": "--context-parallel-size 2"}[grid]
+    r, = _moe(dispatcher, 2, extra)
+    assert r.resident == r.formula
+    assert r.comm[("edp", "reduce-scatter")] == 4 * _expert_params(E // 2)  # fp32 gradients, EDP = 2
+    tokens, micro_batches = S * B // 2, 8 // (B * 2)  # this rank's share: its TP or CP half; DP = 2
+    if dispatcher == "alltoall":
+        formula = 4 * micro_batches * L * tokens * K * (2 - 1) // 2 * H * 2
+        assert r.checks["ep all-to-all tokens to other ranks"] == (formula, formula)
+    else:
+        assert r.comm[("ep", "all-gather")] == micro_batches * L * (2 * tokens * H * 2 + tokens * E * 2 + tokens * E + 8)
+
+
 def test_balanced_counts():
     assert balanced_counts(128, 4) == [32] * 4
     assert balanced_counts(10, 4) == [3, 3, 2, 2]
@@ -137,3 +156,10 @@ def test_default_world_size_holds_cp_and_ep():
     args = parse_args(base + MOE + "--expert-model-parallel-size 4 --pipeline-model-parallel-size 2 "
                                    "--global-batch-size 8".split())
     assert default_world_size(args) == 8
+    # the ETP x EP = 4 blocks tile TP 2 x CP 2 with DP 1, and TP 2 x DP 2
+    args = parse_args(base + MOE + "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 "
+                                   "--tensor-model-parallel-size 2 --context-parallel-size 2 --global-batch-size 8".split())
+    assert default_world_size(args) == 4
+    args = parse_args(base + MOE + "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                                   "--global-batch-size 8".split())
+    assert default_world_size(args) == 4

@@ -33,6 +33,11 @@ LAYOUTS = {
                                      "--dry-run-world-size 4 --global-batch-size 8".split(),
     "ep2-allgather-dp4": BASE + MOE + "--moe-token-dispatcher-type allgather --expert-model-parallel-size 2 "
                                       "--dry-run-world-size 4 --global-batch-size 8".split(),
+    "ep2-etp1-tp2-alltoall": BASE + MOE + "--moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
+                                          "--expert-tensor-parallel-size 1 --tensor-model-parallel-size 2 "
+                                          "--sequence-parallel --dry-run-world-size 4 --global-batch-size 8".split(),
+    "ep2-cp2-allgather": BASE + MOE + "--moe-token-dispatcher-type allgather --expert-model-parallel-size 2 "
+                                      "--context-parallel-size 2 --dry-run-world-size 4 --global-batch-size 8".split(),
 }
 
 

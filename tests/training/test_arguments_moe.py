@@ -40,13 +40,25 @@ def test_every_flag_reaches_the_config():
     assert args.expert_model_parallel_size == 4
 
 
+def test_expert_grid_over_tensor_and_context_ranks():
+    """ETP independent of TP, and EP carved from DP x CP (and TP when ETP < TP)."""
+    args = parsed(MOE + " --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 4 "
+                  "--context-parallel-size 2 --attention-dropout 0", 8)
+    assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size, args.data_parallel_size) == (1, 4, 2)
+    for extra in ("--use-torch-fsdp2", "--calculate-per-token-loss"):  # both run with experts
+        assert parsed(MOE + " --expert-model-parallel-size 2 " + extra, 4).expert_model_parallel_size == 2
+
+
 @pytest.mark.parametrize("extra, world, words", [
     ("--moe-router-topk 4", 1, ["--moe-router-topk", "needs --num-experts"]),
     ("--expert-model-parallel-size 2", 2, ["--expert-model-parallel-size", "needs --num-experts"]),
     ("--num-experts 8", 1, ["--disable-bias-linear"]),
     (MOE + " --expert-model-parallel-size 3", 3, ["--num-experts 8", "--expert-model-parallel-size 3"]),
-    (MOE + " --expert-model-parallel-size 4", 2, ["--expert-model-parallel-size 4", "data-parallel size 2"]),
-    (MOE + " --expert-tensor-parallel-size 1 --tensor-model-parallel-size 2", 2, ["--expert-tensor-parallel-size 1"]),
+    (MOE + " --expert-model-parallel-size 4", 2, ["--expert-model-parallel-size 4", "does not divide the 2 ranks"]),
+    (MOE + " --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --tensor-model-parallel-size 2", 2,
+     ["--expert-tensor-parallel-size 2 x --expert-model-parallel-size 2", "2 ranks of a pipeline stage"]),
+    (MOE + " --expert-tensor-parallel-size 3", 3, ["--moe-ffn-hidden-size", "--expert-tensor-parallel-size 3"]),
+    (MOE + " --expert-tensor-parallel-size 0", 1, ["--expert-tensor-parallel-size must be positive"]),
     (MOE + " --moe-router-topk 9", 1, ["--moe-router-topk 9"]),
     (MOE + " --moe-router-group-topk 2", 1, ["--moe-router-num-groups"]),
     (MOE + " --moe-router-num-groups 3 --moe-router-group-topk 2", 1, ["--moe-router-num-groups 3"]),
@@ -59,8 +71,6 @@ def test_every_flag_reaches_the_config():
     (MOE + " --moe-router-score-function sqrtsoftplus", 1, ["--moe-router-score-function"]),
     (MOE + " --moe-router-load-balancing-type sinkhorn", 1, ["--moe-router-load-balancing-type"]),
     (MOE + " --moe-aux-loss-coeff -1", 1, ["--moe-aux-loss-coeff"]),
-    (MOE + " --use-torch-fsdp2", 1, ["--use-torch-fsdp2"]),
-    (MOE + " --calculate-per-token-loss", 1, ["--calculate-per-token-loss"]),
 ])
 def test_refused_naming_the_flag(extra, world, words):
     message = refused(extra, world)

@@ -62,7 +62,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
 
         # Expert parameters (param.expert_parallel) sit in their own buffers, averaged over the
-        # expert-data-parallel group: each EP rank's experts already summed every EP rank's tokens.
+        # expert-data-parallel group: each rank's experts already summed its ETP x EP block's tokens.
         expert = pstate.expert
         by_kind: dict = {}
         for param in module.parameters():
@@ -71,7 +71,7 @@ class DistributedDataParallel(nn.Module):
 
         def reduction(is_expert):
             if is_expert and expert is not None:
-                return {"dp_group": expert.edp_group, "grad_scale": 1.0 / expert.ep_size}
+                return {"dp_group": expert.edp_group, "grad_scale": expert.grad_scale}
             # each CP rank's gradient is that of its part of every sequence: summed over CP
             return {"dp_group": self.dp_group, "grad_scale": float(pstate.cp_size)}
 

@@ -5,7 +5,11 @@ pstate.dp_cp_group (the data-parallel group without context parallelism; torchti
 dp_shard_cp dimension), so megalite's own tensor parallelism composes with it: TP layers are
 plain modules holding TP-local parameters, which FSDP2 shards further along dim 0. Each CP
 rank's gradient is that of its part of every sequence, so gradients are summed over CP and
-averaged over DP: the reduce-scatter divides by the DP size, not the mesh's.
+averaged over DP: the reduce-scatter divides by the DP size, not the mesh's. A
+mixture-of-experts layer's local experts are sharded first, over their own mesh of the
+expert-data-parallel group (torchtitan's dp_shard_mod_ep), with the gradient divided by DP
+as the dense gradients are (each rank's expert gradient already sums its ETP x EP block's
+tokens).
 
 Mixed precision is FSDP2's: keep the model's parameters in fp32 (they are the optimizer's main
 parameters) and pass param_dtype=torch.bfloat16 to compute in bf16; gradients are reduced in
@@ -29,7 +33,7 @@ from torch.distributed.tensor import distribute_tensor
 from megalite.parallel.state import ParallelState
 
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                     "shared_embedding")
+                     "shared_embedding", "expert_parallel")
 
 
 class FSDPChunk(nn.Module):
@@ -87,13 +91,48 @@ def apply_fsdp2(model: nn.Module, pstate: ParallelState, *, param_dtype: torch.d
     attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
                   for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for module in [*model.layers.values(), model]:
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        if pstate.cp_size > 1:
-            module.set_gradient_divide_factor(float(pstate.dp_size))
-            # otherwise a divide factor other than the mesh size is NCCL's PREMUL_SUM
-            module.set_force_sum_reduction_for_comms(dist.get_backend(pstate.dp_cp_group) != "nccl")
+    expert_mesh = _expert_mesh(model, pstate, device_type)
+    # each CP rank's gradient is that of its part of every sequence (summed over CP), and each
+    # rank's expert gradient sums its ETP x EP block's tokens: both are divided by DP alone
+    dense_divisor = pstate.dp_size if pstate.cp_size > 1 else None
+    for layer in model.layers.values():
+        for experts in _expert_modules(layer):
+            _shard(experts, expert_mesh, policy, reshard_after_forward, divide_by=pstate.dp_size)
+        _shard(layer, mesh, policy, reshard_after_forward, divide_by=dense_divisor)
+    _shard(model, mesh, policy, reshard_after_forward, divide_by=dense_divisor)
     for name, param in model.named_parameters():
         for attribute, value in attributes[name].items():
             setattr(param, attribute, value)
     return FSDPChunk(model, mesh)
+
+
+def _shard(module: nn.Module, mesh: DeviceMesh, policy, reshard_after_forward: bool, divide_by: int | None) -> None:
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if divide_by is None:
+        return
+    module.set_gradient_divide_factor(float(divide_by))
+    # a divide factor other than the mesh size is NCCL's PREMUL_SUM; elsewhere a sum, then the
+    # division (on a one-rank mesh torch 2.13 would divide twice)
+    if mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _expert_modules(layer: nn.Module) -> list[nn.Module]:
+    """The outermost submodules of `layer` holding expert parameters (param.expert_parallel) only."""
+    found, covered = [], set()
+    for module in layer.modules():  # outer modules first
+        params = list(module.parameters())
+        if module not in covered and params and all(getattr(p, "expert_parallel", False) for p in params):
+            found.append(module)
+            covered.update(module.modules())
+    return found
+
+
+def _expert_mesh(model: nn.Module, pstate: ParallelState, device_type: str) -> DeviceMesh | None:
+    """A mesh of the expert-data-parallel group (this rank alone when that group has one rank)."""
+    if pstate.expert is None or not any(getattr(p, "expert_parallel", False) for p in model.parameters()):
+        return None
+    group = pstate.expert.edp_group
+    if group is None:
+        group = dist.new_group([pstate.rank], use_local_synchronization=True)
+    return DeviceMesh.from_group(group, device_type)

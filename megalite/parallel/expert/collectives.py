@@ -52,10 +52,13 @@ def _gather_rows(x, sizes, group):
     return torch.cat([out[r * widest:r * widest + n] for r, n in enumerate(sizes)])
 
 
-def _reduce_scatter_rows(x, sizes, group):
-    summed = comm.all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+def _own_rows(x, sizes, group):
     start = sum(sizes[:comm.group_rank(group)])
-    return summed[start:start + sizes[comm.group_rank(group)]].contiguous()
+    return x[start:start + sizes[comm.group_rank(group)]].contiguous()
+
+
+def _reduce_scatter_rows(x, sizes, group):
+    return _own_rows(comm.all_reduce(x.clone(memory_format=torch.contiguous_format), group), sizes, group)
 
 
 def row_counts(n: int, group, device=None) -> list[int]:
@@ -66,12 +69,21 @@ def row_counts(n: int, group, device=None) -> list[int]:
     return comm.all_gather_dim0(counts, group).tolist()
 
 
-def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, sizes: list[int], group, grad_is_partial: bool = True) -> torch.Tensor:
     """Concatenate every rank's rows (sizes[r] rows on rank r); the backward sums the
-    gradients over the group and keeps this rank's rows."""
+    gradients over the group and keeps this rank's rows, or with grad_is_partial=False (every
+    rank computes the same gradient) only keeps them."""
     if comm.group_size(group) == 1:
         return x
-    return comm.paired(x, _gather_rows, _reduce_scatter_rows, list(sizes), group)
+    return comm.paired(x, _gather_rows, _reduce_scatter_rows if grad_is_partial else _own_rows, list(sizes), group)
+
+
+def scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """This rank's rows of `x` (the same on every rank): sizes[r] rows for rank r, in rank
+    order; the backward gathers every rank's gradient rows."""
+    if comm.group_size(group) == 1:
+        return x
+    return comm.paired(x, _own_rows, _gather_rows, list(sizes), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
