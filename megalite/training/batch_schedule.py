@@ -125,6 +125,6 @@ def iteration_samples(args) -> int:
     """Samples per iteration in an iteration-based (--train-iters) learning-rate schedule:
     --global-batch-size, or under a step batch-size schedule Megatron's global batch size, which
     it leaves at --micro-batch-size x DP (see the module doc)."""
-    if args.step_batch_size_schedule is not None:
+    if getattr(args, "step_batch_size_schedule", None) is not None:  # schedule-only namespaces lack it
         return args.micro_batch_size * args.data_parallel_size
     return args.global_batch_size
