@@ -33,6 +33,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _seconds_per_call(fn, device, window: float) -> float:
+    """Seconds per call of `fn`, run back to back for at least `window` seconds: a window long
+    beside the scheduler's time slices, so that on a loaded machine a process woken from a
+    barrier is measured at the share of the cores it keeps, not at its wake-up delay."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return elapsed / calls
+
+
 def _median_time(fn, device, repeats: int, group=None) -> float:
     times = []
     for _ in range(repeats):
@@ -86,24 +100,26 @@ def _p2p(rank: int, world: int, nbytes: int, device):
     return exchange
 
 
-def _compute(device, repeats: int, group) -> dict:
+def _compute(device) -> dict:
+    """This process's matmul FLOP/s, memory bandwidth, operator overhead and optimizer bytes."""
     a, b = _matmul_operands(device)
     (m, k), n = a.shape, b.shape[1]
-    matmul = _median_time(lambda: [a @ b for _ in range(4)], device, repeats, group)
+    window = 0.5 if device.type == "cpu" else 0.2
+    matmul = _seconds_per_call(lambda: [a @ b for _ in range(4)], device, window)
     x = torch.randn(1 << (25 if device.type == "cuda" else 23), device=device)
     y = torch.randn_like(x)
-    add = _median_time(lambda: [torch.add(x, y) for _ in range(4)], device, repeats, group)
+    add = _seconds_per_call(lambda: [torch.add(x, y) for _ in range(4)], device, window)
     from megalite.model.config import GPTConfig
     from megalite.planner.op_count import count_ops, micro_batch, tiny, tiny_model
     config = tiny(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64), 2)
     model, tokens = tiny_model(config)
-    overhead = _median_time(lambda: micro_batch(model, tokens), device, repeats, group) / sum(count_ops(config))
+    overhead = _seconds_per_call(lambda: micro_batch(model, tokens), device, window) / sum(count_ops(config))
     params = [torch.nn.Parameter(torch.randn(1 << 18, device=device)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     adam.step()
-    step = _median_time(adam.step, device, repeats, group)
+    step = _seconds_per_call(adam.step, device, window)
     bandwidth = 4 * 3 * x.numel() * 4 / add
     return {"flops": 4 * 2 * m * k * n / matmul, "bandwidth": bandwidth, "op_overhead": overhead,
             "optimizer_bytes": step * bandwidth / sum(p.numel() for p in params)}
@@ -133,10 +149,7 @@ def _sharing(rank: int, world: int, repeats: int) -> dict:
         for k in busy:
             dist.barrier()
             if rank < k:
-                start = time.perf_counter()
-                for _ in range(4):
-                    a @ b
-                times[k].append(time.perf_counter() - start)
+                times[k].append(_seconds_per_call(lambda: [a @ b for _ in range(4)], device, 1.0))
     dist.barrier()
     return {k: statistics.median(t) for k, t in times.items() if t}
 
@@ -145,10 +158,10 @@ def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    alone = dist.new_group([0])  # on a CPU rank 0 measures its rates alone, the others wait
     gpu = device.type == "cuda"
-    result = {"compute": _compute(device, repeats, dist.group.WORLD if gpu else alone) if rank == 0 or gpu else None,
-              "sharing": _sharing(rank, world, 3 * repeats) if device.type == "cpu" else {}, "measured": {}}
+    # on a CPU rank 0 measures its rates alone while the others wait in the barrier below
+    result = {"compute": _compute(device) if rank == 0 or gpu else None,
+              "sharing": _sharing(rank, world, 3) if device.type == "cpu" else {}, "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
