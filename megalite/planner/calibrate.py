@@ -5,10 +5,11 @@ megalite's own collectives (megalite.parallel.comm, the expert all-to-all, batch
 receive), with every group of that size communicating at the same time.
 
 CPU: spawned processes, one thread each, joined by gloo (megalite.parallel.spawn). Compute rates
-are measured for one process alone and for 2, 4, ... `world_size` processes computing at once:
-their ratio is how much slower a rank computes while k ranks compute (the cores shared, and on a
-loaded machine the other processes too), which the step model applies to the stretches of the
-pipeline where k ranks compute. Collectives: `world_size` processes. GPU: one
+are measured for one process alone; a small GPT's training micro-batch is timed on 1, 2, 4, ...
+`world_size` processes at once: the ratio is how much slower a rank computes while k ranks
+compute (the cores shared, and on a loaded machine the other processes too), which the step
+model applies to the stretches of the pipeline where k ranks compute. Collectives:
+`world_size` processes. GPU: one
 process per device, NCCL, bf16 matmuls; the same measurements with device synchronisation.
 Each collective is timed at four sizes from 4 KiB to 4 MiB and its ring-model latency and
 bandwidth fitted to them by least squares (cluster.py); times are medians over repetitions.
@@ -31,6 +32,20 @@ _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _seconds_per_call(fn, device, window: float) -> float:
+    """Seconds per call of `fn`, run back to back for at least `window` seconds: a window long
+    beside the scheduler's time slices, so that on a loaded machine a process woken from a
+    barrier is measured at the share of the cores it keeps, not at its wake-up delay."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return elapsed / calls
 
 
 def _median_time(fn, device, repeats: int, group=None) -> float:
@@ -86,24 +101,26 @@ def _p2p(rank: int, world: int, nbytes: int, device):
     return exchange
 
 
-def _compute(device, repeats: int, group) -> dict:
+def _compute(device) -> dict:
+    """This process's matmul FLOP/s, memory bandwidth, operator overhead and optimizer bytes."""
     a, b = _matmul_operands(device)
     (m, k), n = a.shape, b.shape[1]
-    matmul = _median_time(lambda: [a @ b for _ in range(4)], device, repeats, group)
+    window = 0.5 if device.type == "cpu" else 0.2
+    matmul = _seconds_per_call(lambda: [a @ b for _ in range(4)], device, window)
     x = torch.randn(1 << (25 if device.type == "cuda" else 23), device=device)
     y = torch.randn_like(x)
-    add = _median_time(lambda: [torch.add(x, y) for _ in range(4)], device, repeats, group)
+    add = _seconds_per_call(lambda: [torch.add(x, y) for _ in range(4)], device, window)
     from megalite.model.config import GPTConfig
     from megalite.planner.op_count import count_ops, micro_batch, tiny, tiny_model
     config = tiny(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64), 2)
     model, tokens = tiny_model(config)
-    overhead = _median_time(lambda: micro_batch(model, tokens), device, repeats, group) / sum(count_ops(config))
+    overhead = _seconds_per_call(lambda: micro_batch(model, tokens), device, window) / sum(count_ops(config))
     params = [torch.nn.Parameter(torch.randn(1 << 18, device=device)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     adam.step()
-    step = _median_time(adam.step, device, repeats, group)
+    step = _seconds_per_call(adam.step, device, window)
     bandwidth = 4 * 3 * x.numel() * 4 / add
     return {"flops": 4 * 2 * m * k * n / matmul, "bandwidth": bandwidth, "op_overhead": overhead,
             "optimizer_bytes": step * bandwidth / sum(p.numel() for p in params)}
@@ -115,28 +132,27 @@ def _matmul_operands(device):
     return torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
 
 
-def _matmul_flops() -> float:
-    """FLOPs of the four CPU matmuls `_sharing` times."""
-    a, b = _matmul_operands(torch.device("cpu"))
-    return 4 * 2 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
 def _sharing(rank: int, world: int, repeats: int) -> dict:
-    """{k: median seconds of a matmul on a process while k processes compute at once}. Sweeps of
-    k = 1, 2, 4, ... world alternate, so that the machine's drifting load hits every k alike;
-    processes not computing wait in a barrier, which leaves their core free (gloo blocks)."""
+    """{k: seconds per training micro-batch of a small GPT on a process while k processes run it
+    at once}: the mix of matmuls, memory-bound kernels and host work a rank does, since how much
+    processes slow each other depends on it (two matmuls on the two hyper-threads of one core
+    share its multipliers; a matmul beside a softmax far less). Sweeps of k = 1, 2, 4, ... world
+    alternate, so that the machine's drifting load hits every k alike; processes not computing
+    wait in a barrier, which leaves their core free (gloo blocks)."""
+    from megalite.model.config import GPTConfig
+    from megalite.planner.op_count import micro_batch, tiny_model
+
     device = torch.device("cpu")
-    a, b = _matmul_operands(device)
+    model, tokens = tiny_model(GPTConfig(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024,
+                                         max_position_embeddings=128), 128)
+    tokens = tokens.expand(2, -1)
     busy = sorted({1, world} | {k for k in (2, 4, 8, 16, 32) if k < world})
     times = {k: [] for k in busy}
     for _ in range(repeats):
         for k in busy:
             dist.barrier()
             if rank < k:
-                start = time.perf_counter()
-                for _ in range(4):
-                    a @ b
-                times[k].append(time.perf_counter() - start)
+                times[k].append(_seconds_per_call(lambda: micro_batch(model, tokens), device, 1.0))
     dist.barrier()
     return {k: statistics.median(t) for k, t in times.items() if t}
 
@@ -145,10 +161,10 @@ def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    alone = dist.new_group([0])  # on a CPU rank 0 measures its rates alone, the others wait
     gpu = device.type == "cuda"
-    result = {"compute": _compute(device, repeats, dist.group.WORLD if gpu else alone) if rank == 0 or gpu else None,
-              "sharing": _sharing(rank, world, 3 * repeats) if device.type == "cpu" else {}, "measured": {}}
+    # on a CPU rank 0 measures its rates alone while the others wait in the barrier below
+    result = {"compute": _compute(device) if rank == 0 or gpu else None,
+              "sharing": _sharing(rank, world, 3) if device.type == "cpu" else {}, "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
@@ -173,8 +189,8 @@ def _nccl_worker(rank: int, world: int, port: int, repeats: int, results) -> Non
 
 
 def _run(world: int, backend: str, repeats: int) -> tuple[list[dict], dict]:
-    """(per-rank collective measurements with compute rates, {k: per-process matmul FLOP/s with
-    k processes computing})."""
+    """(per-rank collective measurements with compute rates, {k: micro-batches per second of one
+    process while k compute})."""
     if backend == "gloo":
         from megalite.parallel.spawn import run_distributed
         ranks = list(run_distributed(_measure, world, backend, repeats, timeout=1800))
@@ -200,7 +216,7 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
         raise ValueError(f"--world-size {world_size}: this machine has {torch.cuda.device_count()} GPUs")
     if world_size < 2:
         raise ValueError(f"--world-size must be at least 2 to measure collectives, got {world_size}")
-    ranks, busy_flops = _run(world_size, backend, repeats)
+    ranks, busy_rates = _run(world_size, backend, repeats)
 
     def median(key):
         return statistics.median(r["compute"][key] for r in ranks)
@@ -217,12 +233,11 @@ def calibrate(world_size: int, backend: str | None = None, repeats: int = 7) -> 
     bandwidth = measured.get("all_reduce", {}).get(world_size, [0, 1e9])
     p2p = measured.get("p2p", {}).get(2, bandwidth)
     return Cluster(name=name, num_gpus=world_size, gpus_per_node=world_size, memory_bytes=memory,
-                   # on a CPU the rate alone from the sweep, whose k = 1 and k = world samples interleave
-                   peak_flops=busy_flops[1] * _matmul_flops() if busy_flops else median("flops"),
+                   peak_flops=median("flops"),
                    matmul_efficiency=1.0, memory_bandwidth=median("bandwidth"),
                    intra_node_bandwidth=bandwidth[1], inter_node_bandwidth=p2p[1], intra_node_latency=bandwidth[0],
                    inter_node_latency=p2p[0], op_overhead=median("op_overhead") if backend == "gloo" else 0.0,
-                   slowdown={k: busy_flops[1] / f for k, f in busy_flops.items() if k > 1},
+                   slowdown={k: busy_rates[1] / r for k, r in busy_rates.items() if k > 1},
                    optimizer_bytes_per_parameter=median("optimizer_bytes"), measured=measured,
                    source=f"--calibrate on {time.strftime('%Y-%m-%d %H:%M')}, {backend}, {world_size} ranks, "
                           f"load {os.getloadavg()[0]:.1f}")
