@@ -27,6 +27,13 @@ def format_report(args, layout, reports) -> str:
     for r in reports:
         lines.append(f"{r.rank:>6} {str(r.coords):>15} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
                      + f" {_mib(r.peak_total):>11}")
+    if any(r.korthikanti for r in reports):
+        lines.append("activations at the peak beside Korthikanti et al.'s formula (formulas.md, no s x s scores) for "
+                     "the transformer layers in flight (MiB; the embedding and the last stage's logits are not in it)")
+        for r in reports:
+            ratio = f"{r.peak.get('activations', 0) / r.korthikanti:.3f}" if r.korthikanti else "-"
+            lines.append(f"{r.rank:>6} {str(r.coords):>15} {_mib(r.peak.get('activations', 0))} formula "
+                         f"{_mib(r.korthikanti or 0)} ratio {ratio}")
     lines.append("held after the step (bytes): parameters, gradients, optimizer state; formulas.md for the "
                  "rank's parameters (padded as in its gradient buffers) beside them")
     for r in reports:

@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils.module_tracker import ModuleTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from megalite.dryrun.balanced_routing import alltoall_formula_bytes, assume_balanced_routing
+from megalite.dryrun.formulas import expected_bytes, korthikanti_activation_bytes
 from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
 from megalite.model.meta_init import materialize_
@@ -29,6 +30,7 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.training.arguments import layout_from_args, model_config_from_args
+from megalite.training.arguments_megatron_training import interleaved_group_size
 from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -59,27 +61,12 @@ class RankReport:
     resident: dict = field(default_factory=dict)  # parameters / gradients / optimizer after the step
     num_params: int = 0  # parameters this rank holds (its chunks' numel)
     num_buffer: int = 0  # the same padded as in the contiguous gradient buffers
-    formula: dict = field(default_factory=dict)  # formulas.md's bytes for num_buffer (see expected_bytes)
+    formula: dict = field(default_factory=dict)  # formulas.md's bytes held (formulas.expected_bytes)
     comm: dict = field(default_factory=dict)  # (group, kind) -> bytes
     calls: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)  # name -> (bytes counted, formula's bytes)
+    korthikanti: int | None = None  # formulas.md's activation bytes for this rank (formulas.py)
     ep_coords: tuple | None = None  # (ep, edp) with experts
-
-
-def expected_bytes(args, shards: list, optimizer) -> dict:
-    """formulas.md's per-rank bytes for `shards`, (psi, d) pairs: psi parameters (bf16/fp16/fp32
-    weights, fp32 or fp16 main gradients, Adam's fp32 main parameters and moments, over d ranks
-    with the distributed optimizer; MoE: every local expert's parameters, over the
-    expert-data-parallel ranks), plus the 4-byte step count Adam keeps per parameter tensor."""
-    weight = 2 if args.bf16 or args.fp16 else 4
-    grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
-    main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
-    moments = 8 if args.optimizer == "adam" else 4 if args.sgd_momentum else 0
-    main_state = main + moments + (4 if grad == 2 else 0)  # fp16 gradients: an fp32 copy to step with
-    psi = sum(n for n, _ in shards)
-    state = sum(main_state * n // (d if args.use_distributed_optimizer else 1) for n, d in shards)
-    steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
-    return {"parameters": weight * psi, "gradients": grad * psi, "optimizer": state + steps}
 
 
 def _own_group(lists, rank: int):
@@ -178,7 +165,12 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                                                expert_tensor_size=args.expert_tensor_parallel_size)
         config = model_config_from_args(args, vocab_size)
         fake = contextlib.nullcontext() if real else FakeTensorMode()
-        modules = ModuleTracker()
+        # The module running now, for MixCheck's errors: ModTracker (MemTracker's own tracker) adds no
+        # backward hooks while backward runs. torch.utils.module_tracker.ModuleTracker does, on the
+        # graph that activation recompute builds in backward, and its multi-grad hooks form
+        # reference cycles with those graph nodes: the recomputed activations then lived until the
+        # cyclic garbage collector ran, so peaks depended on when it ran.
+        modules = ModTracker()
         expert = pstate.expert
         # without CP, dp_cp_group is dp_group: the later "dp" names it
         counter = CommCounter({pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
@@ -203,7 +195,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
                 sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
-                forward_step=gpt_forward_step)
+                forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args))
             mt = StepMemTracker()
             _track_megalite_state(mt, chunks, optimizer)
             checks = MixCheck(lambda: max(modules.parents, key=len, default="")) if strict else None
@@ -238,12 +230,10 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
-        # dense parameters shard over DP x CP, experts over EDP
-        report.formula = expected_bytes(
-            args, [(b.grad_data.numel(), expert.edp_size if getattr(b.buckets[0].params[0], "expert_parallel", False)
-                    else pstate.dp_size * pstate.cp_size) for c in chunks for b in getattr(c, "buffers_", [])],
-            optimizer)
+        report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
+        report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
+                                                          layout.coords(rank)[2], [len(m.layers) for m in models])
         return report
     finally:
         if not real:

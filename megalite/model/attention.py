@@ -22,6 +22,18 @@ from megalite.parallel.random import rng_fork_if
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
 
 
+def _without_partial_views(qkv: torch.Tensor, *parts: torch.Tensor) -> tuple:
+    """q, k, v as attention will save them for backward. Those still viewing the fused QKV
+    projection's output are copied when the others are not (rotated, normalised or regrouped
+    into new tensors): a saved view keeps that whole output alive, 3 s*b*h bytes per layer for
+    Llama-3 8B where v alone is 0.5. When all three are views, the output is exactly q, k and v."""
+    base = qkv if qkv._base is None else qkv._base
+    views = [t._base is base for t in parts]
+    if all(views):
+        return parts
+    return tuple(t.clone(memory_format=torch.contiguous_format) if view else t for t, view in zip(parts, views))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config, tp_group=None, rng_tracker=None, device=None, cp_group=None, layer_number: int = 0):
         super().__init__()
@@ -97,7 +109,9 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
-        elif self.config.recompute_granularity == "selective":
+            return self.linear_proj(context)
+        q, k, v = _without_partial_views(qkv, q, k, v)
+        if self.config.recompute_granularity == "selective":
             # The tracker matters only when attention dropout draws from it (core_attention).
             forks = self.training and self.config.attention_dropout > 0
             context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)

@@ -24,6 +24,6 @@ def reports(argv):
 
 if __name__ == "__main__":
     out = [{"rank": r.rank, "coords": list(r.coords), "peak": r.peak, "resident": r.resident, "formula": r.formula,
-            "num_params": r.num_params, "num_buffer": r.num_buffer,
+            "num_params": r.num_params, "num_buffer": r.num_buffer, "korthikanti": r.korthikanti,
             "comm": {f"{g} {k}": b for (g, k), b in r.comm.items()}} for r in reports(sys.argv[1:])]
     json.dump(out, sys.stdout)

@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
+from megalite.data.tokenizers import build_tokenizer
 from megalite.dryrun import runner
 from megalite.dryrun.cli import run_dry
 from megalite.dryrun.probes import MixedTensorsError
-from megalite.training.arguments import parse_args
+from megalite.training.arguments import layout_from_args, parse_args, validate_args
 from tests.dryrun.dry_run_json import reports
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
@@ -61,6 +62,44 @@ def test_dry_run_bytes_held_and_moved_on_fake_cpu():
     # input, once per micro-batch: [s/t, b, h] bf16 each
     assert got[0].comm[("pp", "send")] == 3 * MICRO_BATCHES * (S // T) * B * H * 2
     assert got[0].calls[("pp", "send")] == 3 * MICRO_BATCHES
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_held_bytes_equal_formula_on_the_rank_holding_bucket_padding(tp, dp):
+    """The last stage's buckets are padded (to 128 elements under the distributed optimizer, even
+    at DP = 1); the padding lies in the last DP rank's shard, whose fp32 main copy covers it and
+    whose Adam moments do not: formulas.md's bytes applied to what each state covers."""
+    from tests.dryrun.test_real_vs_dry import _layout
+
+    args = parse_args(_layout(tp, 2, dp))
+    world = args.dry_run_world_size
+    validate_args(args, world)
+    layout = layout_from_args(args, world)
+    rank = layout.rank_of(0, dp - 1, 1)
+    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    r = runner.run_rank(args, vocab, rank, world, torch.device("cpu"))
+    assert r.num_buffer > r.num_params  # padding, in this rank's shard
+    assert r.resident == r.formula
+
+
+def test_peaks_do_not_depend_on_the_garbage_collector():
+    """With full recompute the backward rebuilds each layer's graph; once its activations are
+    taken, nothing may keep that graph alive (the module tracker's backward hooks once did, in
+    reference cycles only the cyclic garbage collector freed). Peaks with it off equal peaks with
+    it on."""
+    import gc
+
+    from tests.dryrun.test_real_vs_dry import _layout
+
+    argv = [a for a in _layout(1, 1, 1) if a != "--recompute-activations"] + \
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+    collected = reports(argv)[0].peak
+    gc.disable()
+    try:
+        uncollected = reports(argv)[0].peak
+    finally:
+        gc.enable()
+    assert uncollected == collected
 
 
 def _run_cpu(monkeypatch, capsys):
