@@ -24,7 +24,10 @@ def test_sbatch_array_tasks_then_merge_equal_one_run(tmp_path, demo_texts, sp_mo
     pq.write_table(pa.table({"text": docs[250:]}), src / "b.parquet", row_group_size=25)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")
+    # A wrapper, not a symlink: a symlinked venv interpreter finds no pyvenv.cfg beside it and
+    # starts as the base interpreter, without this environment's packages.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", INPUT=f"{src}/*.jsonl {src}/*.parquet",
                OUTPUT_PREFIX=str(tmp_path / "out" / "c"), TOKENIZER_MODEL=sp_model, SLURM_ARRAY_TASK_MAX="1",
                WORKERS="2", MEGALITE_DIR=REPO, PYTHONPATH=REPO)
