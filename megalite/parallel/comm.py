@@ -45,6 +45,15 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """Sum contiguous `x` over the group into `out`, this rank's 1/n slice of dim 0 (`out` may be
+    that slice of `x` itself). On gloo in the list form: gloo's single-tensor reduce-scatter
+    reduces into a scratch tensor the size of `x` and copies this rank's slice out of it."""
+    if dist.get_backend(group) == "gloo":
+        return dist.reduce_scatter(out, list(x.chunk(group_size(group))), op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
+
+
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Sum `x` over the group and return this rank's 1/n slice of dim 0."""
     n = group_size(group)
@@ -53,7 +62,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     if x.shape[0] % n:
         raise ValueError(f"reduce-scatter: dim 0 of size {x.shape[0]} is not divisible by group size {n}")
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_into(out, x.contiguous(), group)
     return out
 
 

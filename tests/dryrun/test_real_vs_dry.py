@@ -44,19 +44,13 @@ LAYOUTS = {
     "tp1-pp1-dp4-full-recompute": [a for a in _layout(1, 1, 4) if a != "--recompute-activations"]
     + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split(),
     "tp2-pp2-dp1-fp32": [a for a in _layout(2, 2, 1) if a != "--bf16"],
+    "tp2-pp2v2-dp1-sp-full-recompute": [a for a in _layout(2, 2, 1) if a != "--recompute-activations"]
+    + "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split(),
 }
 
 
-# Open: with full recompute the real run peaks in backward (activations 2,689,536 B) and the dry
-# run at the optimizer step (activations 1,843,200 B): the dry run misses about 0.85 MB of what
-# full recompute holds in backward. Kept visible as a strict xfail until it is understood.
-_OPEN = {"tp1-pp1-dp4-full-recompute"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="full recompute: "
-                                  "dry run under-counts backward activations (see _OPEN)")) if n in _OPEN else n
-                                  for n in LAYOUTS])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_dry_run_peak_memory_matches_real_run(name):
     argv = LAYOUTS[name]
     dry = reports(argv)

@@ -94,8 +94,8 @@ class Bucket:
         if prescale is not None:
             self.grad_data.mul_(prescale)
         if self.sharded:
-            self.grad_work = dist.reduce_scatter_single(self.grad_shard(), self.grad_data, op=op,
-                                                        group=self.dp_group, async_op=async_op)
+            self.grad_work = comm.reduce_scatter_into(self.grad_shard(), self.grad_data, self.dp_group, op=op,
+                                                      async_op=async_op)
         else:
             self.grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=async_op)
 

@@ -44,19 +44,17 @@ class _LinearWithGatheredInput(torch.autograd.Function):
         if need_weight:
             total = x.new_empty((n * x.shape[0], *x.shape[1:]))
             gathering = _start(dist.all_gather_single, total, x.contiguous(), group)
-        grad_x = None
-        if need_input:
-            grad_total = grad.matmul(weight)
-            grad_x = grad_total.new_empty((x.shape[0], *grad_total.shape[1:]))
+        grad_total = grad.matmul(weight) if need_input else None
         if need_weight:
             _wait(gathering)
+        grad_x = scattering = None
         if need_input:
-            scattering = _start(dist.reduce_scatter_single, grad_x, grad_total.contiguous(), group)
+            grad_x = grad_total.new_empty((x.shape[0], *grad_total.shape[1:]))
+            scattering = _start(comm.reduce_scatter_into, grad_x, grad_total.contiguous(), group)
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
         grad_bias = grad2d.sum(0) if ctx.has_bias and need_bias else None
-        if need_input:
-            _wait(scattering)
+        _wait(scattering)
         return grad_x, grad_weight, grad_bias, None
 
 
