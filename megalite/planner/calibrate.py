@@ -132,20 +132,25 @@ def _matmul_operands(device):
     return torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
 
 
-def _sharing(rank: int, world: int, repeats: int) -> dict:
+def _sharing_model():
+    from megalite.model.config import GPTConfig
+    from megalite.planner.op_count import tiny_model
+
+    model, tokens = tiny_model(GPTConfig(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024,
+                                         max_position_embeddings=128), 128)
+    return model, tokens.expand(2, -1)
+
+
+def _sharing(rank: int, world: int, repeats: int, model, tokens) -> dict:
     """{k: seconds per training micro-batch of a small GPT on a process while k processes run it
     at once}: the mix of matmuls, memory-bound kernels and host work a rank does, since how much
     processes slow each other depends on it (two matmuls on the two hyper-threads of one core
     share its multipliers; a matmul beside a softmax far less). Sweeps of k = 1, 2, 4, ... world
     alternate, so that the machine's drifting load hits every k alike; processes not computing
     wait in a barrier, which leaves their core free (gloo blocks)."""
-    from megalite.model.config import GPTConfig
-    from megalite.planner.op_count import micro_batch, tiny_model
+    from megalite.planner.op_count import micro_batch
 
     device = torch.device("cpu")
-    model, tokens = tiny_model(GPTConfig(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024,
-                                         max_position_embeddings=128), 128)
-    tokens = tokens.expand(2, -1)
     busy = sorted({1, world} | {k for k in (2, 4, 8, 16, 32) if k < world})
     times = {k: [] for k in busy}
     for _ in range(repeats):
@@ -162,9 +167,11 @@ def _measure(rank: int, world: int, backend: str, repeats: int) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpu = device.type == "cuda"
-    # on a CPU rank 0 measures its rates alone while the others wait in the barrier below
+    sharing = None if gpu else _sharing_model()  # everyone's set-up done before anyone measures
+    dist.barrier()
+    # on a CPU rank 0 measures its rates alone while the others wait in the barrier in _sharing
     result = {"compute": _compute(device) if rank == 0 or gpu else None,
-              "sharing": _sharing(rank, world, 3) if device.type == "cpu" else {}, "measured": {}}
+              "sharing": {} if gpu else _sharing(rank, world, 3, *sharing), "measured": {}}
     sizes = [n for n in range(2, world + 1) if world % n == 0]
     for n in sizes:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
