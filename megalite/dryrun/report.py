@@ -22,17 +22,18 @@ def format_report(args, layout, reports) -> str:
              f"{args.num_micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_length}, "
              f"device {args.dry_run_device} (fake)",
              *([ASSUMPTION] if args.num_experts is not None else []),
-             "peak memory per rank (MiB, MemTracker categories at the peak):",
+             "peak memory per rank in a steady iteration (MiB, MemTracker categories at the peak):",
              f"{'rank':>6} {'(tp,dp,pp,cp)':>15} " + " ".join(f"{c:>11}" for c in CATEGORIES) + f" {'total':>11}"]
     for r in reports:
         lines.append(f"{r.rank:>6} {str(r.coords):>15} " + " ".join(f"{_mib(r.peak.get(c, 0)):>11}" for c in CATEGORIES)
                      + f" {_mib(r.peak_total):>11}")
     if any(r.korthikanti for r in reports):
-        lines.append("activations at the peak beside Korthikanti et al.'s formula (formulas.md, no s x s scores) for "
-                     "the transformer layers in flight (MiB; the embedding and the last stage's logits are not in it)")
+        lines.append("most activations held at once beside Korthikanti et al.'s formula (formulas.md, no s x s "
+                     "scores) for the transformer layers in flight (MiB; the embedding and the last stage's logits "
+                     "are not in it)")
         for r in reports:
-            ratio = f"{r.peak.get('activations', 0) / r.korthikanti:.3f}" if r.korthikanti else "-"
-            lines.append(f"{r.rank:>6} {str(r.coords):>15} {_mib(r.peak.get('activations', 0))} formula "
+            ratio = f"{r.activation_peak / r.korthikanti:.3f}" if r.korthikanti else "-"
+            lines.append(f"{r.rank:>6} {str(r.coords):>15} {_mib(r.activation_peak)} formula "
                          f"{_mib(r.korthikanti or 0)} ratio {ratio}")
     lines.append("held after the step (bytes): parameters, gradients, optimizer state; formulas.md for the "
                  "rank's parameters (padded as in its gradient buffers) beside them")

@@ -43,12 +43,23 @@ _FROM_MEMTRACKER = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parame
 class StepMemTracker(MemTracker):
     """MemTracker over one training step of several micro-batches: MemTracker refuses a root
     module's second forward (it takes it for a new iteration); here it is the next micro-batch
-    of the same step, whose per-module statistics (unused) are left as the first one's."""
+    of the same step, whose per-module statistics (unused) are left as the first one's. Also
+    keeps the most activation bytes held at any moment, per device."""
+
+    def __init__(self):
+        super().__init__()
+        self.activation_peak: dict = {}
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             return
         super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        for dev, snap in self._curr_mem_snap.items():
+            if snap[_MemRefType.ACT] > self.activation_peak.get(dev, 0):
+                self.activation_peak[dev] = snap[_MemRefType.ACT]
 
 
 @dataclass
@@ -58,6 +69,7 @@ class RankReport:
     chunks: list  # per chunk: (layers, pre_process, post_process)
     peak: dict = field(default_factory=dict)  # category -> bytes at the peak
     peak_total: int = 0
+    activation_peak: int = 0  # the most activation bytes held at any moment (the peak's may be fewer)
     resident: dict = field(default_factory=dict)  # parameters / gradients / optimizer after the step
     num_params: int = 0  # parameters this rank holds (its chunks' numel)
     num_buffer: int = 0  # the same padded as in the contiguous gradient buffers
@@ -196,6 +208,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
                 sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
                 forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args))
+            # A steady iteration: the optimizer state every step but the first starts with (Adam's
+            # moments, made by its first step: here one on the zero gradients).
+            optimizer.inner.step()
             mt = StepMemTracker()
             _track_megalite_state(mt, chunks, optimizer)
             checks = MixCheck(lambda: max(modules.parents, key=len, default="")) if strict else None
@@ -227,6 +242,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
             report.peak[category] = report.peak.get(category, 0) + dev_snap.get(ref, 0)
         report.resident = {c: held.get(c, 0) for c in ("parameters", "gradients", "optimizer")}
         report.peak_total = sum(report.peak.values())
+        report.activation_peak = next((v for d, v in mt.activation_peak.items()
+                                       if torch.device(d).type == device.type), 0)
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))

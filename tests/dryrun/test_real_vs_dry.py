@@ -49,6 +49,18 @@ LAYOUTS = {
 }
 
 
+def _pipeline_message_bytes(args) -> int:
+    """One activation sent between pipeline stages. A real gloo send holds its tensor until the
+    peer posts the matching receive, a timing of the other process that the dry run (whose fake
+    sends complete at once) cannot know: at the peak a real rank may hold one such message more,
+    as an activation or a temporary (seen: tp2-pp2v2-dp1-sp-full-recompute, rank 2, 4,096 bytes
+    moved between the two)."""
+    if args.pipeline_model_parallel_size == 1:
+        return 0
+    split = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return args.seq_length // split * args.micro_batch_size * args.hidden_size * (2 if args.bf16 else 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_dry_run_peak_memory_matches_real_run(name):
@@ -56,10 +68,11 @@ def test_dry_run_peak_memory_matches_real_run(name):
     dry = reports(argv)
     world = parse_args(argv).dry_run_world_size
     real = run_distributed(_real, world, argv, timeout=900)
+    slack = _pipeline_message_bytes(parse_args(argv))
     for d in dry:
         r = real[d.rank]
         print(f"{name} rank {d.rank}: dry {d.peak} real {r['peak']}")  # the README table (-s)
         assert r["resident"] == d.resident, (name, d.rank)
         for category, value in d.peak.items():
-            assert abs(value - r["peak"][category]) <= TOL * max(r["peak"][category], 1), \
+            assert abs(value - r["peak"][category]) <= TOL * max(r["peak"][category], 1) + slack, \
                 (name, d.rank, category, value, r["peak"][category])

@@ -1,0 +1,79 @@
+"""Dry runs of Llama-3 8B (TP=1, TP=2 with SP), 70B (TP=8 PP=4 SP) and 405B (TP=8 PP=16, two
+virtual stages, SP) in bf16 with the distributed optimizer, at s = 8192, b = 1: pipeline stage 0's
+rank (the one holding the most activations), as `python -m megalite.pretrain_gpt --dry-run` runs
+it. Prints the README's table: held bytes beside formulas.md's, the peak of a steady iteration,
+and the most activations held at once beside Korthikanti et al.'s formula for the layers in
+flight (megalite/dryrun/formulas.py).
+
+    python tools/benchmarks/dry_run_llama3.py [8b-tp1 8b-tp2 70b 405b]
+
+On a CPU-only torch it restarts itself with the fake CUDA device (megalite/dryrun/fake_cuda.py).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, without `pip install -e .`
+
+import torch  # noqa: E402
+
+from megalite.dryrun.fake_cuda import ENV_FLAG, exit_now, fake_cuda_ready, shim_path  # noqa: E402
+
+MIB = 2 ** 20
+COMMON = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --group-query-attention "
+          "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 "
+          "--disable-bias-linear --untie-embeddings-and-output-weights --seq-length 8192 --micro-batch-size 1 "
+          "--lr 3e-4 --train-iters 1 --attention-dropout 0 --hidden-dropout 0 --bf16 --use-distributed-optimizer "
+          "--dry-run")
+LLAMA_8B = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 14336"
+RUNS = {
+    "8b-tp1": ("8B", "TP1 DP8", f"{LLAMA_8B} --global-batch-size 8 --dry-run-world-size 8"),
+    "8b-tp2": ("8B", "TP2 SP DP4", f"{LLAMA_8B} --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--global-batch-size 8 --dry-run-world-size 8"),
+    "70b": ("70B", "TP8 PP4 SP DP2", "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 "
+            "--ffn-hidden-size 28672 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
+            "--sequence-parallel --global-batch-size 16 --dry-run-world-size 64"),
+    "405b": ("405B", "TP8 PP16 v2 SP DP8", "--num-layers 126 --hidden-size 16384 --num-attention-heads 128 "
+             "--ffn-hidden-size 53248 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 "
+             "--num-virtual-stages-per-pipeline-rank 2 --decoder-first-pipeline-num-layers 6 "
+             "--decoder-last-pipeline-num-layers 8 --sequence-parallel --global-batch-size 128 "
+             "--dry-run-world-size 1024"),
+}
+
+
+def run(name: str) -> str:
+    from megalite.data.tokenizers import build_tokenizer
+    from megalite.dryrun.runner import run_rank
+    from megalite.training.arguments import parse_args, validate_args
+
+    model, layout_name, flags = RUNS[name]
+    args = parse_args(f"{COMMON} {flags}".split())
+    world = args.dry_run_world_size
+    validate_args(args, world)
+    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    start = time.perf_counter()
+    r = run_rank(args, vocab, 0, world, torch.device("cuda"))
+    seconds = time.perf_counter() - start
+    held = " / ".join(f"{r.resident[c] / MIB:,.1f}" for c in ("parameters", "gradients", "optimizer"))
+    return (f"| {model} | {layout_name} ({world}) | {seconds:.0f} s | {held} | "
+            f"{'exactly' if r.resident == r.formula else 'NO: ' + str(r.formula)} | {r.peak_total / MIB:,.0f} | "
+            f"{r.activation_peak / MIB:,.0f} | {r.korthikanti / MIB:,.0f} | {r.activation_peak / r.korthikanti:.3f} |")
+
+
+def main(names: list[str]) -> int:
+    if not fake_cuda_ready():
+        import os
+
+        env = dict(os.environ, LD_PRELOAD=str(shim_path()), **{ENV_FLAG: "1"})
+        os.execve(sys.executable, [sys.executable, __file__, *names], env)
+    print("| model | layout (world) | wall time | params / grads / optimizer held (MiB) | = formulas.md | "
+          "peak (MiB) | most activations (MiB) | Korthikanti (MiB) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names or list(RUNS):
+        print(run(name), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main(sys.argv[1:]))
