@@ -184,7 +184,12 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     times.add("operators", overhead_f, overhead_b + (overhead_f if layout.recompute == "full" else 0))
     activation = tokens * config.hidden_size * e
     tp = 2 * _tp_comm(cluster, layout, activation, groups["tp"])
-    times.add("tensor-parallel", tp, tp * (2 if layout.recompute == "full" else 1))
+    regather = 0.0
+    if layout.tp > 1 and layout.sequence_parallel:
+        # the QKV and FC1 linears keep their input's sequence shard and gather it again in
+        # backward, overlapped with their input-gradient matmuls (about the forward's GEMMs)
+        regather = max(0.0, 2 * cluster.collective_time("all_gather", activation, groups["tp"]) - dense)
+    times.add("tensor-parallel", tp, tp * (2 if layout.recompute == "full" else 1) + regather)
     if layout.cp > 1:
         kv_block = 2 * tokens * config.num_query_groups * config.kv_channels / layout.tp * e
         neighbours = groups["cp"][:2] if len({cluster.node_of(r) for r in groups["cp"]}) == 1 else \

@@ -8,8 +8,10 @@ optimizer's parameter all-gather (overlapped with the next step's first forward)
 Processes sharing a CPU (cluster.slowdown, measured by --calibrate) compute more slowly the more
 of them compute at once: the compute times are for one process alone, and every stretch of
 the simulated timeline lasts longer by the measured slowdown at the number of processes
-computing in it (processor sharing: ranks waiting in a bubble leave the cores to the others);
-the optimizer steps of all ranks run at once ("shared cores").
+computing in it (processor sharing: ranks waiting in a bubble leave the cores to the others;
+the TP x CP x DP replicas of a pipeline rank compute in lockstep between their collectives, so
+their compute is crowded by all of them however long the collectives take); the optimizer
+steps of all ranks run at once ("shared cores").
 
 `estimate` replaces the simulator by the bubble formula (p-1)/v of a stage's F+B: the search
 uses it to choose which layouts to simulate.
@@ -105,20 +107,32 @@ def _simulate(schedule: str, p: int, m: int, v: int, costs: tuple):
     return report.makespan, tuple(r.finish for r in report.ranks), intervals
 
 
-def shared_core_time(intervals, demand: list[float], cluster: Cluster) -> float:
-    """Wall time of the simulated pipeline when its processes share a CPU: every stretch of the
-    timeline lasts longer by cluster.slowdown_at(the processes computing in it). demand[r]:
-    processes pipeline rank r keeps computing while busy, i.e. its TP x CP x DP replicas times
-    the share of its busy time that computes (collectives, measured with every rank
-    communicating, are not stretched again)."""
-    events = sorted([(start, demand[r]) for r, rank in enumerate(intervals) for start, _ in rank]
-                    + [(end, -demand[r]) for r, rank in enumerate(intervals) for _, end in rank])
-    wall, wanted, last = 0.0, 0.0, 0.0
-    for time, change in events:
+def shared_core_time(intervals, replicas: float, share: list[float], cluster: Cluster) -> float:
+    """Wall time of the simulated pipeline when its processes share a CPU. `replicas`: the
+    processes of each pipeline rank (its TP x CP x DP replicas), which compute and communicate
+    in lockstep (every TP collective waits for all of them); share[r]: the part of pipeline rank
+    r's busy time that computes. While a rank computes, all its replicas do, beside the other
+    busy ranks' replicas in the shares of time those compute: that number of processes sets its
+    compute's slowdown (cluster.slowdown_at); its collectives, measured with every rank
+    communicating, are not stretched again. A stretch of the timeline lasts longer by the mean
+    of its busy ranks' factors."""
+    events = sorted([(start, 1, r) for r, rank in enumerate(intervals) for start, _ in rank]
+                    + [(end, -1, r) for r, rank in enumerate(intervals) for _, end in rank])
+    busy: dict[int, int] = {}
+    wall, last = 0.0, 0.0
+    for time, change, rank in events:
         if time > last:
-            wall += (time - last) * cluster.slowdown_at(wanted)
+            if busy:
+                others = sum(replicas * share[r] for r in busy)
+                factors = [share[r] * cluster.slowdown_at(replicas + others - replicas * share[r]) + 1 - share[r]
+                           for r in busy]
+                wall += (time - last) * sum(factors) / len(factors)
+            else:
+                wall += time - last
             last = time
-        wanted += change
+        busy[rank] = busy.get(rank, 0) + change
+        if not busy[rank]:
+            del busy[rank]
     return wall
 
 
@@ -196,9 +210,8 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
     if cluster.slowdown:  # the stretch processor sharing adds to the simulated compute
         computing = [sum(c.parts.get(k, 0.0) for c in row for k in COMPUTE_PARTS) / sum(c.forward + c.backward for c in row)
                      for row in table]
-        demand = [layout.world_size / p * share_of_busy for share_of_busy in computing]
         end = max((e for rank in intervals for _, e in rank), default=0.0)
-        contention = max(0.0, shared_core_time(intervals, demand, cluster) - end)
+        contention = max(0.0, shared_core_time(intervals, layout.world_size / p, computing, cluster) - end)
     ends, details = [], []
     overlap = layout.dp * layout.cp > 1  # the printed flags turn --overlap-grad-reduce on
     for rank, row in enumerate(table):

@@ -50,7 +50,18 @@ def test_tensor_parallel_collectives_per_layer():
     sp = H100.collective_time("all_gather", nbytes, group) + H100.collective_time("reduce_scatter", nbytes, group)
     ops = (0, 0)
     assert layer_times(H100, w, layout(tp=2, mbs=2), 0, ops).parts["tensor-parallel"] == pytest.approx(4 * all_reduce)
-    assert layer_times(H100, w, layout(tp=2, mbs=2, sp=True), 0, ops).parts["tensor-parallel"] == pytest.approx(4 * sp)
+    # SP: the QKV and FC1 inputs gathered again in backward, overlapped with the input-gradient
+    # GEMMs (about the forward's): what those do not hide is exposed
+    from megalite.planner.compute import _layer_gemms
+    dense, _ = _layer_gemms(H100, w, layout(tp=2, mbs=2, sp=True), 2 * 128, False)
+    regather = 2 * H100.collective_time("all_gather", nbytes, group) - dense
+    assert regather > 0  # this small layer's gathers are latency, longer than its GEMMs
+    assert layer_times(H100, w, layout(tp=2, mbs=2, sp=True), 0, ops).parts["tensor-parallel"] == \
+        pytest.approx(4 * sp + regather)
+    fast = H100.replace(intra_node_latency=0.0, intra_node_bandwidth=1e18)
+    fast_sp = fast.collective_time("all_gather", nbytes, group) + fast.collective_time("reduce_scatter", nbytes, group)
+    assert layer_times(fast, w, layout(tp=2, mbs=2, sp=True), 0, ops).parts["tensor-parallel"] == \
+        pytest.approx(4 * fast_sp)  # hidden
     full = layer_times(H100, w, layout(tp=2, mbs=2, recompute="full"), 0, ops)
     assert full.parts["tensor-parallel"] == pytest.approx(6 * all_reduce)  # the recomputed forward's two again
     assert layer_times(H100, w, layout(mbs=2), 0, ops).parts["tensor-parallel"] == 0
@@ -139,6 +150,13 @@ def test_shared_cores_stretch_the_computing_stretches_of_the_timeline():
     lay = layout(dp=4, mbs=2)  # all four compute all the time: four times as long
     alone, crowded = predict(own, w, lay), predict(one_core, w, lay)
     compute = sum(alone.breakdown[k] for k in ("matmul", "memory-bound", "operators"))
+    assert crowded.breakdown["shared cores"] == pytest.approx(3 * compute, rel=1e-6)
+    # TP=4: the four compute in lockstep between their collectives, so their compute is as
+    # crowded as DP=4's whatever share of the time the collectives take
+    lay = layout(tp=4, mbs=2)
+    alone, crowded = predict(own, w, lay), predict(one_core, w, lay)
+    compute = sum(alone.breakdown[k] for k in ("matmul", "memory-bound", "operators"))
+    assert alone.breakdown["tensor-parallel"] > 0.1 * compute
     assert crowded.breakdown["shared cores"] == pytest.approx(3 * compute, rel=1e-6)
     # a pipeline of 4 one-rank stages computes alone in its bubbles: less than four times
     piped = layout(pp=4, mbs=2)

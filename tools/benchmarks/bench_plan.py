@@ -62,7 +62,9 @@ def measure(cmd: str, iterations: int, skip: int, workdir: Path, timeout: float)
     metrics.unlink(missing_ok=True)
     full = f"{cmd} {' '.join(RUN)} --train-iters {iterations} --metrics-file {shlex.quote(str(metrics))}"
     log = open(workdir / "run.log", "w")
-    proc = subprocess.Popen(full, shell=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ, PYTHON=sys.executable)  # the launch script's interpreter: this one, not PATH's
+    proc = subprocess.Popen(full, shell=True, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     start, done_at = time.time(), None
     try:
         while proc.poll() is None:
@@ -82,7 +84,8 @@ def measure(cmd: str, iterations: int, skip: int, workdir: Path, timeout: float)
         log.close()
     records = _records(metrics)
     if len(records) < iterations:
-        raise RuntimeError(f"{full}: {len(records)} of {iterations} iterations logged; see {workdir / 'run.log'}")
+        tail = (workdir / "run.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{full}: {len(records)} of {iterations} iterations logged; the run's output ends:\n{tail}")
     times = [r["elapsed_ms_per_iteration"] / 1000 for r in records]
     return statistics.median(times[skip:]), times
 
