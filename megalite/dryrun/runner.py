@@ -116,7 +116,8 @@ def _microbatches(args, device, count: int, vocab: int, pstate):
 
 def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
     """Tell MemTracker what megalite holds outside .grad and optimizer.state: the contiguous
-    parameter and main-gradient buffers of DDP, and the fp32 main parameters."""
+    parameter and main-gradient buffers of DDP, the fp32 main parameters and, with fp16
+    gradients, their fp32 copies (else filed as activations when first used)."""
     for chunk in chunks:
         mt.track_external(chunk.module)
         if isinstance(chunk, DistributedDataParallel):
@@ -127,6 +128,9 @@ def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
     for group in optimizer.inner.param_groups:
         for p in group["params"]:
             mt._update_and_maybe_create_winfos(p, _MemRefType.OPT)
+    for shard in getattr(optimizer, "bucket_shards", []):
+        if shard.grad_flat is not None:  # fp16 gradients' fp32 copy (formulas.md counts it as optimizer state)
+            mt._update_and_maybe_create_winfos(shard.grad_flat, _MemRefType.OPT)
     mt.track_external(optimizer.inner)
 
 

@@ -82,6 +82,16 @@ def test_held_bytes_equal_formula_on_the_rank_holding_bucket_padding(tp, dp):
     assert r.resident == r.formula
 
 
+def test_fp16_gradient_copies_are_optimizer_state_at_the_peak():
+    # fp16 gradients (Megatron's fp16 default) step from an fp32 copy the optimizer holds for
+    # the whole run: at the peak it is optimizer state, not activations first touched in the step
+    argv = [a for a in SMALL if a not in ("--bf16", "--use-distributed-optimizer")] + ["--fp16", "--dry-run-device",
+                                                                                         "cpu"]
+    for r in reports(argv):
+        assert r.resident == r.formula
+        assert r.peak["optimizer"] == r.resident["optimizer"], (r.rank, r.peak, r.resident)
+
+
 def test_peaks_do_not_depend_on_the_garbage_collector():
     """With full recompute the backward rebuilds each layer's graph; once its activations are
     taken, nothing may keep that graph alive (the module tracker's backward hooks once did, in
