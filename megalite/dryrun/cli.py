@@ -11,6 +11,7 @@ from megalite.dryrun.probes import MixedTensorsError
 from megalite.dryrun.report import format_report
 from megalite.dryrun.runner import run_rank
 from megalite.training.arguments import layout_from_args, validate_args
+from megalite.training.arguments_megatron_model import tokenizer_from_args
 
 
 def distinct_ranks(layout, all_stages: bool) -> list[int]:
@@ -34,13 +35,10 @@ def default_world_size(args) -> int:
 
 def run_dry(args, argv: list[str]) -> int:
     if args.dry_run_device == "cuda" and not fake_cuda_ready():
-        reexec_with_fake_cuda("megalite.pretrain_gpt", argv)  # does not return
+        reexec_with_fake_cuda(["-m", "megalite.pretrain_gpt", *argv])  # does not return
     world = args.dry_run_world_size or default_world_size(args)
-    from megalite.data.tokenizers import build_tokenizer
-
     validate_args(args, world)
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+    tokenizer = tokenizer_from_args(args)
     layout = layout_from_args(args, world)
     device = torch.device(args.dry_run_device)
     reports = []

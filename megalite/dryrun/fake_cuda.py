@@ -95,15 +95,16 @@ def fake_cuda_ready() -> bool:
     return torch.version.cuda is not None or os.environ.get(ENV_FLAG) == "1"
 
 
-def reexec_with_fake_cuda(module: str, argv: list[str]) -> None:
-    """Replace this process by `python -m module argv...` with the shim preloaded (never returns)."""
+def reexec_with_fake_cuda(command: list[str]) -> None:
+    """Replace this process by `python *command` (["-m", module, ...] or [script, ...]) with the
+    shim preloaded (never returns)."""
     path = shim_path()
     env = dict(os.environ)
     env["LD_PRELOAD"] = " ".join(p for p in (str(path), env.get("LD_PRELOAD", "")) if p)
     env[ENV_FLAG] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    os.execve(sys.executable, [sys.executable, *command], env)
 
 
 def exit_now(status: int) -> None:

@@ -62,18 +62,16 @@ def _child(argv: list[str]) -> int:
 
     args = parse_args(argv)
     if args.dry_run_device == "cuda" and not fake_cuda_ready():
-        reexec_with_fake_cuda("megalite.planner.verify", argv)  # does not return
+        reexec_with_fake_cuda(["-m", "megalite.planner.verify", *argv])  # does not return
     import torch
 
-    from megalite.data.tokenizers import build_tokenizer
     from megalite.dryrun.runner import run_rank
     from megalite.training.arguments import layout_from_args, validate_args
-    from megalite.training.arguments_megatron_model import tokenizer_options
+    from megalite.training.arguments_megatron_model import tokenizer_from_args
 
     world = args.dry_run_world_size
     validate_args(args, world)
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file, vocab_size=args.vocab_size, **tokenizer_options(args))
+    tokenizer = tokenizer_from_args(args)
     layout = layout_from_args(args, world)
     for rank in distinct_ranks(layout, False):
         report = run_rank(args, tokenizer.vocab_size, rank, world, torch.device(args.dry_run_device))

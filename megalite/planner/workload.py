@@ -75,9 +75,8 @@ def moe_flags(config: GPTConfig) -> list[str]:
 def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size: int | None = None) -> Workload:
     """A Workload from pretrain_gpt's flags (Megatron names; `--config file.yaml` allowed). The
     vocabulary is the tokenizer's: `--vocab-size` with NullTokenizer, or the tokenizer files."""
-    from megalite.data.tokenizers import build_tokenizer
     from megalite.training.arguments import model_config_from_args, parse_args
-    from megalite.training.arguments_megatron_model import tokenizer_options
+    from megalite.training.arguments_megatron_model import tokenizer_from_args
 
     args = parse_args(argv)
     defaults = parse_args([])
@@ -94,9 +93,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
     if args.tokenizer_type is None and not (args.vocab_file and args.merge_file):
         raise ValueError("the model's flags need a tokenizer: --tokenizer-type NullTokenizer --vocab-size N, "
                          "or the tokenizer's files")
-    tokenizer = build_tokenizer(args.tokenizer_type or "GPT2BPETokenizer", tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                                **tokenizer_options(args))
+    tokenizer = tokenizer_from_args(args, "GPT2BPETokenizer")
     config = model_config_from_args(args, tokenizer.vocab_size)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     flash = args.attention_backend not in ("unfused", "local")

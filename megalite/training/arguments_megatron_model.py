@@ -181,6 +181,16 @@ def tokenizer_options(args) -> dict:
     return options
 
 
+def tokenizer_from_args(args, tokenizer_type: str | None = None):
+    """The run's tokenizer from its flags (`tokenizer_type` in place of --tokenizer-type where
+    that is unset)."""
+    from megalite.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(args.tokenizer_type or tokenizer_type, tokenizer_model=args.tokenizer_model,
+                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           **tokenizer_options(args))
+
+
 def start_up_notes(args, device_type: str) -> list[str]:
     """One line per flag that megalite serves another way than Megatron (printed at start-up)."""
     notes = []

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
-from megalite.data.tokenizers import build_tokenizer
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
@@ -26,7 +25,7 @@ from megalite.training.arguments import layout_from_args, model_config_from_args
 from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.training.arguments_megatron_data import megatron_data_notes
 from megalite.training.arguments_megatron_logging import megatron_logging_notes
-from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_options
+from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_from_args
 from megalite.training.arguments_megatron_training import interleaved_group_size, megatron_training_notes
 from megalite.training.batch_schedule import batch_schedule_from_args
 from megalite.training.flops import flops_per_token, peak_flops
@@ -147,9 +146,7 @@ def build_run(args) -> Run:
         for note in checkpoint_notes + startup_notes(args, device.type):
             print(note, flush=True)
     tracker = seed_everything(args.seed, pstate.tp_rank, pstate.pp_rank, device)
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                                **tokenizer_options(args))
+    tokenizer = tokenizer_from_args(args)
     config = model_config_from_args(args, tokenizer.vocab_size)
     if args.use_torch_fsdp2:
         config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16

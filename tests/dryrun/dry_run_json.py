@@ -6,18 +6,18 @@ import sys
 
 import torch
 
-from megalite.data.tokenizers import build_tokenizer
 from megalite.dryrun.cli import distinct_ranks
 from megalite.dryrun.fake_cuda import exit_now
 from megalite.dryrun.runner import run_rank
 from megalite.training.arguments import layout_from_args, parse_args, validate_args
+from megalite.training.arguments_megatron_model import tokenizer_from_args
 
 
 def reports(argv):
     args = parse_args(argv)
     world = args.dry_run_world_size
     validate_args(args, world)
-    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    vocab = tokenizer_from_args(args).vocab_size
     layout = layout_from_args(args, world)
     return [run_rank(args, vocab, r, world, torch.device(args.dry_run_device))
             for r in distinct_ranks(layout, args.dry_run_all_stages)]

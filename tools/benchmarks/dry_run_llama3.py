@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 import torch  # noqa: E402
 
-from megalite.dryrun.fake_cuda import ENV_FLAG, exit_now, fake_cuda_ready, shim_path  # noqa: E402
+from megalite.dryrun.fake_cuda import exit_now, fake_cuda_ready, reexec_with_fake_cuda  # noqa: E402
 
 MIB = 2 ** 20
 COMMON = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --group-query-attention "
@@ -43,15 +43,15 @@ RUNS = {
 
 
 def run(name: str) -> str:
-    from megalite.data.tokenizers import build_tokenizer
     from megalite.dryrun.runner import run_rank
     from megalite.training.arguments import parse_args, validate_args
+    from megalite.training.arguments_megatron_model import tokenizer_from_args
 
     model, layout_name, flags = RUNS[name]
     args = parse_args(f"{COMMON} {flags}".split())
     world = args.dry_run_world_size
     validate_args(args, world)
-    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    vocab = tokenizer_from_args(args).vocab_size
     start = time.perf_counter()
     r = run_rank(args, vocab, 0, world, torch.device("cuda"))
     seconds = time.perf_counter() - start
@@ -63,10 +63,7 @@ def run(name: str) -> str:
 
 def main(names: list[str]) -> int:
     if not fake_cuda_ready():
-        import os
-
-        env = dict(os.environ, LD_PRELOAD=str(shim_path()), **{ENV_FLAG: "1"})
-        os.execve(sys.executable, [sys.executable, __file__, *names], env)
+        reexec_with_fake_cuda([__file__, *names])  # does not return
     print("| model | layout (world) | wall time | params / grads / optimizer held (MiB) | = formulas.md | "
           "peak (MiB) | most activations (MiB) | Korthikanti (MiB) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
