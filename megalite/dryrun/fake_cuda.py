@@ -61,7 +61,8 @@ def shim_path() -> Path:
     """The compiled shim, built on first use under ~/.cache/megalite (or $XDG_CACHE_HOME)."""
     import torch
 
-    key = hashlib.sha256(f"{torch.__version__}{_SOURCE}{sys.version}".encode()).hexdigest()[:16]
+    # the torch directory too: the shim's rpath points into it, so another environment's build would not load
+    key = hashlib.sha256(f"{torch.__version__}{_torch_dir()}{_SOURCE}{sys.version}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megalite"
     path = cache / f"fake_cuda_{key}.so"
     if path.exists():

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.distributed._tools.mod_tracker import ModTracker
 
 from megalite.dryrun.balanced_routing import alltoall_formula_bytes, assume_balanced_routing
 from megalite.dryrun.formulas import expected_bytes, korthikanti_activation_bytes
 from megalite.dryrun.gpu_attention import GpuAttention
+from megalite.dryrun.pipeline_sends import ScheduledSendsP2P, send_completion_times
 from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
+from megalite.dryrun.step_tracker import AcyclicModTracker, StepMemTracker
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.moe import moe_layers
@@ -38,28 +39,6 @@ _FROM_MEMTRACKER = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parame
                     _MemRefType.GRAD: "gradients", _MemRefType.OPT: "optimizer",
                     _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
                     _MemRefType.OTH: "temporaries"}
-
-
-class StepMemTracker(MemTracker):
-    """MemTracker over one training step of several micro-batches: MemTracker refuses a root
-    module's second forward (it takes it for a new iteration); here it is the next micro-batch
-    of the same step, whose per-module statistics (unused) are left as the first one's. Also
-    keeps the most activation bytes held at any moment, per device."""
-
-    def __init__(self):
-        super().__init__()
-        self.activation_peak: dict = {}
-
-    def _pre_fw_hook(self, module, inputs) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            return
-        super()._pre_fw_hook(module, inputs)
-
-    def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        for dev, snap in self._curr_mem_snap.items():
-            if snap[_MemRefType.ACT] > self.activation_peak.get(dev, 0):
-                self.activation_peak[dev] = snap[_MemRefType.ACT]
 
 
 @dataclass
@@ -181,12 +160,12 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                                                expert_tensor_size=args.expert_tensor_parallel_size)
         config = model_config_from_args(args, vocab_size)
         fake = contextlib.nullcontext() if real else FakeTensorMode()
-        # The module running now, for MixCheck's errors: ModTracker (MemTracker's own tracker) adds no
-        # backward hooks while backward runs. torch.utils.module_tracker.ModuleTracker does, on the
+        # The module running now, for MixCheck's errors: ModTracker (MemTracker's own tracker, here
+        # without its leaf-input leak, step_tracker.py) adds no backward hooks while backward runs. torch.utils.module_tracker.ModuleTracker does, on the
         # graph that activation recompute builds in backward, and its multi-grad hooks form
         # reference cycles with those graph nodes: the recomputed activations then lived until the
         # cyclic garbage collector ran, so peaks depended on when it ran.
-        modules = ModTracker()
+        modules = AcyclicModTracker()
         expert = pstate.expert
         # without CP, dp_cp_group is dp_group: the later "dp" names it
         counter = CommCounter({pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
@@ -211,7 +190,13 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
                 sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
-                forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args))
+                forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args),
+                eager_sends=None if real else device.type == "cpu")  # a CPU run's gloo posts eagerly
+            if executor.p2p is not None and not real:
+                executor.p2p = ScheduledSendsP2P(executor.p2p, *send_completion_times(
+                    args.pipeline_schedule, pstate.pp_size, args.num_micro_batches, pstate.vp_size,
+                    interleaved_group_size(args), device.type == "cpu", args.recompute_granularity == "full",
+                    pstate.pp_rank))
             # A steady iteration: the optimizer state every step but the first starts with (Adam's
             # moments, made by its first step: here one on the zero gradients).
             optimizer.inner.step()

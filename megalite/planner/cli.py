@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--simulate", type=int, default=48, help="layouts run through the schedule simulator")
     out.add_argument("--finalists", type=int, default=3, help="layouts printed as launch flags (default 3)")
     out.add_argument("--verify", action="store_true",
-                     help="dry-run the finalists (megalite.dryrun) and print measured beside predicted memory")
+                     help="dry-run the finalists (megalite.dryrun), print measured beside predicted memory and "
+                          "replace a finalist measured over the memory limit by the next layout")
     out.add_argument("--json", help="write the ranked predictions to this file")
     calibrate = parser.add_argument_group("calibration")
     calibrate.add_argument("--calibrate", metavar="OUT.json", help="measure this machine and write a cluster file")
@@ -132,17 +133,19 @@ def main(argv=None) -> int:
         print(f"plan.py: error: {error}", file=sys.stderr)
         return 2
     print(table(result, args.top))
+    confirmed = None
+    if args.verify and result.ranked:
+        from megalite.planner.verify import verify
+        confirmed, report = verify(result, args.finalists)
+        print()
+        print(report)
     if result.ranked:
         print()
-        print(finalists(result, args.finalists))
-    if args.verify and result.ranked:
-        from megalite.planner.verify import verify_text
-        print()
-        print(verify_text(result, args.finalists))
+        print(finalists(result, args.finalists, confirmed))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump([{"layout": p.layout.short(), "flags": p.layout.flags(), "step_time": p.step_time,
                         "breakdown": p.breakdown, "memory_bytes": p.memory.total,
                         "tokens_per_second_per_gpu": p.tokens_per_second_per_gpu} for p in result.ranked],
                       handle, indent=1)
-    return 0 if result.ranked else 1
+    return 0 if result.ranked and confirmed != [] else 1

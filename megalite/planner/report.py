@@ -71,9 +71,11 @@ def command(plan: Plan, prediction: Prediction) -> str:
     return f"{env} bash scripts/pretrain_gpt.sh " + " ".join(shlex.quote(f) for f in flags)
 
 
-def finalists(plan: Plan, count: int = 3) -> str:
+def finalists(plan: Plan, count: int = 3, chosen: list | None = None) -> str:
+    """The first `count` ranked layouts (or `chosen`, those the dry run confirmed) as launch lines."""
     lines = []
-    for i, prediction in enumerate(plan.ranked[:count], 1):
+    for prediction in (plan.ranked[:count] if chosen is None else chosen):
+        i = plan.ranked.index(prediction) + 1
         lines.append(f"#{i} {prediction.layout.short()}: predicted step {_seconds(prediction.step_time)}; "
                      f"memory {memory_text(prediction.memory)}")
         lines.append("   " + command(plan, prediction))

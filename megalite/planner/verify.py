@@ -1,7 +1,8 @@
 """The planner's check on its finalists: megalite's dry run (megalite.dryrun, one training
 iteration of the first, middle and last pipeline stage on fake tensors) of each finalist's
 launch flags, its measured peak memory per category beside the prediction for the same
-pipeline rank.
+pipeline rank. A finalist the dry run measures over the memory limit is dropped for the next
+layout in the ranking.
 
 `python -m megalite.planner.verify FLAGS...` is the child process: the fake CUDA device must
 be in place before torch is imported, so each dry run is a process of its own; it prints one
@@ -36,23 +37,43 @@ def measure(flags: list[str], timeout: float = 3600) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def verify_text(plan: Plan, count: int) -> str:
+def verify(plan: Plan, count: int, measure=measure) -> tuple[list, str]:
+    """The dry run as the check on the finalists: dry-run the ranked layouts in order until
+    `count` of them are measured to fit within plan.memory_limit on every rank measured. A layout
+    whose measured peak is over the limit, or whose dry run fails, is dropped and the next one
+    is tried. Returns (the confirmed predictions, the report)."""
     unit, name = memory_unit(max(p.memory.total for p in plan.ranked[:count]))
-    lines = [f"dry runs of the finalists (megalite.dryrun, MemTracker peak) against the prediction, {name}:",
+    lines = [f"dry runs of the finalists (megalite.dryrun, MemTracker peak) against the prediction, {name}; "
+             f"limit {plan.memory_limit / unit:.2f}:",
              f"{'layout':34} {'pp rank':>7} {'measured':>9} {'predicted':>9} {'error':>6}   measured by category"]
-    for prediction in plan.ranked[:count]:
+    confirmed = []
+    for prediction in plan.ranked:
+        if len(confirmed) == count:
+            break
+        short = prediction.layout.short()
         try:
             ranks = measure(dry_run_flags(plan, prediction))
         except (RuntimeError, subprocess.TimeoutExpired) as error:
-            lines.append(f"{prediction.layout.short():34} {error}")
+            lines.append(f"{short:34} dropped: {error}")
             continue
         for rank in ranks:
             predicted = rank_memory(plan.workload, prediction.layout, rank["pp_rank"]).total
             measured = rank["peak_total"]
             parts = ", ".join(f"{k} {v / unit:.2f}" for k, v in rank["peak"].items())
-            lines.append(f"{prediction.layout.short():34} {rank['pp_rank']:>7} {measured / unit:>9.2f} "
+            lines.append(f"{short:34} {rank['pp_rank']:>7} {measured / unit:>9.2f} "
                          f"{predicted / unit:>9.2f} {predicted / measured - 1:>+6.0%}   {parts}")
-    return "\n".join(lines)
+        peak = max((rank["peak_total"] for rank in ranks), default=None)
+        if peak is None:
+            lines.append(f"{short:34} dropped: the dry run measured no rank")
+        elif peak > plan.memory_limit:
+            lines.append(f"{short:34} dropped: measured peak {peak / unit:.2f} {name} is over the limit "
+                         f"{plan.memory_limit / unit:.2f}")
+        else:
+            confirmed.append(prediction)
+    if len(confirmed) < count:
+        lines.append(f"{len(confirmed)} of the {len(plan.ranked)} simulated layouts confirmed by the dry run "
+                     f"(asked for {count})")
+    return confirmed, "\n".join(lines)
 
 
 def _child(argv: list[str]) -> int:

@@ -1,0 +1,85 @@
+"""When a dry run's pipeline sends complete.
+
+A real send holds its tensor until the transfer is done, which is when the peer has posted the
+matching receive: the executor polls its sends before every compute action and drops those that
+have completed (p2p.py). The fake process group's works never report completion, so without a
+model of the peer a dry run would hold every send to the end of the step (one activation
+message more per micro-batch and chunk). `ScheduledSendsP2P` answers from the schedule instead:
+every pipeline rank's action list is run through the schedule simulator (simulator.py, buffered sends, backward twice a forward's time, three times
+with full recompute), and a send counts as complete from max(its post, the peer's receive post)
++ one transfer on; the rank's k-th poll happens at the simulated start of its k-th compute.
+"""
+
+from megalite.parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, B, F, peer
+from megalite.parallel.pipeline.p2p import PipelineP2P
+from megalite.parallel.pipeline.schedules import schedule_actions
+from megalite.parallel.pipeline.simulator import Costs, simulate
+
+TRANSFER = 0.05
+"""A message's time in forward-compute units (a hop on a fast link moves [s, b, h] in a few
+percent of a layer stack's forward)."""
+PRODUCED_BY = {SEND_F: F, SEND_B: B}
+READ_BY = {RECV_F: F, RECV_B: B}
+
+
+def send_completion_times(schedule: str, p: int, m: int, v: int, group_size, eager: bool,
+                          full_recompute: bool, rank: int) -> tuple[dict, list]:
+    """({send action: completion time}, [start time of each compute action]) of pipeline rank
+    `rank`, in simulated time. The schedule is simulated in its listed order; with `eager`
+    (executor.eager_order: a send posted right after the compute that produced it, a receive one
+    compute before the compute that reads it) the posts are placed on that timeline."""
+    orders = [schedule_actions(schedule, p, r, m, v, group_size) for r in range(p)]
+    report = simulate(orders, v, Costs(forward=1, backward=3 if full_recompute else 2, p2p_latency=TRANSFER))
+    timelines = [report.ranks[r].timeline for r in range(p)]
+    if eager:
+        posted = [_eager_posts(timeline) for timeline in timelines]
+    else:
+        posted = [{a: start for a, start, _ in timeline if a.is_comm} for timeline in timelines]
+    done = {}
+    for action, start in posted[rank].items():
+        if action.is_send:
+            other, receive = peer(action, rank, p, v)
+            done[action] = max(start, posted[other][receive]) + TRANSFER
+    computes = [start for a, start, _ in timelines[rank] if a.is_compute]
+    return done, computes
+
+
+def _eager_posts(timeline) -> dict:
+    """Post time of each communication action under eager_order, from the listed order's timeline."""
+    computes = [(a, start, end) for a, start, end in timeline if a.is_compute]
+    index = {(a.kind, a.chunk, a.microbatch): i for i, (a, _, _) in enumerate(computes)}
+    posts = {}
+    for action, _, _ in timeline:
+        if action.is_send:  # after the compute that produced it
+            posts[action] = computes[index[(PRODUCED_BY[action.kind], action.chunk, action.microbatch)]][2]
+        elif action.is_comm:  # one compute before the compute that reads it
+            reader = index[(READ_BY[action.kind], action.chunk, action.microbatch)]
+            posts[action] = computes[max(reader - 1, 0)][1]
+    return posts
+
+
+class ScheduledSendsP2P(PipelineP2P):
+    """PipelineP2P whose sends complete when the simulated schedule says the peer received them."""
+
+    def __init__(self, p2p: PipelineP2P, done: dict, compute_starts: list):
+        self.__dict__.update(p2p.__dict__)
+        self._done, self._compute_starts, self._polls = done, compute_starts, 0
+        self._posted_sends: list = []   # send actions in posting order, beside self._sends
+
+    def post(self, actions, outgoing):
+        received = super().post(actions, outgoing)
+        sends = [a for a in actions if a.is_send]
+        if len(self._sends) - len(self._posted_sends) != len(sends):
+            raise RuntimeError("ScheduledSendsP2P expects one Work per send (the fake process group's)")
+        self._posted_sends += sends
+        return received
+
+    def release_finished_sends(self) -> None:
+        now = self._compute_starts[self._polls]
+        self._polls += 1
+        kept = [(s, a) for s, a in zip(self._sends, self._posted_sends) if self._done[a] > now]
+        self._sends, self._posted_sends = [s for s, _ in kept], [a for _, a in kept]
+
+    def wait_sends(self) -> None:
+        super().wait_sends()
+        self._posted_sends.clear()
