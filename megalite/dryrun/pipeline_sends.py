@@ -1,13 +1,17 @@
 """When a dry run's pipeline sends complete.
 
-A real send holds its tensor until the transfer is done, which is when the peer has posted the
-matching receive: the executor polls its sends before every compute action and drops those that
-have completed (p2p.py). The fake process group's works never report completion, so without a
-model of the peer a dry run would hold every send to the end of the step (one activation
-message more per micro-batch and chunk). `ScheduledSendsP2P` answers from the schedule instead:
-every pipeline rank's action list is run through the schedule simulator (simulator.py, buffered sends, backward twice a forward's time, three times
-with full recompute), and a send counts as complete from max(its post, the peer's receive post)
-+ one transfer on; the rank's k-th poll happens at the simulated start of its k-th compute.
+A real send holds its tensor until the transfer is done: the executor polls its sends before
+every compute action and drops those whose works report completion (p2p.py). On NCCL a send's
+work completes once the peer has posted the matching receive and the data has moved. The fake
+process group's works never report completion, so without a model of the peer a dry run on
+the fake CUDA device would hold every send to the end of the step (one activation message more
+per micro-batch and chunk). `ScheduledSendsP2P` answers from the schedule instead: every
+pipeline rank's action list is run through the schedule simulator (simulator.py, buffered
+sends, backward twice a forward's time, three times with full recompute), and a send counts as
+complete from max(its post, the peer's receive post) + one transfer on; the rank's k-th poll
+happens at the simulated start of its k-th compute. (A dry run on the CPU device keeps the fake
+works: gloo's send works report completion only when waited on, so a gloo run, too, holds its
+sends to the end of the step.)
 """
 
 from megalite.parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, B, F, peer

@@ -5,9 +5,10 @@ from megalite.dryrun.runner import CATEGORIES
 from megalite.training.arguments_context import cp_comm_types_of
 
 MIB = 1024 ** 2
-SENDS_HELD = ("note: pipeline sends are held until the end of the step (the fake process group's works never "
-              "complete; a real send is freed once the peer has received it), so activations are an upper bound "
-              "that grows with the number of micro-batches")
+SENDS = {"cuda": ("note: a pipeline send is held until its peer receives it, as the pipeline schedule simulated "
+                  "over every stage has it (NCCL; the fake process group's works never complete)"),
+         "cpu": ("note: pipeline sends are held to the end of the step, as a gloo run holds them (gloo's send "
+                 "works report completion only when waited on)")}
 
 
 def _mib(n: int) -> str:
@@ -25,7 +26,7 @@ def format_report(args, layout, reports) -> str:
              f"{args.num_micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_length}, "
              f"device {args.dry_run_device} (fake)",
              *([ASSUMPTION] if args.num_experts is not None else []),
-             *([SENDS_HELD] if layout.pipeline > 1 else []),
+             *([SENDS["cpu" if args.dry_run_device == "cpu" else "cuda"]] if layout.pipeline > 1 else []),
              "peak memory per rank in a steady iteration (MiB, MemTracker categories at the peak):",
              f"{'rank':>6} {'(tp,dp,pp,cp)':>15} " + " ".join(f"{c:>11}" for c in CATEGORIES) + f" {'total':>11}"]
     for r in reports:

