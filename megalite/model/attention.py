@@ -86,7 +86,8 @@ class SelfAttention(nn.Module):
                 return out.transpose(0, 1).reshape(s, b, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
-            out = core_attention(q, k, v, mask, backend=self.config.attention_backend, dropout=dropout, scale=scale)
+            out = core_attention(q, k, v, mask, backend=self.config.attention_backend, dropout=dropout, scale=scale,
+                                 softmax_in_fp32=self.config.attention_softmax_in_fp32)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _rotate(self, t, cos, sin):

@@ -5,8 +5,10 @@ kernels a backend names, or megalite's explicit math path.
     flash            SDPA's flash kernel (on CPU too: torch has a CPU flash kernel)
     fused            SDPA's cuDNN or memory-efficient kernel on CUDA (Megatron: TE's fused
                      attention); on CPU, where neither exists, SDPA's CPU flash kernel
-    unfused, local   explicit softmax(q k^T * scale + mask) v in fp32, dropout on the
-                     probabilities (Megatron's unfused / local DotProductAttention)
+    unfused, local   explicit softmax(q k^T * scale + mask) v, the softmax in fp32, dropout
+                     on the probabilities (Megatron's unfused / local DotProductAttention;
+                     16-bit memory as its fused softmax kernel unless
+                     --attention-softmax-in-fp32, see explicit_attention)
 
 Tensors are [b, n, s, d] as SDPA takes them; `mask` is bool [b or 1, 1, s_q, s_k] with True
 where attention is allowed, None for causal.
@@ -45,26 +47,60 @@ def how_served(backend: str, device_type: str) -> str | None:
     return f"--attention-backend {backend}: scaled_dot_product_attention restricted to {names}{cpu}"
 
 
-def explicit_attention(q, k, v, mask, *, dropout: float, scale: float) -> torch.Tensor:
+class _SoftmaxKeeping16Bit(torch.autograd.Function):
+    """softmax over the last dimension of 16-bit scores, computed in fp32 and returned, and kept
+    for backward, in the scores' dtype: 2 bytes per score where torch.softmax on the fp32 upcast
+    would keep 4 (Megatron's fused scaled-masked softmax kernel does the same)."""
+
+    @staticmethod
+    def forward(ctx, scores):
+        probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        p, g = probs.float(), grad.float()
+        return (p * (g - (g * p).sum(dim=-1, keepdim=True))).to(probs.dtype)
+
+
+def explicit_attention(q, k, v, mask, *, dropout: float, scale: float, softmax_in_fp32: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale) v with the softmax in fp32; grouped k/v heads are repeated. No
-    mask is causal aligned as SDPA's is_causal (query i sees keys 0..i)."""
+    mask is causal aligned as SDPA's is_causal (query i sees keys 0..i).
+
+    16-bit q/k/v: with `softmax_in_fp32` (--attention-softmax-in-fp32) the scores come from the
+    fp32 upcasts of q and k and the fp32 probabilities are kept for backward (Megatron's torch
+    softmax path under that flag); without it, as Megatron's fused softmax kernel, the scores are
+    a 16-bit matmul (fp32 accumulation, the scale applied before rounding) and the probabilities,
+    computed in fp32, are kept in 16 bits: the 5 bytes per score of Korthikanti et al.'s
+    activation formula (probabilities, dropout mask, dropout output) instead of 7, and no fp32
+    copies of q and k. fp32 inputs take the first path either way."""
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if softmax_in_fp32 or q.dtype == torch.float32:
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    else:
+        batch = q.shape[:2]
+        scores = torch.baddbmm(q.new_empty(()), q.flatten(0, 1), k.flatten(0, 1).transpose(-2, -1), beta=0.0,
+                               alpha=scale).unflatten(0, batch)
+        probs = _SoftmaxKeeping16Bit.apply(scores.masked_fill(~mask, float("-inf")))
     if dropout > 0:
         probs = F.dropout(probs, dropout, training=True)
     return torch.matmul(probs, v)
 
 
-def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float) -> torch.Tensor:
-    """Attention of q [b, nq, s, d] over k, v [b, ng, s_k, d] with the chosen backend."""
+def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float,
+                   softmax_in_fp32: bool = True) -> torch.Tensor:
+    """Attention of q [b, nq, s, d] over k, v [b, ng, s_k, d] with the chosen backend
+    (`softmax_in_fp32`: the explicit backends' 16-bit choice, explicit_attention)."""
     if backend in EXPLICIT_BACKENDS:
-        return explicit_attention(q, k, v, mask, dropout=dropout, scale=scale)
+        return explicit_attention(q, k, v, mask, dropout=dropout, scale=scale, softmax_in_fp32=softmax_in_fp32)
     call = dict(attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale,
                 enable_gqa=k.shape[1] != q.shape[1])
     kernels = sdpa_kernels(backend, q.device.type)

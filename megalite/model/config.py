@@ -87,7 +87,10 @@ class GPTConfig:
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (as F.cross_entropy defines it)."""
     attention_softmax_in_fp32: bool = True
-    """Kept for flag compatibility; scaled_dot_product_attention accumulates in fp32."""
+    """16-bit runs with an explicit attention backend (unfused, local): scores from fp32 q, k and
+    the fp32 probabilities kept for backward; False computes the softmax in fp32 but keeps 16-bit
+    scores and probabilities, as Megatron's fused softmax kernel (attention_backends.py). No
+    effect on fp32 runs or on the SDPA / flash backends, which accumulate in fp32."""
     fused_kernels: bool | None = None
     """Triton kernels for norms, activations, rotary and cross-entropy; None means on CUDA."""
     use_flash_attn: bool = False

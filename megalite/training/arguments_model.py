@@ -117,6 +117,9 @@ class PrecisionArgs:
     min_loss_scale: float = arg(1.0, "Smallest dynamic loss scale.")
     loss_scale_window: float = arg(1000, "Iterations without overflow before the scale grows.")
     hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
-    attention_softmax_in_fp32: bool = arg(False, "Attention softmax in fp32.")
+    attention_softmax_in_fp32: bool = arg(
+        False, "With --attention-backend unfused/local in fp16/bf16: attention scores from fp32 q, k and fp32 "
+        "probabilities kept for backward (default: 16-bit scores and probabilities, the softmax computed in fp32, "
+        "as Megatron's fused softmax kernel).")
     accumulate_allreduce_grads_in_fp32: bool = arg(
         False, "Accumulate and all-reduce gradients in fp32.")
