@@ -47,24 +47,6 @@ def how_served(backend: str, device_type: str) -> str | None:
     return f"--attention-backend {backend}: scaled_dot_product_attention restricted to {names}{cpu}"
 
 
-class _SoftmaxKeeping16Bit(torch.autograd.Function):
-    """softmax over the last dimension of 16-bit scores, computed in fp32 and returned, and kept
-    for backward, in the scores' dtype: 2 bytes per score where torch.softmax on the fp32 upcast
-    would keep 4 (Megatron's fused scaled-masked softmax kernel does the same)."""
-
-    @staticmethod
-    def forward(ctx, scores):
-        probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
-        ctx.save_for_backward(probs)
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        (probs,) = ctx.saved_tensors
-        p, g = probs.float(), grad.float()
-        return (p * (g - (g * p).sum(dim=-1, keepdim=True))).to(probs.dtype)
-
-
 def explicit_attention(q, k, v, mask, *, dropout: float, scale: float, softmax_in_fp32: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale) v with the softmax in fp32; grouped k/v heads are repeated. No
     mask is causal aligned as SDPA's is_causal (query i sees keys 0..i).
@@ -89,7 +71,9 @@ def explicit_attention(q, k, v, mask, *, dropout: float, scale: float, softmax_i
         batch = q.shape[:2]
         scores = torch.baddbmm(q.new_empty(()), q.flatten(0, 1), k.flatten(0, 1).transpose(-2, -1), beta=0.0,
                                alpha=scale).unflatten(0, batch)
-        probs = _SoftmaxKeeping16Bit.apply(scores.masked_fill(~mask, float("-inf")))
+        # torch's softmax of 16-bit input accumulates in fp32 and keeps its 16-bit output, and so
+        # does its backward (no fp32 buffer of the scores' size either way)
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)  # baddbmm keeps q, k only
     if dropout > 0:
         probs = F.dropout(probs, dropout, training=True)
     return torch.matmul(probs, v)
