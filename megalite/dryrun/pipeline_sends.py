@@ -14,7 +14,7 @@ works: gloo's send works report completion only when waited on, so a gloo run, t
 sends to the end of the step.)
 """
 
-from megalite.parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, B, F, peer
+from megalite.parallel.pipeline.actions import peer
 from megalite.parallel.pipeline.p2p import PipelineP2P
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.simulator import Costs, simulate
@@ -22,44 +22,23 @@ from megalite.parallel.pipeline.simulator import Costs, simulate
 TRANSFER = 0.05
 """A message's time in forward-compute units (a hop on a fast link moves [s, b, h] in a few
 percent of a layer stack's forward)."""
-PRODUCED_BY = {SEND_F: F, SEND_B: B}
-READ_BY = {RECV_F: F, RECV_B: B}
 
 
-def send_completion_times(schedule: str, p: int, m: int, v: int, group_size, eager: bool,
-                          full_recompute: bool, rank: int) -> tuple[dict, list]:
+def send_completion_times(schedule: str, p: int, m: int, v: int, group_size, full_recompute: bool,
+                          rank: int) -> tuple[dict, list]:
     """({send action: completion time}, [start time of each compute action]) of pipeline rank
-    `rank`, in simulated time. The schedule is simulated in its listed order; with `eager`
-    (executor.eager_order: a send posted right after the compute that produced it, a receive one
-    compute before the compute that reads it) the posts are placed on that timeline."""
+    `rank`, in simulated time, the schedule's actions posted as listed (NCCL's order: the
+    executor reorders transfers only for gloo)."""
     orders = [schedule_actions(schedule, p, r, m, v, group_size) for r in range(p)]
     report = simulate(orders, v, Costs(forward=1, backward=3 if full_recompute else 2, p2p_latency=TRANSFER))
-    timelines = [report.ranks[r].timeline for r in range(p)]
-    if eager:
-        posted = [_eager_posts(timeline) for timeline in timelines]
-    else:
-        posted = [{a: start for a, start, _ in timeline if a.is_comm} for timeline in timelines]
+    posted = [{a: start for a, start, _ in r.timeline if a.is_comm} for r in report.ranks]
     done = {}
     for action, start in posted[rank].items():
         if action.is_send:
             other, receive = peer(action, rank, p, v)
             done[action] = max(start, posted[other][receive]) + TRANSFER
-    computes = [start for a, start, _ in timelines[rank] if a.is_compute]
+    computes = [start for a, start, _ in report.ranks[rank].timeline if a.is_compute]
     return done, computes
-
-
-def _eager_posts(timeline) -> dict:
-    """Post time of each communication action under eager_order, from the listed order's timeline."""
-    computes = [(a, start, end) for a, start, end in timeline if a.is_compute]
-    index = {(a.kind, a.chunk, a.microbatch): i for i, (a, _, _) in enumerate(computes)}
-    posts = {}
-    for action, _, _ in timeline:
-        if action.is_send:  # after the compute that produced it
-            posts[action] = computes[index[(PRODUCED_BY[action.kind], action.chunk, action.microbatch)]][2]
-        elif action.is_comm:  # one compute before the compute that reads it
-            reader = index[(READ_BY[action.kind], action.chunk, action.microbatch)]
-            posts[action] = computes[max(reader - 1, 0)][1]
-    return posts
 
 
 class ScheduledSendsP2P(PipelineP2P):

@@ -161,10 +161,11 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         config = model_config_from_args(args, vocab_size)
         fake = contextlib.nullcontext() if real else FakeTensorMode()
         # The module running now, for MixCheck's errors: ModTracker (MemTracker's own tracker, here
-        # without its leaf-input leak, step_tracker.py) adds no backward hooks while backward runs. torch.utils.module_tracker.ModuleTracker does, on the
-        # graph that activation recompute builds in backward, and its multi-grad hooks form
-        # reference cycles with those graph nodes: the recomputed activations then lived until the
-        # cyclic garbage collector ran, so peaks depended on when it ran.
+        # without its leak, step_tracker.py) adds no backward hooks while backward runs.
+        # torch.utils.module_tracker.ModuleTracker does, on the graph that activation recompute
+        # builds in backward, and its multi-grad hooks form reference cycles with those graph
+        # nodes: the recomputed activations then lived until the cyclic garbage collector ran, so
+        # peaks depended on when it ran.
         modules = AcyclicModTracker()
         expert = pstate.expert
         # without CP, dp_cp_group is dp_group: the later "dp" names it
@@ -197,8 +198,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
             if executor.p2p is not None and not real and device.type != "cpu":
                 executor.p2p = ScheduledSendsP2P(executor.p2p, *send_completion_times(
                     args.pipeline_schedule, pstate.pp_size, args.num_micro_batches, pstate.vp_size,
-                    interleaved_group_size(args), device.type == "cpu", args.recompute_granularity == "full",
-                    pstate.pp_rank))
+                    interleaved_group_size(args), args.recompute_granularity == "full", pstate.pp_rank))
             # A steady iteration: the optimizer state every step but the first starts with (Adam's
             # moments, made by its first step: here one on the zero gradients).
             optimizer.inner.step()

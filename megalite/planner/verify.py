@@ -37,11 +37,13 @@ def measure(flags: list[str], timeout: float = 3600) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def verify(plan: Plan, count: int, measure=measure) -> tuple[list, str]:
+def verify(plan: Plan, count: int, dry_run=None) -> tuple[list, str]:
     """The dry run as the check on the finalists: dry-run the ranked layouts in order until
     `count` of them are measured to fit within plan.memory_limit on every rank measured. A layout
     whose measured peak is over the limit, or whose dry run fails, is dropped and the next one
-    is tried. Returns (the confirmed predictions, the report)."""
+    is tried. `dry_run(flags)` measures one layout (default: measure). Returns (the confirmed
+    predictions, the report)."""
+    dry_run = dry_run or measure
     unit, name = memory_unit(max(p.memory.total for p in plan.ranked[:count]))
     lines = [f"dry runs of the finalists (megalite.dryrun, MemTracker peak) against the prediction, {name}; "
              f"limit {plan.memory_limit / unit:.2f}:",
@@ -52,7 +54,7 @@ def verify(plan: Plan, count: int, measure=measure) -> tuple[list, str]:
             break
         short = prediction.layout.short()
         try:
-            ranks = measure(dry_run_flags(plan, prediction))
+            ranks = dry_run(dry_run_flags(plan, prediction))
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             lines.append(f"{short:34} dropped: {error}")
             continue

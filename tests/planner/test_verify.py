@@ -53,7 +53,6 @@ def test_cli_prints_only_confirmed_launch_lines(monkeypatch, capsys):
         return [{"rank": 0, "pp_rank": 0, "peak": {"activations": peak}, "peak_total": peak}]
 
     monkeypatch.setattr(verify_module, "measure", measure)
-    monkeypatch.setattr(verify_module.verify, "__defaults__", (measure,))
     assert main(["--cluster", "h100", "--num-gpus", "8", "--verify", "--finalists", "2"] + MODEL) == 0
     out = capsys.readouterr().out
     numbers = [int(n) for n in re.findall(r"^#(\d+) ", out, re.M)]
