@@ -19,8 +19,8 @@ from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from megalite.training.arguments import parse_args  # noqa: E402
-from megalite.training.checkpoint_format import CheckpointError  # noqa: E402
+from megalite.config.arguments import parse_args  # noqa: E402
+from megalite.checkpoint.dcp_format import CheckpointError  # noqa: E402
 from megalite.training.rerun import RerunFault  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                     + traceback.format_exc())
     dist.barrier()
     if args.exit_reason_file and dist.get_rank() == 0:
-        from megalite.training.checkpointing import write_text_atomic
+        from megalite.checkpoint.dcp_checkpoint import write_text_atomic
 
         Path(args.exit_reason_file).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.exit_reason_file), reason + "\n")

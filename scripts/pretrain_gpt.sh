@@ -30,7 +30,7 @@ has_flag() {  # has_flag --name "$@": whether the arguments set --name
 run_facts() {  # "<GPU count> <TP x PP>" for these arguments (and any --config file), one Python start
     "$PYTHON" -c 'import sys
 import torch
-from megalite.training.arguments import parse_args
+from megalite.config.arguments import parse_args
 try:
     a = parse_args(sys.argv[1:])
 except ValueError as e:

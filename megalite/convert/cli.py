@@ -17,12 +17,12 @@ import sys
 
 from megalite.convert.converters import hf_to_megalite, megalite_to_hf, megalite_to_megalite
 from megalite.convert.hints import hint_text
-from megalite.convert.megalite_reader import read_common
+from megalite.checkpoint.megalite_reader import read_common
 from megalite.convert.megatron_converters import megatron_to_hf, megatron_to_megalite
-from megalite.convert.publish import ConversionError
-from megalite.convert.safetensors_io import parse_size
-from megalite.convert.target_layout import TargetLayout
-from megalite.training.checkpoint_format import CheckpointError
+from megalite.checkpoint.publish import ConversionError
+from megalite.checkpoint.safetensors_io import parse_size
+from megalite.checkpoint.target_layout import TargetLayout
+from megalite.checkpoint.dcp_format import CheckpointError
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import torch
 
-from megalite.convert.dcp_writer import StreamingDCPWriter
-from megalite.convert.hf_reader import HFCheckpoint
+from megalite.checkpoint.dcp_writer import StreamingDCPWriter
+from megalite.checkpoint.hf_reader import HFCheckpoint
 from megalite.convert.hints import args_dict, training_flags
-from megalite.convert.megalite_reader import MegaliteCheckpoint
-from megalite.convert.publish import ConversionError, staged_output
-from megalite.convert.safetensors_io import SafetensorsWriter, plan_shards
-from megalite.convert.target_layout import TargetLayout, TensorPlacement
+from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
+from megalite.checkpoint.publish import ConversionError, staged_output
+from megalite.checkpoint.safetensors_io import SafetensorsWriter, plan_shards
+from megalite.checkpoint.target_layout import TargetLayout, TensorPlacement
 from megalite.convert.tokenizer_files import (
     copy_hf_tokenizer, export_tokenizer, relocate_tokenizer, resolved_entry, tokenizer_eod,
 )
-from megalite.model import hf_mapping
-from megalite.training.checkpoint_format import and_more
-from megalite.training.checkpointing import TRACKER, iteration_dir, write_text_atomic
+from megalite.checkpoint import hf_mapping
+from megalite.checkpoint.dcp_format import and_more
+from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir, write_text_atomic
 
 PARAMS_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -7,7 +7,7 @@
 import shlex
 
 from megalite.model.config import GPTConfig
-from megalite.training.arguments import parse_args
+from megalite.config.arguments import parse_args
 
 
 def _number(value) -> str:

@@ -15,15 +15,15 @@ from pathlib import Path
 from megalite.convert.converters import (
     PARAMS_DTYPES, Summary, _hf_config, _meta_getter, _publish_checkpoint, _stream_to_dcp, write_hf_weights,
 )
-from megalite.convert.dcp_writer import StreamingDCPWriter
+from megalite.checkpoint.dcp_writer import StreamingDCPWriter
 from megalite.convert.hints import args_dict, training_flags
-from megalite.convert.megatron_reader import MegatronCheckpoint
-from megalite.convert.publish import ConversionError, staged_output
-from megalite.convert.target_layout import TargetLayout, TensorPlacement
+from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.publish import ConversionError, staged_output
+from megalite.checkpoint.target_layout import TargetLayout, TensorPlacement
 from megalite.convert.tokenizer_files import NO_TOKENIZER
-from megalite.model import hf_mapping
-from megalite.training.checkpoint_format import CheckpointError
-from megalite.training.checkpointing import iteration_dir
+from megalite.checkpoint import hf_mapping
+from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.dcp_checkpoint import iteration_dir
 
 
 def _open(load_dir) -> MegatronCheckpoint:

@@ -10,8 +10,8 @@ from megalite.dryrun.fake_cuda import fake_cuda_ready, reexec_with_fake_cuda
 from megalite.dryrun.probes import MixedTensorsError
 from megalite.dryrun.report import format_report
 from megalite.dryrun.runner import run_rank
-from megalite.training.arguments import layout_from_args, validate_args
-from megalite.training.arguments_megatron_model import tokenizer_from_args
+from megalite.config.arguments import layout_from_args, validate_args
+from megalite.config.arguments_megatron_model import tokenizer_from_args
 
 
 def distinct_ranks(layout, all_stages: bool) -> list[int]:

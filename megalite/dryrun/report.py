@@ -2,7 +2,7 @@
 
 from megalite.dryrun.balanced_routing import ASSUMPTION
 from megalite.dryrun.runner import CATEGORIES
-from megalite.training.arguments_context import cp_comm_types_of
+from megalite.config.arguments_context import cp_comm_types_of
 
 MIB = 1024 ** 2
 SENDS = {"cuda": ("note: a pipeline send is held until its peer receives it, as the pipeline schedule simulated "

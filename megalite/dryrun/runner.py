@@ -30,8 +30,8 @@ from megalite.parallel.expert.dispatch import AllToAllDispatcher
 from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
-from megalite.training.arguments import layout_from_args, model_config_from_args
-from megalite.training.arguments_megatron_training import interleaved_group_size
+from megalite.config.arguments import layout_from_args, model_config_from_args
+from megalite.config.arguments_megatron_training import interleaved_group_size
 from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")

@@ -21,14 +21,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megalite.convert.megalite_reader import read_common
+from megalite.checkpoint.megalite_reader import read_common
 from megalite.convert.tokenizer_files import resolved_entry
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megalite.inference.generate import generate_tokens, load_model
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.arguments_megatron_model import tokenizer_options
-from megalite.training.checkpoint_format import CheckpointError
+from megalite.config.arguments_megatron_model import tokenizer_options
+from megalite.checkpoint.dcp_format import CheckpointError
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,14 +11,14 @@ rank so the ranks never diverge.
 import torch
 import torch.distributed as dist
 
-from megalite.convert.megalite_reader import read_common
+from megalite.checkpoint.megalite_reader import read_common
 from megalite.inference.kv_cache import InferenceCache
 from megalite.inference.sampling import SamplingParams, sample_next
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelState
-from megalite.training.checkpointing import load_checkpoint
+from megalite.checkpoint.dcp_checkpoint import load_checkpoint
 
 
 def inference_config(model_config: dict) -> GPTConfig:

@@ -4,8 +4,6 @@ from collections.abc import Callable
 
 import torch
 
-from megalite.model.hf_mapping import hf_to_megalite, megalite_to_hf
-from megalite.model.hf_mapping_moe import split_fused_experts
 from megalite.parallel.expert.groups import tensor_split_of
 from megalite.parallel.sharding import gather_tp_full, param_shard_of_full
 
@@ -40,26 +38,3 @@ def gather_full_weights(model, grads: bool = False) -> dict[str, torch.Tensor]:
         if value is not None:
             out[source_name(model, name)] = gather_tp_full(param, value, tensor_split_of(model.pstate, param)[0])
     return out
-
-
-def _chunk_scope(model) -> dict:
-    return {"layers": [int(n) for n in model.layers], "pre_process": model.pre_process,
-            "post_process": model.post_process}
-
-
-def load_hf_weights(model, hf_state_dict) -> None:
-    """Load a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (or Mixtral / Qwen2-MoE) state
-    dict into a model chunk."""
-    if model.config.moe is not None:
-        hf_state_dict = split_fused_experts(hf_state_dict, model.config)
-    full = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, **_chunk_scope(model)))
-    if model.post_process and "output_layer.weight" not in full:  # tied: the last stage's copy
-        full.setdefault("embedding.word_embeddings.weight", dict(hf_to_megalite(
-            hf_state_dict.__getitem__, model.config, model.padded_vocab, layers=[]))["embedding.word_embeddings.weight"])
-    load_full_weights(model, full.__getitem__)
-
-
-def export_hf_weights(model) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors of this chunk (a collective over the TP group)."""
-    full = gather_full_weights(model)
-    return dict(megalite_to_hf(full.__getitem__, model.config, **_chunk_scope(model)))

@@ -81,7 +81,7 @@ def verify(plan: Plan, count: int, dry_run=None) -> tuple[list, str]:
 def _child(argv: list[str]) -> int:
     from megalite.dryrun.cli import distinct_ranks
     from megalite.dryrun.fake_cuda import fake_cuda_ready, reexec_with_fake_cuda
-    from megalite.training.arguments import parse_args
+    from megalite.config.arguments import parse_args
 
     args = parse_args(argv)
     if args.dry_run_device == "cuda" and not fake_cuda_ready():
@@ -89,8 +89,8 @@ def _child(argv: list[str]) -> int:
     import torch
 
     from megalite.dryrun.runner import run_rank
-    from megalite.training.arguments import layout_from_args, validate_args
-    from megalite.training.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.arguments import layout_from_args, validate_args
+    from megalite.config.arguments_megatron_model import tokenizer_from_args
 
     world = args.dry_run_world_size
     validate_args(args, world)

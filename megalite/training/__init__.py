@@ -1,2 +1,2 @@
-"""Training: options (arguments*.py), LR schedules, metrics and FLOP/MFU accounting; the
-training loop and checkpointing build on these."""
+"""Training: the loop, the step, metrics and logging, FLOP/MFU accounting, the learning-rate
+schedule. Options come from megalite.config, checkpoints from megalite.checkpoint."""

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
-from megalite.training.batch_schedule import batch_schedule_from_args
-from megalite.training.checkpointing import save_checkpoint
-from megalite.training.megatron_load import non_persistent_dir, prune_checkpoints
+from megalite.config.schedules import batch_schedule_from_args
+from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
 from megalite.training.rerun import RerunState

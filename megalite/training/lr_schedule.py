@@ -18,10 +18,9 @@ sample-based schedules are the same object (see `schedule_lengths_from_args`).
 
 import math
 
-from megalite.training.batch_schedule import iteration_samples
+from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
+from megalite.config.schedules import schedule_lengths_from_args
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 class LRScheduler:
@@ -139,29 +138,6 @@ class LRScheduler:
                                      f"this run has {now}")
         self.num_steps = int(state["num_steps"])
         self.step(0)
-
-
-def schedule_lengths_from_args(args) -> dict:
-    """Warmup, decay and WSD-decay lengths in samples, as Megatron computes them.
-
-    With --train-iters: iterations x --global-batch-size (decay defaults to --train-iters; under
-    --step-batch-size-schedule, x --micro-batch-size x DP as in Megatron: iteration_samples);
-    with --train-samples: samples (decay defaults to --train-samples). --lr-warmup-fraction
-    is a fraction of the decay length."""
-    if args.train_iters is None and args.train_samples is None:
-        raise ValueError("an lr schedule needs --train-iters or --train-samples")
-    if args.train_samples is not None:
-        decay = args.lr_decay_samples or args.train_samples
-        wsd = args.lr_wsd_decay_samples
-        warmup = args.lr_warmup_samples
-    else:
-        batch = iteration_samples(args)
-        decay = (args.lr_decay_iters or args.train_iters) * batch
-        wsd = args.lr_wsd_decay_iters * batch if args.lr_wsd_decay_iters is not None else None
-        warmup = args.lr_warmup_iters * batch
-    if args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-    return {"warmup_steps": warmup, "decay_steps": decay, "wsd_decay_steps": wsd}
 
 
 def lr_scheduler_from_args(args, optimizer) -> LRScheduler:

@@ -21,18 +21,18 @@ from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
-from megalite.training.arguments import layout_from_args, model_config_from_args, validate_args
-from megalite.training.arguments_megatron_checkpoint import checkpoint_flag_notes
-from megalite.training.arguments_megatron_data import megatron_data_notes
-from megalite.training.arguments_megatron_logging import megatron_logging_notes
-from megalite.training.arguments_megatron_model import start_up_notes, tokenizer_from_args
-from megalite.training.arguments_megatron_training import interleaved_group_size, megatron_training_notes
-from megalite.training.batch_schedule import batch_schedule_from_args
+from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
+from megalite.config.arguments_megatron_data import megatron_data_notes
+from megalite.config.arguments_megatron_logging import megatron_logging_notes
+from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_from_args
+from megalite.config.arguments_megatron_training import interleaved_group_size, megatron_training_notes
+from megalite.config.schedules import batch_schedule_from_args
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler_from_args
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
 from megalite.training.run_hooks import apply_deterministic_mode
-from megalite.training.megatron_load import apply_checkpoint_args, load_for_run, resume_optimizer
+from megalite.checkpoint.run_load import apply_checkpoint_args, load_for_run, resume_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 
 from megalite.data.tokenizers import build_tokenizer
 from megalite.parallel.state import ParallelState
-from megalite.training.arguments import parse_args, validate_args
+from megalite.config.arguments import parse_args, validate_args
 from tests.convert.hf_models import megalite_to_hf
 from tests.distributed import free_port
 
@@ -126,7 +126,7 @@ def test_exported_tokenizer_encodes_like_megalite(demo_run):
 def test_relayout_keeps_optimizer_state_and_training_continues(demo_run):
     """The trained TP=2 PP=2 checkpoint (with Adam state) converted offline to TP=1 PP=1 keeps
     every tensor; a one-process run continues from it (optimizer and scheduler loaded)."""
-    from megalite.convert.megalite_reader import MegaliteCheckpoint
+    from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
     from tests.convert.hf_models import convert
 
     root, argv = demo_run

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from tests.convert.hf_models import hf_to_megalite, megalite_to_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def test_round_trip_keeps_the_variant(tmp_path, kind, field):
 def test_printed_flags_rebuild_every_variant():
     from megalite.convert.hints import model_flags
     from megalite.model.config import GPTConfig
-    from megalite.training.arguments import model_config_from_args, parse_args
+    from megalite.config.arguments import model_config_from_args, parse_args
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, max_position_embeddings=64,
                 attention_dropout=0.0, hidden_dropout=0.0)

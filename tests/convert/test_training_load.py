@@ -13,9 +13,9 @@ import torch
 
 from megalite.convert import TargetLayout
 from megalite.convert.hints import model_flags, training_flags
-from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from megalite.model.config import GPTConfig
-from megalite.training.arguments import model_config_from_args, parse_args
+from megalite.config.arguments import model_config_from_args, parse_args
 from tests.convert.hf_models import FAMILIES, hf_model, hf_to_megalite, save_hf, write_hf_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_printed_flags_rebuild_the_model_config(family, dtype):
 
 
 def hf_model_config(family) -> dict:
-    from megalite.model.hf_mapping import config_from_hf
+    from megalite.checkpoint.hf_mapping import config_from_hf
 
     return config_from_hf(hf_model(family, num_layers=2).config).to_dict()
 

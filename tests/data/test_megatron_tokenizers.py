@@ -9,8 +9,8 @@ import pytest
 import sentencepiece as spm
 
 from megalite.data.tokenizers import TIKTOKEN_PATTERNS, build_tokenizer
-from megalite.training.arguments import parse_args
-from megalite.training.arguments_megatron_model import tokenizer_options
+from megalite.config.arguments import parse_args
+from megalite.config.arguments_megatron_model import tokenizer_options
 
 TEXTS = ["def fibonacci(n):\n    return n", "import os, sys", ""]
 

@@ -9,8 +9,8 @@ import torch
 from megalite.dryrun.cli import distinct_ranks
 from megalite.dryrun.fake_cuda import exit_now
 from megalite.dryrun.runner import run_rank
-from megalite.training.arguments import layout_from_args, parse_args, validate_args
-from megalite.training.arguments_megatron_model import tokenizer_from_args
+from megalite.config.arguments import layout_from_args, parse_args, validate_args
+from megalite.config.arguments_megatron_model import tokenizer_from_args
 
 
 def reports(argv):

@@ -15,7 +15,7 @@ from megalite.data.tokenizers import build_tokenizer
 from megalite.dryrun import runner
 from megalite.dryrun.cli import run_dry
 from megalite.dryrun.probes import MixedTensorsError
-from megalite.training.arguments import layout_from_args, parse_args, validate_args
+from megalite.config.arguments import layout_from_args, parse_args, validate_args
 from tests.dryrun.dry_run_json import reports
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
@@ -147,7 +147,7 @@ def test_planted_dtype_mismatch_is_named(monkeypatch, capsys):
 
 @pytest.mark.parametrize("flag", [["--dry-run-world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"]])
 def test_dry_run_flags_need_dry_run(flag):
-    from megalite.training.arguments import validate_args
+    from megalite.config.arguments import validate_args
 
     base = " ".join(SMALL).replace(" --dry-run-world-size 8", "").replace(" --dry-run", "").split()
     args = parse_args(base + flag)

@@ -148,7 +148,7 @@ def test_cp_and_ep_dry_runs_on_fake_cuda(extra):
 
 def test_default_world_size_holds_cp_and_ep():
     from megalite.dryrun.cli import default_world_size
-    from megalite.training.arguments import parse_args
+    from megalite.config.arguments import parse_args
 
     base = [a for a in BASE if a != "--dry-run-device" and a != "cpu"]
     args = parse_args(base + "--context-parallel-size 2 --tensor-model-parallel-size 2 --global-batch-size 2".split())

@@ -7,7 +7,7 @@ import torch
 
 from megalite.data.tokenizers import build_tokenizer
 from megalite.dryrun.runner import run_rank
-from megalite.training.arguments import parse_args, validate_args
+from megalite.config.arguments import parse_args, validate_args
 from tests.distributed import run_distributed
 from tests.dryrun.dry_run_json import reports
 from tests.dryrun.test_dry_run import SMALL

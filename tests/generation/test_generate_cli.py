@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.convert.megalite_reader import MegaliteCheckpoint
+from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from megalite.convert.tokenizer_files import resolved_entry
 from megalite.data.tokenizers import build_tokenizer
 from megalite.inference import SamplingParams, generate_tokens, load_model

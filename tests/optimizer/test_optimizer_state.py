@@ -24,9 +24,9 @@ from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.checkpoint_format import flat_boxes
-import megalite.training.checkpointing as checkpointing
-from megalite.training.checkpointing import load_checkpoint, load_optimizer_state, save_checkpoint
+from megalite.checkpoint.dcp_format import flat_boxes
+import megalite.checkpoint.dcp_checkpoint as checkpointing
+from megalite.checkpoint.dcp_checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
 from tests.parallel.data.test_data_parallel import OPTIM, train_step
@@ -189,7 +189,7 @@ def test_loaded_optimizer_state_equals_the_saved_one(results, label):
 
 
 def test_converter_reads_the_sharded_optimizer_state(spawned):
-    from megalite.convert.megalite_reader import MegaliteCheckpoint
+    from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 
     root, results = spawned
     checkpoint, saved = MegaliteCheckpoint(root), results[0]["saved"]

@@ -9,9 +9,18 @@ import pytest
 import megalite
 
 PACKAGE_ROOT = Path(megalite.__file__).parent
+# The packages a training run is assembled in and the tools around it: nothing below them may
+# import them.
+_TOP = ("megalite.training", "megalite.convert", "megalite.dryrun", "megalite.planner", "megalite.inference",
+        "megalite.pretrain_gpt")
 FORBIDDEN = {
-    "parallel": ("megalite.model", "megalite.training", "megalite.optimizer"),
-    "optimizer": ("megalite.model", "megalite.training"),
+    "parallel": ("megalite.model", "megalite.optimizer", "megalite.checkpoint", "megalite.config") + _TOP,
+    "optimizer": ("megalite.model", "megalite.checkpoint", "megalite.config") + _TOP,
+    "model": ("megalite.optimizer", "megalite.checkpoint", "megalite.config") + _TOP,
+    "config": ("megalite.checkpoint",) + _TOP,
+    "checkpoint": _TOP,
+    "training": ("megalite.convert", "megalite.dryrun", "megalite.planner", "megalite.inference",
+                 "megalite.pretrain_gpt"),
 }
 
 
@@ -60,7 +69,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
 
 def test_one_package_per_parallel_dimension_imports():
     for name in ("megalite.parallel.tensor", "megalite.parallel.pipeline", "megalite.parallel.data",
-                 "megalite.optimizer"):
+                 "megalite.optimizer", "megalite.checkpoint", "megalite.config"):
         module = importlib.import_module(name)
         assert module.__doc__, f"{name} has no docstring saying what lives there"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megalite.planner.cli import main
-from megalite.training.arguments import parse_args, validate_args
+from megalite.config.arguments import parse_args, validate_args
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ("-- --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 --global-batch-size 32 "

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from megalite.model.hf_mapping import config_from_hf, hf_config_dict
+from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict
 from megalite.planner.layouts import Space, enumerate_layouts
 from megalite.planner.workload import from_flags, from_hf_config
-from megalite.training.arguments import layout_from_args, model_config_from_args, parse_args, validate_args
+from megalite.config.arguments import layout_from_args, model_config_from_args, parse_args, validate_args
 from megalite.model.moe_config import MoEConfig
 from tests.planner.models import LLAMA
 

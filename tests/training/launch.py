@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from megalite.convert.megalite_reader import MegaliteCheckpoint
-from megalite.training.checkpointing import TRACKER, iteration_dir
+from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
+from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
 

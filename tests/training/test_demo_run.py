@@ -18,8 +18,8 @@ import torch
 
 from megalite.data.tokenizers import build_tokenizer
 from megalite.parallel.state import ParallelState
-from megalite.training.arguments import Arguments
-from megalite.training.checkpointing import iteration_dir, read_tracker
+from megalite.config.arguments import Arguments
+from megalite.checkpoint.dcp_checkpoint import iteration_dir, read_tracker
 from megalite.training.metrics import read_metrics
 from megalite.training.setup_run import build_data
 from tests.training.launch import REPO, script_env

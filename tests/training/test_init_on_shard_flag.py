@@ -5,7 +5,7 @@ import torch
 
 from megalite.parallel.state import ParallelState
 from megalite.training import setup_run
-from megalite.training.arguments import parse_args
+from megalite.config.arguments import parse_args
 from tests.training.launch import BASE
 
 

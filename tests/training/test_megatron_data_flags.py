@@ -10,7 +10,7 @@ from megalite.data import build_gpt_datasets
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from megalite.training.setup_run import startup_notes
 from tests.training.launch import drop_flags
-from tests.training.test_arguments import BASE, parsed, refused
+from tests.config.test_arguments import BASE, parsed, refused
 
 NO_DATA = drop_flags(BASE, "--mock-data")
 
@@ -24,7 +24,7 @@ def _dataset(prefix, documents):
 
 
 def _parsed(extra: str, world_size: int = 1):
-    from megalite.training.arguments import parse_args, validate_args
+    from megalite.config.arguments import parse_args, validate_args
 
     return validate_args(parse_args(NO_DATA + extra.split()), world_size)
 

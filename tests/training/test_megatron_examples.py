@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megalite.training.arguments import build_parser
-from megalite.training.checkpointing import read_tracker
+from megalite.config.arguments import build_parser
+from megalite.checkpoint.dcp_checkpoint import read_tracker
 from megalite.training.metrics import read_metrics
 from tests.training.launch import REPO, launch, run
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megalite.training.checkpointing import iteration_dir
+from megalite.checkpoint.dcp_checkpoint import iteration_dir
 from megalite.training.metrics import MetricsLogger, read_metrics
 from megalite.training.run_hooks import RunHooks
 from megalite.training.tensorboard_log import MegatronTensorboard
@@ -221,7 +221,7 @@ def test_progress_floating_point_operations_continue_after_a_resume(tmp_path):
 
 def test_tensorboard_and_progress_flags_without_their_directory_say_so():
     from megalite.training.setup_run import startup_notes
-    from tests.training.test_arguments import parsed
+    from tests.config.test_arguments import parsed
 
     notes = startup_notes(parsed("--log-progress --log-timers-to-tensorboard", 1))
     assert "--log-progress: no --save, so no progress.txt is written (as in Megatron)" in notes

@@ -17,10 +17,11 @@ from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_g
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.arguments import model_config_from_args, parse_args, validate_args
-from megalite.training.arguments_megatron_training import interleaved_group_size
-from megalite.training.batch_schedule import BatchSchedule, batch_schedule_from_args
-from megalite.training.lr_schedule import LRScheduler, schedule_lengths_from_args
+from megalite.config.arguments import model_config_from_args, parse_args, validate_args
+from megalite.config.arguments_megatron_training import interleaved_group_size
+from megalite.config.schedules import BatchSchedule, batch_schedule_from_args
+from megalite.config.schedules import schedule_lengths_from_args
+from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import read_metrics
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr, scale_main_grads, token_factor
 from megalite.training.run_hooks import RunHooks, apply_deterministic_mode, check_weight_hash
@@ -28,7 +29,7 @@ from megalite.training.setup_run import _wrap, startup_notes
 from tests.distributed import run_distributed
 from tests.training.launch import BASE as LAUNCH_BASE
 from tests.training.launch import drop_flags, run
-from tests.training.test_arguments import BASE, parsed, refused
+from tests.config.test_arguments import BASE, parsed, refused
 
 SAMPLES = drop_flags(BASE, "--train-iters") + ["--train-samples", "40"]
 

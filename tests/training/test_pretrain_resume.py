@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megalite.training.checkpointing import read_tracker
+from megalite.checkpoint.dcp_checkpoint import read_tracker
 from tests.training.launch import BASE, eval_losses, launch, run, train_losses, wait_for
 
 ITERS = 8

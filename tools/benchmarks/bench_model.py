@@ -19,7 +19,7 @@ RoPE, untied embeddings, vocab 32000). Dropout off everywhere.
 Rows per model, in this order: megalite with its Triton kernels (fused_kernels=True) eager and
 with --torch-compile (each transformer layer compiled, as megalite/training/setup_run.py does),
 the peer: transformers' GPT2LMHeadModel / LlamaForCausalLM built from
-megalite.model.hf_mapping.hf_config_dict(config) (random weights, nothing downloaded),
+megalite.checkpoint.hf_mapping.hf_config_dict(config) (random weights, nothing downloaded),
 attn_implementation="sdpa", the whole model torch.compile'd; then megalite with the plain-torch
 reference ops (False), eager and compiled.
 
@@ -72,7 +72,7 @@ from bench_model_report import (  # noqa: E402,F401 - table and targets are part
 
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
-from megalite.model.hf_mapping import hf_config_dict  # noqa: E402
+from megalite.checkpoint.hf_mapping import hf_config_dict  # noqa: E402
 from megalite.training.flops import flops_per_token, model_flops_utilization, peak_flops  # noqa: E402
 
 

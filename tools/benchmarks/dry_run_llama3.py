@@ -44,8 +44,8 @@ RUNS = {
 
 def run(name: str) -> str:
     from megalite.dryrun.runner import run_rank
-    from megalite.training.arguments import parse_args, validate_args
-    from megalite.training.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.arguments import parse_args, validate_args
+    from megalite.config.arguments_megatron_model import tokenizer_from_args
 
     model, layout_name, flags = RUNS[name]
     args = parse_args(f"{COMMON} {flags}".split())

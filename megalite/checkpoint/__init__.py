@@ -1,0 +1,26 @@
+"""Every checkpoint format megalite reads or writes, in one place.
+
+    module              format                                        direction
+    dcp_format          megalite's DCP format: tensor chunks, safe    both
+                        metadata unpickling, file digests
+    dcp_checkpoint      a training run's megalite checkpoint          save and load (resharding)
+    dcp_writer          megalite's DCP format, offline, one tensor    write
+    megalite_reader     megalite's DCP format, one full tensor        read
+    rng_state           each rank's RNG states (JSON)                 both
+    target_layout       megalite's DCP format at a target TP x PP     write (resharding plan)
+    megatron_reader     Megatron-LM torch / torch_dist model weights  read
+    megatron_names      Megatron-Core names and args in megalite's    read
+    megatron_optimizer  Megatron-LM optimizer state                   read
+    megatron_buckets    Megatron's distributed-optimizer buckets      read
+    megatron_pickle     Megatron's pickles through an allowlist       read (the safe unpickler)
+    megatron_resume     Megatron-LM optimizer, schedule, RNG -> a run read
+    run_load            --load for a run, whatever wrote it           read
+    hf_reader           a Hugging Face model directory                read
+    hf_mapping(_moe)    Hugging Face family names and configs         both
+    hf_weights          Hugging Face state dicts <-> a model chunk    both, in memory
+    safetensors_io      safetensors files, one tensor at a time       both
+    publish             atomic publication of an output directory     write
+
+training/ (save, load, resume) and convert/ (the conversion command line) import this package;
+it imports neither.
+"""

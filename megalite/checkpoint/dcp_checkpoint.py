@@ -1,0 +1,309 @@
+"""Saving and loading a training run's megalite checkpoint (DCP), resharding on load.
+
+Layout (Megatron's):
+    <save>/latest_checkpointed_iteration.txt        the last complete checkpoint's iteration
+    <save>/iter_0000100/.metadata, __R_I.distcp      model and optimizer tensors (DCP)
+    <save>/iter_0000100/common.json                  iteration, samples, scheduler, args, file digests
+    <save>/iter_0000100/rng_tp0_pp0_dp0.json          each rank's RNG states
+
+A checkpoint is written to iter_XXXXXXX.tmp and renamed when every rank has finished, then
+the tracker file is replaced atomically: a crash at any moment leaves the previous checkpoint
+loadable and the tracker pointing at it. Saving an iteration that already exists first renames
+the old directory to iter_XXXXXXX.old and deletes it only once the new one is published; until
+then a load finds it there. common.json holds the size and CRC32 of every other file (tensor
+data, metadata, RNG states) and a load refuses a file that does not match. Nothing is unpickled
+on load but DCP's metadata, through an allowlist (see checkpoint_format).
+
+Optimizer state is saved as each rank holds it: under the distributed optimizer (or FSDP2)
+every DP rank writes only its own slice of the fp32 main parameters and optimizer moments, and
+every rank reads only the elements its own layout needs.
+"""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megalite.model.weights import source_name
+from megalite.parallel.expert.groups import tensor_split_of
+from megalite.checkpoint.dcp_format import (
+    CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
+    read_metadata_file, single_process_dcp, verify_files,
+)
+from megalite.checkpoint.rng_state import layout_record, load_rng_state, rng_file_name, save_rng_state
+
+log = logging.getLogger(__name__)
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def _aside_dir(final: Path) -> Path:
+    """Where an overwritten checkpoint waits until its replacement is published."""
+    return final.with_suffix(".old")
+
+
+def published_iteration_dir(root, iteration: int) -> Path:
+    """iter_XXXXXXX, or its .old copy where a save overwriting that iteration was interrupted."""
+    path = iteration_dir(root, iteration)
+    return _aside_dir(path) if not path.is_dir() and _aside_dir(path).is_dir() else path
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _barrier(group=None):
+    if _distributed():
+        dist.barrier(group=group)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tracker(root) -> int | None:
+    path = Path(root) / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def _tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
+    """(key, local tensor, like-parameter, name) for every tensor this rank saves or loads.
+    `opt_states` maps parameter names to their optimizer states in the parameter's layout."""
+    vocab = chunks[0].config.vocab_size
+    entries = []
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            src = source_name(chunk, name)
+            if src != name and not for_load:
+                continue  # a tied copy: its first-stage twin is saved
+            entries.append((f"model/{src}", param.data, param, src))
+            for state_name, tensor in opt_states.get(name, {}).items():
+                if src != name and not for_load:
+                    continue
+                entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
+    return entries, vocab
+
+
+def _dcp_state_dict(entries, pstate, vocab):
+    return {key: describe(local, like, name, pstate, vocab) for key, local, like, name in entries}
+
+
+class PendingSave:
+    """A checkpoint being written; `finalize()` (on every rank) waits for it and publishes it.
+    Its own collectives run on the default group from the training thread; DCP's background
+    writes use the separate group given to save_checkpoint."""
+
+    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None):
+        self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
+        self.rng_file, self.future = rng_file, future
+
+    def done(self) -> bool:
+        """Whether every rank's write has finished (a collective when distributed)."""
+        local = self.future is None or self.future.done()
+        if not _distributed():
+            return local
+        flag = torch.tensor([1 if local else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def finalize(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        rank = _rank()
+        mine = {p.name: file_digest(p) for p in self.tmp.glob(f"__{rank}_*.distcp")}
+        mine[self.rng_file] = file_digest(self.tmp / self.rng_file)
+        gathered = [mine]
+        if _distributed():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        final = iteration_dir(self.root, self.iteration)
+        if rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+            files[".metadata"] = file_digest(self.tmp / ".metadata")
+            common = {**self.common, "files": files}
+            write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
+            aside = _aside_dir(final)
+            if final.exists():  # overwrite: keep the old one loadable until the new one is published
+                os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
+            os.replace(self.tmp, final)
+            write_text_atomic(self.root / TRACKER, str(self.iteration))
+            if aside.exists():
+                shutil.rmtree(aside)
+        _barrier()
+        return final
+
+
+def _finish_interrupted_overwrites(root: Path) -> None:
+    """Settle what a crash during an overwrite left: an old directory set aside whose
+    replacement was published is deleted; one whose replacement never appeared is restored."""
+    for aside in root.glob("iter_*.old"):
+        final = aside.with_suffix("")
+        if final.exists():
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, final)
+
+
+def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
+                    async_save: bool = False, group=None, fully_parallel: bool = True,
+                    cache_plan: bool = False) -> PendingSave:
+    """Write a checkpoint of `chunks` (and `optimizer`) at `iteration`; every rank calls this.
+
+    Returns a PendingSave; synchronous saves are already published, asynchronous ones are
+    published by `finalize()`. `common` holds JSON-able run state (iteration, consumed samples,
+    scheduler and optimizer scalars, args) and is written by rank 0. `group` carries DCP's
+    collectives: asynchronous saves need one of their own (a gloo group), since they run in a
+    background thread while training uses the default group. `fully_parallel`
+    (--ckpt-fully-parallel-save) spreads the writing of replicated tensors over the ranks holding
+    them; without it the lowest such rank writes each. `cache_plan`
+    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan."""
+    root = Path(root)
+    tmp = iteration_dir(root, iteration).with_suffix(".tmp")
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_overwrites(root)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier save
+        tmp.mkdir()
+    _barrier(group)
+    optimizer_state = optimizer.sharded_state_dict() if optimizer is not None else {"params": {}}
+    entries, vocab = _tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
+    with single_process_dcp():
+        state = _dcp_state_dict(entries, pstate, vocab)
+    rng_file = rng_file_name(pstate)
+    save_rng_state(tmp / rng_file, rng_tracker)
+    common = {**common, "iteration": iteration, "optimizer": optimizer_state,
+              "layout": layout_record(pstate)}
+    writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=not fully_parallel, enable_plan_caching=cache_plan)
+    no_dist = not _distributed()
+    with single_process_dcp():
+        if async_save:
+            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+            future = getattr(future, "upload_completion", future)
+            return PendingSave(root, iteration, tmp, common, rng_file, future)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+    pending = PendingSave(root, iteration, tmp, common, rng_file)
+    pending.finalize()
+    return pending
+
+
+def _check_shapes(metadata, entries, pstate, vocab, path: Path):
+    known = metadata.state_dict_metadata
+    for key, local, like, name in entries:
+        expected = global_shape_of(local, like, name, tensor_split_of(pstate, like)[1], vocab)
+        if key not in known:
+            hint = " (use --no-load-optim or --finetune to skip optimizer state)" if key.startswith("optimizer/") else ""
+            raise CheckpointError(f"{path}: checkpoint has no tensor {key} (expected shape {expected}){hint}")
+        stored = list(getattr(known[key], "size", []))
+        if stored != expected:
+            raise CheckpointError(f"{path}: tensor {key} has shape {stored} in the checkpoint but the "
+                                  f"model expects {expected}")
+
+
+def _read_common(path: Path) -> dict:
+    common_path = path / "common.json"
+    if not common_path.exists():
+        raise CheckpointError(f"{common_path}: missing (incomplete checkpoint)")
+    try:
+        return json.loads(common_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{common_path}: not valid JSON ({e})") from e
+
+
+def _load_tensors(path: Path, metadata, entries, pstate, vocab) -> None:
+    """Load `entries` from the checkpoint at `path`, whose .metadata the caller has read."""
+    _check_shapes(metadata, entries, pstate, vocab, path)
+    try:
+        with single_process_dcp():
+            state = _dcp_state_dict(entries, pstate, vocab)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
+        raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
+
+
+def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dict:
+    common = _read_common(path)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
+    problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
+    if problems:
+        raise CheckpointError(problems[0] + and_more(problems))
+    entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
+    _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
+    if load_rng:
+        load_rng_state(path, pstate, rng_tracker, common.get("layout"))
+    return {**common, "path": str(path)}
+
+
+def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
+    """Second phase of a load: the optimizer's state from the checkpoint `load_checkpoint`
+    returned. Build the optimizer after loading the model, so its fp32 main parameters start
+    from the loaded weights; then call this unless --no-load-optim or --finetune."""
+    path = Path(common["path"])
+    saved = common.get("optimizer") or {}
+    if saved.get("optimizer") is None:
+        raise CheckpointError(f"{path}: the checkpoint has no optimizer state (a converted or --no-save-optim "
+                              "checkpoint): use --no-load-optim or --finetune")
+    if saved.get("optimizer") != optimizer.kind:
+        raise CheckpointError(f"{path}: optimizer state is for {saved.get('optimizer')!r}, this run uses "
+                              f"{optimizer.kind!r} (use --no-load-optim to start the optimizer afresh)")
+    metadata = read_metadata_file(path / ".metadata")
+    states = sorted({k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optimizer/")})
+    buffers = optimizer.empty_sharded_state(states)  # only the elements this rank holds
+    entries, vocab = _tensor_entries(chunks, buffers, pstate, for_load=True)
+    _load_tensors(path, metadata, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
+    try:
+        optimizer.load_sharded_state_dict({**saved, "params": buffers})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: optimizer state does not fit this run ({e})") from e
+
+
+def load_checkpoint(root, *, chunks, pstate, rng_tracker=None, load_rng=True, fallback=False,
+                    iteration: int | None = None):
+    """Load the model weights (and RNG states) of the latest checkpoint under `root` into
+    `chunks`; return its common state (a dict, with "path") or None when there is none. A
+    damaged checkpoint raises CheckpointError naming the file, unless `fallback` is set: then
+    earlier checkpoints are tried, newest first. Optimizer state: `load_optimizer_state`."""
+    root = Path(root)
+    latest = read_tracker(root) if iteration is None else iteration
+    if latest is None:
+        return None
+    candidates = [latest]
+    if fallback:
+        older = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()), reverse=True)
+        candidates += [i for i in older if i < latest]
+    error = None
+    for it in candidates:
+        path = published_iteration_dir(root, it)
+        try:
+            if not path.is_dir():
+                raise CheckpointError(f"{path}: missing (tracker {root / TRACKER} points at iteration {it})")
+            return _load_one(path, chunks=chunks, pstate=pstate, rng_tracker=rng_tracker, load_rng=load_rng)
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            log.warning("checkpoint %s refused: %s; trying an earlier one", path, e)
+            error = e
+    raise CheckpointError(f"no usable checkpoint under {root}; last error: {error}")

@@ -1,0 +1,141 @@
+"""Where each tensor of a megalite checkpoint goes at a target TP x PP (x virtual stages)
+layout, described as a training run at that layout describes it to DCP.
+
+A tensor is stored under its full (TP=1) shape, vocabulary tensors without padding rows. A
+TP-sharded parameter is one chunk per TP rank and block (the SwiGLU [gate; up] projection has
+two blocks), each written by the rank holding it; a replicated one is a single chunk written
+by one TP rank of its pipeline stage. Optimizer states ("optimizer/<state>/<name>") follow
+their parameter.
+"""
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from megalite.checkpoint.publish import ConversionError
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.parallel.pipeline.stage_layout import layer_owners
+from megalite.parallel.state import ParallelLayout
+from megalite.checkpoint.dcp_format import VOCAB_PARAMS, tp_chunks
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """--target-tensor-parallel-size, --target-pipeline-parallel-size, --target-num-virtual-stages."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+
+    def as_dict(self) -> dict:
+        """common.json's layout entry (one data-parallel replica)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": 1, "vp": self.vp}
+
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp * self.pp, tensor=self.tp, pipeline=self.pp, virtual_pipeline=self.vp)
+
+    def validate(self, config: GPTConfig) -> None:
+        """Refuse a layout this model cannot be split into, naming the flag and the field."""
+        for flag, value in (("--target-tensor-parallel-size", self.tp), ("--target-pipeline-parallel-size", self.pp),
+                            ("--target-num-virtual-stages", self.vp)):
+            if not isinstance(value, int) or value < 1:
+                raise ConversionError(f"{flag} must be a positive integer, got {value!r}")
+        for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(config, field) % self.tp:
+                raise ConversionError(f"--target-tensor-parallel-size {self.tp} does not divide the model's "
+                                      f"{field} ({getattr(config, field)})")
+        if self.vp > 1 and self.pp == 1:
+            raise ConversionError("--target-num-virtual-stages > 1 needs --target-pipeline-parallel-size > 1")
+        if config.num_layers % (self.pp * self.vp):
+            raise ConversionError(f"--target-pipeline-parallel-size {self.pp} x --target-num-virtual-stages {self.vp} "
+                                  f"does not divide the model's num_layers ({config.num_layers})")
+
+
+def _probe_config(config: GPTConfig) -> GPTConfig:
+    """The same architecture at toy size: its parameters carry the same sharding attributes.
+    With experts: one MoE and one dense layer, every expert (names carry expert numbers)."""
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, layer_freq=[1, 0], ffn_hidden_size=8, num_groups=None, group_topk=None,
+                                  shared_expert_intermediate_size=8 if moe.shared_expert_intermediate_size else None)
+    return config.replace(num_layers=2 if moe is not None else 1, moe=moe, hidden_size=8, num_attention_heads=2, num_query_groups=2, kv_channels=4,
+                          ffn_hidden_size=8, vocab_size=8, max_position_embeddings=4, make_vocab_size_divisible_by=1,
+                          sequence_parallel=False, recompute_granularity=None, params_dtype="float32",
+                          fused_kernels=False, use_flash_attn=False)
+
+
+def sharding_by_pattern(config: GPTConfig) -> dict[str, tuple[int, int] | None]:
+    """{parameter name with 'layers.*.': (partition_dim, partition_stride) or None}."""
+    probe = GPTModel(_probe_config(config), init_seed=0)
+    out = {}
+    for name, param in probe.named_parameters():
+        sharded = getattr(param, "tensor_model_parallel", False)
+        out[_LAYER.sub("layers.*.", name)] = (param.partition_dim, param.partition_stride) if sharded else None
+    return out
+
+
+def parameter_of(key: str) -> str:
+    """'model/<name>' or 'optimizer/<state>/<name>' -> <name>."""
+    parts = key.split("/")
+    if parts[0] == "model" and len(parts) == 2:
+        return parts[1]
+    if parts[0] == "optimizer" and len(parts) == 3:
+        return parts[2]
+    raise ConversionError(f"unexpected checkpoint tensor {key} (expected model/<name> or optimizer/<state>/<name>)")
+
+
+class TensorPlacement:
+    """The DCP chunks, and the rank writing each, of every tensor of `config` at `layout`."""
+
+    def __init__(self, config: GPTConfig, layout: TargetLayout):
+        layout.validate(config)
+        self.config, self.layout = config, layout
+        self.grid = layout.parallel_layout()
+        self.sharding = sharding_by_pattern(config)
+        self.owners = layer_owners(config.num_layers, layout.pp, layout.vp)
+        self.elements_per_rank = [0] * self.grid.world_size
+
+    def stage_of(self, name: str) -> int:
+        """The pipeline rank holding parameter `name`."""
+        layer = _LAYER.match(name)
+        if layer:
+            number = int(layer.group(1))
+            if number >= self.config.num_layers:
+                raise ConversionError(f"tensor {name}: layer {number} but the model has "
+                                      f"{self.config.num_layers} layers")
+            return self.owners[number][0]
+        return 0 if name.startswith("embedding.") else self.layout.pp - 1
+
+    def chunks(self, key: str, shape) -> list[tuple[int, list[int], list[int]]]:
+        """[(writing rank, global offsets, sizes)] of tensor `key` whose stored shape is `shape`."""
+        name = parameter_of(key)
+        pattern = _LAYER.sub("layers.*.", name)
+        if pattern not in self.sharding:
+            raise ConversionError(f"tensor {key} is not a parameter of this model configuration")
+        shape = list(shape)
+        is_vocab = name in VOCAB_PARAMS
+        if is_vocab and shape[0] != self.config.vocab_size:
+            raise ConversionError(f"tensor {key} has {shape[0]} rows, the model's vocabulary {self.config.vocab_size}")
+        stage = self.stage_of(name)
+        ranks = [self.grid.rank_of(t, 0, stage) for t in range(self.layout.tp)]
+        if self.sharding[pattern] is None or self.layout.tp == 1:
+            rank = min(ranks, key=lambda r: self.elements_per_rank[r])  # balance replicated tensors
+            self.elements_per_rank[rank] += math.prod(shape)
+            return [(rank, [0] * len(shape), shape)]
+        dim, stride = self.sharding[pattern]
+        padded = list(shape)
+        if is_vocab:
+            padded[0] = self.config.padded_vocab_size(self.layout.tp)
+        if padded[dim] % (stride * self.layout.tp):
+            raise ConversionError(f"tensor {key}: dim {dim} of size {padded[dim]} does not split into {stride} "
+                                  f"block(s) x --target-tensor-parallel-size {self.layout.tp}")
+        out = []
+        for t, mine in enumerate(tp_chunks(padded, dim, stride, self.layout.tp, shape[0] if is_vocab else None)):
+            for offsets, sizes, _ in mine:
+                out.append((ranks[t], offsets, sizes))
+                self.elements_per_rank[ranks[t]] += math.prod(sizes)
+        return out
