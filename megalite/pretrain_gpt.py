@@ -59,13 +59,14 @@ def main(argv=None) -> int:
             trainer = Trainer(run)
         except (ValueError, CheckpointError, FileNotFoundError) as error:
             _die(2, f"pretrain_gpt: error: {error}")
+        training, save_interval = run.config.training, run.config.checkpoint.save_interval
         try:
-            reason = "skip-train" if args.skip_train else trainer.train(signals, PROCESS_START)
+            reason = "skip-train" if training.skip_train else trainer.train(signals, PROCESS_START)
             if reason in ("done", "skip-train"):
-                if reason == "done" and not (args.save_interval and run.iteration % args.save_interval == 0):
+                if reason == "done" and not (save_interval and run.iteration % save_interval == 0):
                     trainer.save()
-                if args.eval_iters > 0:
-                    if not (reason == "done" and args.eval_interval and run.iteration % args.eval_interval == 0):
+                if training.eval_iters > 0:
+                    if not (reason == "done" and training.eval_interval and run.iteration % training.eval_interval == 0):
                         trainer.evaluate("valid", trainer.valid_iter)
                     from megalite.training.setup_run import data_iterator
 

@@ -27,11 +27,11 @@ from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError
 from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
 
 
-def open_optimizer_state(args, source) -> MegatronOptimizerState:
+def open_optimizer_state(ckpt, source) -> MegatronOptimizerState:
     """The checkpoint's optimizer state, checked readable and of this run's optimizer."""
     state = MegatronOptimizerState(source)
-    if state.kind != args.optimizer:
-        refuse(state.where, f"the optimizer state is for {state.kind!r}, this run uses --optimizer {args.optimizer}")
+    if state.kind != ckpt.optimizer:
+        refuse(state.where, f"the optimizer state is for {state.kind!r}, this run uses --optimizer {ckpt.optimizer}")
     return state
 
 
@@ -66,7 +66,7 @@ def load_optimizer(state: MegatronOptimizerState, chunks, optimizer) -> list[str
                 np.atleast_1d(saved[key])) != tuple(np.atleast_1d(mine[key]))]
 
 
-def scheduler_state(state: MegatronOptimizerState, scheduler, args, consumed_samples: int) -> dict:
+def scheduler_state(state: MegatronOptimizerState, scheduler, ckpt, consumed_samples: int) -> dict:
     """Megatron's opt_param_scheduler as megalite's LRScheduler state (Megatron stores neither
     --lr-warmup-init nor the WSD settings: this run's), after Megatron's weight-decay checks."""
     saved = state.scheduler
@@ -82,9 +82,9 @@ def scheduler_state(state: MegatronOptimizerState, scheduler, args, consumed_sam
     style = value("lr_decay_style", "decay_style")
     if style not in DECAY_STYLES:
         refuse(state.where, f"the opt_param_scheduler's decay style {style!r} is not one of megalite's {DECAY_STYLES}")
-    _check_weight_decay(saved, scheduler, args, state.where)
+    _check_weight_decay(saved, scheduler, ckpt, state.where)
     num_steps = int(value("num_steps", "num_iters"))
-    if args.override_opt_param_scheduler:
+    if ckpt.override_opt_param_scheduler:
         num_steps = consumed_samples  # Megatron re-derives the step from the samples consumed
     return {"num_steps": num_steps, "max_lr": float(value("max_lr", "start_lr")), "min_lr": float(value("min_lr")),
             "init_lr": scheduler.init_lr, "warmup_steps": value("lr_warmup_steps", "warmup_steps", "warmup_iter"),
@@ -93,25 +93,25 @@ def scheduler_state(state: MegatronOptimizerState, scheduler, args, consumed_sam
             "wsd_decay_style_id": WSD_DECAY_STYLES.index(scheduler.wsd_decay_style)}
 
 
-def _check_weight_decay(saved: dict, scheduler, args, where) -> None:
+def _check_weight_decay(saved: dict, scheduler, ckpt, where) -> None:
     """Megatron's scheduler also holds the weight decay (start_wd to end_wd); megalite's is
     constant: the checkpoint's must be this run's --weight-decay, unless overridden or taken."""
-    if "start_wd" not in saved or args.override_opt_param_scheduler:
+    if "start_wd" not in saved or ckpt.override_opt_param_scheduler:
         return
     start, end = float(saved["start_wd"]), float(saved["end_wd"])
-    if args.use_checkpoint_opt_param_scheduler:
+    if ckpt.use_checkpoint_opt_param_scheduler:
         if start != end:
             raise CheckpointError(f"{where}: the checkpoint's weight decay goes from {start} to {end}; megalite's is "
                                   "constant (pass --override-opt_param-scheduler to keep this run's --weight-decay)")
         for group in scheduler.optimizer.param_groups:
             group["weight_decay"] = end * group.get("wd_mult", 1.0)
-    elif start != args.weight_decay or end != args.weight_decay:
+    elif start != ckpt.weight_decay or end != ckpt.weight_decay:
         raise CheckpointError(f"{where}: the checkpoint's weight decay is {start} to {end} but this run has "
-                              f"--weight-decay {args.weight_decay} (pass --override-opt_param-scheduler to keep this "
+                              f"--weight-decay {ckpt.weight_decay} (pass --override-opt_param-scheduler to keep this "
                               "run's schedule, or --use-checkpoint-opt_param-scheduler to take the checkpoint's)")
 
 
-def restore_rng(source, args, pstate, tracker) -> str | None:
+def restore_rng(source, pstate, tracker) -> str | None:
     """Megatron's RNG states of this rank, when the run has the checkpoint's (TP, PP); the line
     to print (why they were skipped, or what was not restored), or None."""
     ns = source.args
@@ -127,7 +127,7 @@ def restore_rng(source, args, pstate, tracker) -> str | None:
         states, where = source.files.stored_object(key), source.path
     if not states:
         return f"{where}: no RNG states in the checkpoint; megalite seeds from --seed"
-    state = states[pstate.dp_rank if getattr(args, "data_parallel_random_init", False) and len(states) > 1 else 0]
+    state = states[0]  # one per DP rank only with Megatron's --data-parallel-random-init, which megalite lacks
     try:
         version, internal, gauss = state["random_rng_state"]
         random.setstate((version, tuple(internal), gauss))

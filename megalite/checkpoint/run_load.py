@@ -9,6 +9,7 @@ states follow Megatron's rules (megatron_resume.py): a full resume where the lay
 readable, a refusal naming the file otherwise.
 """
 
+import dataclasses
 import json
 import logging
 import re
@@ -27,19 +28,6 @@ from megalite.checkpoint.megatron_resume import load_optimizer, open_optimizer_s
 
 log = logging.getLogger(__name__)
 
-# Megatron's load_args_from_checkpoint: (field, forced). Unforced fields are taken only where
-# the run left them unset.
-CHECKPOINT_MODEL_ARGS = (
-    ("num_layers", False), ("hidden_size", False), ("ffn_hidden_size", False), ("seq_length", False),
-    ("num_attention_heads", False), ("num_query_groups", True), ("group_query_attention", True),
-    ("kv_channels", False), ("max_position_embeddings", False), ("position_embedding_type", True),
-    ("rotary_base", True), ("rotary_percent", True), ("rotary_interleaved", True), ("add_qkv_bias", True),
-    ("squared_relu", True), ("swiglu", True), ("untie_embeddings_and_output_weights", True),
-    ("apply_layernorm_1p", True), ("normalization", True), ("apply_query_key_layer_scaling", True),
-    ("attention_dropout", True), ("hidden_dropout", True),
-)
-
-
 def checkpoint_args_of(load_dir) -> dict | None:
     """The arguments stored with the checkpoint under `load_dir` (Megatron's Namespace or
     megalite's common.json args) as a dict, or None when there is none."""
@@ -57,35 +45,15 @@ def checkpoint_args_of(load_dir) -> dict | None:
     return json.loads(common.read_text()).get("args") if common.exists() else None
 
 
-def apply_checkpoint_args(args) -> list[str]:
-    """--use-checkpoint-args: copy the checkpoint's model arguments into `args` (before
-    validation); the lines saying what was set."""
-    if not (args.use_checkpoint_args and args.load):
-        return []
-    stored = checkpoint_args_of(args.load)
-    if stored is None:
-        raise CheckpointError(f"--use-checkpoint-args: no checkpoint with arguments under --load {args.load}")
-    lines = []
-    if "add_bias_linear" in stored and hasattr(args, "disable_bias_linear"):
-        stored["disable_bias_linear"] = not stored["add_bias_linear"]
-    for field, forced in CHECKPOINT_MODEL_ARGS + (("disable_bias_linear", True),):
-        if not hasattr(args, field) or stored.get(field) is None or (not forced and getattr(args, field) is not None):
-            continue
-        if getattr(args, field) != stored[field]:
-            lines.append(f"--use-checkpoint-args: {field} = {stored[field]!r} from the checkpoint")
-        setattr(args, field, stored[field])
-    return lines
-
-
-def check_format(args, load_dir, iteration=None) -> str | None:
+def check_format(ckpt, load_dir, iteration=None) -> str | None:
     """The format of the checkpoint under `load_dir` ('torch' or 'torch_dist'; None when there
     is none), refused when it is not --ckpt-format and --auto-detect-ckpt-format is not set."""
     found = megatron_format(load_dir, iteration)
     if found is None:
         found = "torch_dist" if (Path(load_dir) / TRACKER).is_file() else None
-    wanted = "torch_dist" if args.ckpt_format == "dcp" else args.ckpt_format
-    if found is not None and found != wanted and not args.auto_detect_ckpt_format:
-        raise CheckpointError(f"--ckpt-format {args.ckpt_format}: the checkpoint under {load_dir} is in {found} "
+    wanted = "torch_dist" if ckpt.ckpt_format == "dcp" else ckpt.ckpt_format
+    if found is not None and found != wanted and not ckpt.auto_detect_ckpt_format:
+        raise CheckpointError(f"--ckpt-format {ckpt.ckpt_format}: the checkpoint under {load_dir} is in {found} "
                               "format (pass --auto-detect-ckpt-format or --ckpt-format " + found + ")")
     return found
 
@@ -102,7 +70,7 @@ def check_unexpected(unused: list[str], strictness: str, where) -> None:
         log.warning("%s; not loaded", message)
 
 
-def load_megatron(args, load_dir, chunks, pstate, iteration=None, tracker=None) -> dict:
+def load_megatron(ckpt, load_dir, chunks, pstate, iteration=None, tracker=None) -> dict:
     """Load a Megatron checkpoint's weights (and RNG states) into `chunks`; its common state as
     megalite's load_checkpoint returns it, with the optimizer state still to load
     ("megatron_optimizer"; None: not to be loaded)."""
@@ -113,8 +81,8 @@ def load_megatron(args, load_dir, chunks, pstate, iteration=None, tracker=None) 
         raise CheckpointError(str(e)) from None
     release = source.path.name == "release"  # Megatron takes only the weights of a release checkpoint
     optimizer_state = None
-    if not (args.finetune or args.no_load_optim or release or args.skip_train):
-        optimizer_state = open_optimizer_state(args, source)  # refuses unreadable layouts before any work
+    if not (ckpt.finetune or ckpt.no_load_optim or release or ckpt.skip_train):
+        optimizer_state = open_optimizer_state(ckpt, source)  # refuses unreadable layouts before any work
     for model in chunks:
         def full(name, model=model):
             tensor = source.get(name)
@@ -125,10 +93,10 @@ def load_megatron(args, load_dir, chunks, pstate, iteration=None, tracker=None) 
             load_full_weights(model, full)
         except (ValueError, ConversionError) as e:
             raise CheckpointError(f"{source.path}: {e}") from None
-    check_unexpected(source.unused(), args.dist_ckpt_strictness, source.path)
+    check_unexpected(source.unused(), ckpt.dist_ckpt_strictness, source.path)
     rng_note = None
-    if not (args.finetune or args.no_load_rng or release or getattr(source.args, "no_save_rng", False)):
-        rng_note = restore_rng(source, args, pstate, tracker)
+    if not (ckpt.finetune or ckpt.no_load_rng or release or getattr(source.args, "no_save_rng", False)):
+        rng_note = restore_rng(source, pstate, tracker)
     iteration = 0 if release else source.iteration
     if pstate.rank == 0:
         what = ("weights only: a release checkpoint" if release else "with its optimizer state"
@@ -143,75 +111,71 @@ def load_megatron(args, load_dir, chunks, pstate, iteration=None, tracker=None) 
             "megatron_format": source.format, "megatron_optimizer": optimizer_state}
 
 
-def resume_optimizer(common: dict, *, chunks, optimizer, scheduler, args, pstate) -> None:
+def resume_optimizer(common: dict, ckpt, *, chunks, optimizer, scheduler, pstate) -> None:
     """The optimizer state and learning-rate schedule of the checkpoint `load_for_run` loaded
     (megalite's or Megatron's), unless --no-load-optim or --finetune; call after building the
     optimizer (its fp32 main parameters start from the loaded weights)."""
     if "megatron_format" not in common:
         load_optimizer_state(common, chunks=chunks, optimizer=optimizer, pstate=pstate)
-        restore_scheduler(scheduler, common["lr_scheduler"], args)
+        restore_scheduler(scheduler, common["lr_scheduler"], ckpt)
         return
     state = common["megatron_optimizer"]
     if state is None:
         return
     notes = load_optimizer(state, chunks, optimizer)
-    restore_scheduler(scheduler, scheduler_state(state, scheduler, args, common["consumed_train_samples"]), args)
+    restore_scheduler(scheduler, scheduler_state(state, scheduler, ckpt, common["consumed_train_samples"]), ckpt)
     if pstate.rank == 0:
         for note in notes:
             print(note, flush=True)
 
 
-def non_persistent_dir(args) -> Path | None:
+def non_persistent_dir(ckpt) -> Path | None:
     """Where --non-persistent-save-interval's checkpoints go: --non-persistent-local-ckpt-dir
     (local), --non-persistent-global-ckpt-dir or <save>/non_persistent (global)."""
-    if args.non_persistent_save_interval is None:
+    if ckpt.non_persistent_save_interval is None:
         return None
-    if args.non_persistent_ckpt_type == "local":
-        return Path(args.non_persistent_local_ckpt_dir)
-    return Path(args.non_persistent_global_ckpt_dir or Path(args.save) / "non_persistent")
+    if ckpt.non_persistent_ckpt_type == "local":
+        return Path(ckpt.non_persistent_local_ckpt_dir)
+    return Path(ckpt.non_persistent_global_ckpt_dir or Path(ckpt.save) / "non_persistent")
 
 
-def _newest_load_dir(args):
+def _newest_load_dir(ckpt):
     """--load, or the non-persistent checkpoint directory when its latest iteration is newer
     (Megatron resumes from whichever is more recent)."""
-    other = non_persistent_dir(args)
-    if args.ckpt_step is not None or other is None or not (other / TRACKER).is_file():
-        return args.load
-    mine = read_tracker(args.load) if args.load and (Path(args.load) / TRACKER).is_file() else None
-    return str(other) if mine is None or read_tracker(other) > mine else args.load
+    other = non_persistent_dir(ckpt)
+    if ckpt.ckpt_step is not None or other is None or not (other / TRACKER).is_file():
+        return ckpt.load
+    mine = read_tracker(ckpt.load) if ckpt.load and (Path(ckpt.load) / TRACKER).is_file() else None
+    return str(other) if mine is None or read_tracker(other) > mine else ckpt.load
 
 
-def load_for_run(args, chunks, pstate, tracker) -> dict | None:
+def load_for_run(ckpt, chunks, pstate, tracker) -> dict | None:
     """What build_run loads: --load (at --ckpt-step; or a newer non-persistent checkpoint),
     else --pretrained-checkpoint (weights only, marked "finetune"); None when neither holds a
     checkpoint."""
-    for load_dir, pretrained in ((_newest_load_dir(args), False), (args.pretrained_checkpoint, True)):
+    for load_dir, pretrained in ((_newest_load_dir(ckpt), False), (ckpt.pretrained_checkpoint, True)):
         if not load_dir or not (Path(load_dir) / TRACKER).is_file():
             continue
-        iteration = None if pretrained else args.ckpt_step
+        iteration = None if pretrained else ckpt.ckpt_step
         if megatron_iteration_dir(load_dir, iteration) is not None:
-            check_format(args, load_dir, iteration)
-            saved = args.finetune
-            args.finetune = args.finetune or pretrained
-            try:
-                common = load_megatron(args, load_dir, chunks, pstate, iteration, tracker)
-            finally:
-                args.finetune = saved
+            check_format(ckpt, load_dir, iteration)
+            common = load_megatron(dataclasses.replace(ckpt, finetune=ckpt.finetune or pretrained), load_dir, chunks,
+                                   pstate, iteration, tracker)
         else:
-            check_format(args, load_dir, iteration)
-            no_rng = args.no_load_rng or args.finetune or pretrained
+            check_format(ckpt, load_dir, iteration)
+            no_rng = ckpt.no_load_rng or ckpt.finetune or pretrained
             common = load_checkpoint(load_dir, chunks=chunks, pstate=pstate, rng_tracker=tracker, load_rng=not no_rng,
-                                     fallback=args.ckpt_fallback_to_previous and iteration is None, iteration=iteration)
+                                     fallback=ckpt.ckpt_fallback_to_previous and iteration is None, iteration=iteration)
         if common is not None:
             return {**common, "finetune": pretrained}
     return None
 
 
-def restore_scheduler(scheduler, state: dict, args) -> None:
+def restore_scheduler(scheduler, state: dict, ckpt) -> None:
     """The learning-rate schedule from a checkpoint: the same schedule required (Megatron's
     default), this run's (--override-opt_param-scheduler) or the checkpoint's
     (--use-checkpoint-opt_param-scheduler)."""
-    if args.use_checkpoint_opt_param_scheduler:
+    if ckpt.use_checkpoint_opt_param_scheduler:
         from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
 
         scheduler.max_lr, scheduler.min_lr, scheduler.init_lr = state["max_lr"], state["min_lr"], state["init_lr"]
@@ -220,8 +184,8 @@ def restore_scheduler(scheduler, state: dict, args) -> None:
         scheduler.wsd_decay_steps = state["wsd_decay_steps"] or None
         scheduler.wsd_decay_style = WSD_DECAY_STYLES[state["wsd_decay_style_id"]]
     try:
-        scheduler.load_state_dict(state, strict=not (args.override_opt_param_scheduler
-                                                     or args.use_checkpoint_opt_param_scheduler))
+        scheduler.load_state_dict(state, strict=not (ckpt.override_opt_param_scheduler
+                                                     or ckpt.use_checkpoint_opt_param_scheduler))
     except ValueError as e:
         raise CheckpointError(f"{e} (pass --override-opt_param-scheduler to keep this run's schedule, or "
                               "--use-checkpoint-opt_param-scheduler to take the checkpoint's)") from None

@@ -11,6 +11,19 @@ STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpe
               "return_unexpected", "return_all", "ignore_all")
 
 
+# Megatron's load_args_from_checkpoint: (field, forced). Unforced fields are taken only where
+# the run left them unset.
+CHECKPOINT_MODEL_ARGS = (
+    ("num_layers", False), ("hidden_size", False), ("ffn_hidden_size", False), ("seq_length", False),
+    ("num_attention_heads", False), ("num_query_groups", True), ("group_query_attention", True),
+    ("kv_channels", False), ("max_position_embeddings", False), ("position_embedding_type", True),
+    ("rotary_base", True), ("rotary_percent", True), ("rotary_interleaved", True), ("add_qkv_bias", True),
+    ("squared_relu", True), ("swiglu", True), ("untie_embeddings_and_output_weights", True),
+    ("apply_layernorm_1p", True), ("normalization", True), ("apply_query_key_layer_scaling", True),
+    ("attention_dropout", True), ("hidden_dropout", True),
+)
+
+
 @dataclass
 class MegatronCheckpointArgs:
     """Checkpoints (Megatron's formats and policies)."""
@@ -103,3 +116,23 @@ def checkpoint_flag_notes(args) -> list[str]:
         notes.append(f"--non-persistent-local-ckpt-algo {args.non_persistent_local_ckpt_algo}: local checkpoints "
                      "are published atomically (written to a temporary folder, then renamed)")
     return notes
+
+
+def apply_checkpoint_args(args, stored: dict | None) -> list[str]:
+    """--use-checkpoint-args: copy the model arguments `stored` with the checkpoint under --load
+    (megalite.checkpoint.run_load.checkpoint_args_of) into `args`, before validation; the lines
+    saying what was set."""
+    if not (args.use_checkpoint_args and args.load):
+        return []
+    if stored is None:
+        raise ValueError(f"--use-checkpoint-args: no checkpoint with arguments under --load {args.load}")
+    stored, lines = dict(stored), []
+    if "add_bias_linear" in stored and hasattr(args, "disable_bias_linear"):
+        stored["disable_bias_linear"] = not stored["add_bias_linear"]
+    for field, forced in CHECKPOINT_MODEL_ARGS + (("disable_bias_linear", True),):
+        if not hasattr(args, field) or stored.get(field) is None or (not forced and getattr(args, field) is not None):
+            continue
+        if getattr(args, field) != stored[field]:
+            lines.append(f"--use-checkpoint-args: {field} = {stored[field]!r} from the checkpoint")
+        setattr(args, field, stored[field])
+    return lines

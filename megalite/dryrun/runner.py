@@ -32,7 +32,8 @@ from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import layout_from_args, model_config_from_args
 from megalite.config.arguments_megatron_training import interleaved_group_size
-from megalite.training.setup_run import _build_optimizer, _dtype, _wrap
+from megalite.config.run_config import OptimizerConfig, ParallelConfig, compute_dtype
+from megalite.training.setup_run import build_optimizer_and_schedule, wrap_chunks
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 _FROM_MEMTRACKER = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parameters",
@@ -182,15 +183,15 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():
             for m in models:
                 materialize_(m, device, init=real)
-            chunks = _wrap(models, args, pstate)
-            optimizer, _ = _build_optimizer(chunks, args, pstate)
+            chunks = wrap_chunks(models, ParallelConfig.from_args(args, world_size), pstate)
+            optimizer, _ = build_optimizer_and_schedule(chunks, OptimizerConfig.from_args(args), pstate)
             if optimizer.loss_scaler is not None and not real:  # fp16: run the inf check, take its answer as "none"
                 find_inf = optimizer._unscale_and_find_inf
                 optimizer._unscale_and_find_inf = lambda: find_inf() and False
             executor = PipelineExecutor(
                 chunks, pstate, args.pipeline_schedule, num_microbatches=args.num_micro_batches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=config.hidden_size,
-                sequence_parallel=config.sequence_parallel, dtype=_dtype(args), device=device,
+                sequence_parallel=config.sequence_parallel, dtype=compute_dtype(args), device=device,
                 forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args),
                 eager_sends=None if real else device.type == "cpu")  # a CPU run's gloo posts eagerly
             # NCCL reports a send complete once the peer has received it; gloo only when waited on

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
-from megalite.config.schedules import batch_schedule_from_args
 from megalite.checkpoint.dcp_checkpoint import save_checkpoint
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
@@ -84,36 +83,36 @@ def _take(iterator, count: int) -> list | None:
 
 def common_state(run: Run) -> dict:
     return {"consumed_train_samples": run.consumed_train_samples, "consumed_valid_samples": run.consumed_valid_samples,
-            "lr_scheduler": run.scheduler.state_dict(), "args": run.args.to_dict(), "model_config": run.config.to_dict(),
-            "tokenizer": {"type": run.args.tokenizer_type, "model": run.args.tokenizer_model,
-                          "vocab_file": run.args.vocab_file, "merge_file": run.args.merge_file}}
+            "lr_scheduler": run.scheduler.state_dict(), "args": run.config.options,
+            "model_config": run.model_config.to_dict(), "tokenizer": run.config.data.tokenizer_record()}
 
 
 class Trainer:
     def __init__(self, run: Run):
-        self.run, self.args = run, run.args
+        cfg = run.config
+        self.run, self.training, self.logging, self.ckpt = run, cfg.training, cfg.logging, cfg.checkpoint
         self.pending_save = None
-        self.timers = Timers(self.args.timing_log_level, run.device, self.args.timing_log_option)
-        self.logger = MetricsLogger.from_args(self.args, run.writes_logs,
-                                              resume_iteration=run.iteration if run.loaded_from else None)
-        self.tensorboard = MegatronTensorboard(self.args, run.writes_logs)
-        self.batch_schedule = batch_schedule_from_args(self.args)
-        self.hooks = RunHooks(self.args, run.pstate, run.device,
-                              flops_per_sample=run.flops_per_token * self.args.seq_length,
-                              resume_iteration=run.iteration if run.loaded_from and not self.args.finetune else None)
+        self.timers = Timers(self.logging.timing_log_level, run.device, self.logging.timing_log_option)
+        self.logger = MetricsLogger.from_config(self.logging, cfg.options, run.writes_logs,
+                                                resume_iteration=run.iteration if run.loaded_from else None)
+        self.tensorboard = MegatronTensorboard(self.logging, run.writes_logs)
+        self.batch_schedule = cfg.data.batch_schedule
+        self.hooks = RunHooks(self.training, self.logging, run.pstate, run.device,
+                              flops_per_sample=run.flops_per_token * self.training.seq_length,
+                              resume_iteration=run.iteration if run.loaded_from and not self.ckpt.finetune else None)
         self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
-        self.rerun = RerunState(self.args.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
+        self.rerun = RerunState(self.training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
         # Only the first and last pipeline stages build datasets; every rank must agree on which
         # splits exist, or the others would wait in the pipeline for a split that has no data.
         reads = run.pstate.is_first_stage or run.pstate.is_last_stage
         present = _agree(run, [float(reads and ds is not None) for ds in (self.train_ds, self.valid_ds, self.test_ds)])
         self.has_split = dict(zip(("train", "valid", "test"), (p > 0 for p in present)))
-        if self.args.total_train_iters > 0 and not self.has_split["train"]:
-            raise ValueError(f"no training data: --split {self.args.split!r} (or --train-data-path) leaves the "
+        if self.training.total_train_iters > 0 and not self.has_split["train"]:
+            raise ValueError(f"no training data: --split {self.training.split!r} (or --train-data-path) leaves the "
                              "training split without documents")
         # Background checkpoint writes get a process group of their own (see save_checkpoint).
-        self.save_group = dist.new_group(backend="gloo") if self.args.async_save else None
+        self.save_group = dist.new_group(backend="gloo") if self.ckpt.async_save else None
         self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
 
     def close(self):
@@ -125,23 +124,23 @@ class Trainer:
     def save(self, non_persistent: bool = False):
         """A checkpoint under --save, or (`non_persistent`) under non_persistent_dir, which keeps
         only its latest."""
-        run, args = self.run, self.args
-        root = non_persistent_dir(args) if non_persistent else args.save
+        run, ckpt = self.run, self.ckpt
+        root = non_persistent_dir(ckpt) if non_persistent else ckpt.save
         if not root:
             return
         self.finish_pending_save()
         run.optimizer.finish_param_sync()
-        async_save = args.async_save and not non_persistent
+        async_save = ckpt.async_save and not non_persistent
         with self.timers("save-checkpoint"):
             self.pending_save = save_checkpoint(
-                root, run.iteration, chunks=run.models, optimizer=None if args.no_save_optim else run.optimizer,
-                pstate=run.pstate, rng_tracker=None if args.no_save_rng else run.tracker,
+                root, run.iteration, chunks=run.models, optimizer=None if ckpt.no_save_optim else run.optimizer,
+                pstate=run.pstate, rng_tracker=None if ckpt.no_save_rng else run.tracker,
                 common=common_state(run), async_save=async_save, group=self.save_group,
-                fully_parallel=args.ckpt_fully_parallel_save, cache_plan=args.ckpt_assume_constant_structure)
+                fully_parallel=ckpt.ckpt_fully_parallel_save, cache_plan=ckpt.ckpt_assume_constant_structure)
         if not async_save:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {root}")
-            self._prune(root, None if non_persistent else args.save_retain_interval, non_persistent)
+            self._prune(root, None if non_persistent else ckpt.save_retain_interval, non_persistent)
         self.hooks.after_save(run.iteration, run.consumed_train_samples)
 
     def _prune(self, root, retain_interval, always: bool = False):
@@ -154,7 +153,7 @@ class Trainer:
         path = self.pending_save.finalize()
         self.pending_save = None
         self.say(f"saved checkpoint (asynchronously) to {path}")
-        self._prune(self.args.save, self.args.save_retain_interval)
+        self._prune(self.ckpt.save, self.ckpt.save_retain_interval)
 
     def say(self, text: str):
         if self.run.pstate.rank == 0:
@@ -166,24 +165,24 @@ class Trainer:
         """Mean loss over --eval-iters batches of `split` (on the last stage); nothing when the
         split has no data or --eval-iters is 0."""
         run = self.run
-        if not self.has_split[split] or self.args.eval_iters == 0:
+        if not self.has_split[split] or self.training.eval_iters == 0:
             return None
         for chunk in run.models:
             chunk.eval()
         self.hooks.around_evaluation()
-        batch = self.args.eval_global_batch_size or self.args.global_batch_size
-        executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
+        batch = run.config.data.eval_batch_size
+        executor = run.executor_for(batch // (self.training.micro_batch_size * run.pstate.dp_size))
         losses = []
         with self.timers("evaluation"):
-            for _ in range(self.args.eval_iters):
+            for _ in range(self.training.eval_iters):
                 losses.append(self.step_loss(executor, iterator, forward_only=True)[0])
-                if self.args.empty_unused_memory_level >= 2 and run.device.type == "cuda":
+                if self.training.empty_unused_memory_level >= 2 and run.device.type == "cuda":
                     torch.cuda.empty_cache()
         self.hooks.around_evaluation()
         for chunk in run.models:
             chunk.train()
         if split == "valid":
-            run.consumed_valid_samples += self.args.eval_iters * batch
+            run.consumed_valid_samples += self.training.eval_iters * batch
         mean = sum(losses) / len(losses) if run.pstate.is_last_stage else None
         if run.writes_logs:
             self.logger.log_evaluation(split, run.iteration, mean)
@@ -227,7 +226,7 @@ class Trainer:
         """One iteration: (loss, update ok, grad norm, zeros in the gradients, batch size)."""
         run = self.run
         batch = self.batch_schedule.at(run.consumed_train_samples)
-        executor = run.executor_for(batch // (self.args.micro_batch_size * run.pstate.dp_size))
+        executor = run.executor_for(batch // (self.training.micro_batch_size * run.pstate.dp_size))
         self.hooks.before_iteration(run.iteration)
         if self.rerun.active:  # keep the micro-batches and random state for a re-run
             batches = _take(iterator, executor.num_microbatches)
@@ -256,14 +255,14 @@ class Trainer:
 
     def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros=None, batch=None,
              moe_losses=None):
-        run, args = self.run, self.args
+        run, training = self.run, self.training
         seconds = elapsed / max(iters, 1)
-        batch = batch or args.global_batch_size
-        rates = throughput(run.flops_per_token, batch * args.seq_length, seconds,
+        batch = batch or training.global_batch_size
+        rates = throughput(run.flops_per_token, batch * training.seq_length, seconds,
                            run.pstate.world_size, run.peak_flops)
         memory, kind = memory_usage_mb(run.device)
         record = TrainingRecord(
-            iteration=run.iteration, train_iters=args.total_train_iters, consumed_samples=run.consumed_train_samples,
+            iteration=run.iteration, train_iters=training.total_train_iters, consumed_samples=run.consumed_train_samples,
             elapsed_ms_per_iteration=seconds * 1000, learning_rate=run.optimizer.param_groups[0]["lr"],
             global_batch_size=batch, lm_loss=sum(losses) / len(losses) if losses else math.nan,
             loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
@@ -274,9 +273,9 @@ class Trainer:
     def _log_window(self, losses, skipped, nans, grad_norm, elapsed, iters, num_zeros=None, batch=None):
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
-        norm_of_params = run.optimizer.params_norm() if self.args.log_params_norm else None
-        moe_losses = (reduce_logged_losses(run.models, self.args.num_layers, run.pstate.world_group)
-                      if self.args.num_experts else None)
+        norm_of_params = run.optimizer.params_norm() if self.logging.log_params_norm else None
+        moe_losses = (reduce_logged_losses(run.models, run.model_config.num_layers, run.pstate.world_group)
+                      if run.model_config.moe is not None else None)
         if run.writes_logs:
             self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros, batch,
                       moe_losses)
@@ -289,7 +288,7 @@ class Trainer:
         rerun_stats = self.rerun.report()
         if rerun_stats:
             self.say(rerun_stats)
-        if self.args.log_straggler:
+        if self.logging.log_straggler:
             line = report_stragglers(self.forward_backward_seconds / max(iters, 1), run.pstate, run.device)
             if run.pstate.rank == 0:
                 print(line, flush=True)
@@ -298,11 +297,11 @@ class Trainer:
     def train(self, signals: StopSignals, start_time: float) -> str:
         """Train until a stop condition; returns why it stopped. `start_time`: when this
         process started (time.time()), the origin of --exit-duration-in-mins."""
-        run, args = self.run, self.args
+        run, training, ckpt = self.run, self.training, self.ckpt
         iterator = data_iterator(run, self.train_ds, run.consumed_train_samples)
         window_start = time.time()
         losses, skipped, nans, window_iters, grad_norm = [], 0, 0, 0, None
-        while run.iteration < args.total_train_iters:
+        while run.iteration < training.total_train_iters:
             loss, ok, norm, num_zeros, batch = self.train_step(iterator)
             window_iters += 1
             skipped += 0 if ok else 1
@@ -310,28 +309,28 @@ class Trainer:
             if loss is not None:
                 nans += 0 if math.isfinite(loss) else 1
                 losses.append(loss)
-            if run.iteration % args.log_interval == 0:
+            if run.iteration % self.logging.log_interval == 0:
                 self._log_window(losses, skipped, nans, grad_norm, time.time() - window_start, window_iters,
                                  num_zeros, batch)
                 losses, skipped, nans, window_iters, window_start = [], 0, 0, 0, time.time()
-            if args.eval_interval and run.iteration % args.eval_interval == 0:
+            if training.eval_interval and run.iteration % training.eval_interval == 0:
                 self.evaluate("valid", self.valid_iter)
             self.finish_pending_save(only_if_done=True)
             # the largest elapsed time is the earliest process start's, as Megatron counts it
             got_signal, minutes = _agree(run, [float(signals.received), (time.time() - start_time) / 60])
-            if args.save_interval and run.iteration % args.save_interval == 0:
+            if ckpt.save_interval and run.iteration % ckpt.save_interval == 0:
                 self.save()
                 saved = True
             else:
                 saved = False
-                if args.non_persistent_save_interval and run.iteration % args.non_persistent_save_interval == 0:
+                if ckpt.non_persistent_save_interval and run.iteration % ckpt.non_persistent_save_interval == 0:
                     self.save(non_persistent=True)
             reason = None
             if got_signal:
                 reason = f"signal {signal.Signals(int(got_signal)).name}"
-            elif args.exit_duration_in_mins and minutes >= args.exit_duration_in_mins:
+            elif training.exit_duration_in_mins and minutes >= training.exit_duration_in_mins:
                 reason = "exit-duration-in-mins"
-            elif args.exit_interval and run.iteration % args.exit_interval == 0:
+            elif training.exit_interval and run.iteration % training.exit_interval == 0:
                 reason = "exit-interval"
             if reason:
                 if not saved:

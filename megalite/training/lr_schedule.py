@@ -13,13 +13,12 @@ Linear warmup from `init_lr` to `max_lr` over `warmup_steps`, then one of
 with r = (steps - warmup) / (decay_steps - warmup) and q the fraction of the WSD decay done;
 after `decay_steps` every style but constant holds min_lr. As in Megatron, a step is a sample:
 the training loop calls `step(global_batch_size)` after each optimizer step, so iteration- and
-sample-based schedules are the same object (see `schedule_lengths_from_args`).
+sample-based schedules are the same object (see megalite.config.schedules.schedule_lengths_from_args).
 """
 
 import math
 
 from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
-from megalite.config.schedules import schedule_lengths_from_args
 
 
 
@@ -140,11 +139,10 @@ class LRScheduler:
         self.step(0)
 
 
-def lr_scheduler_from_args(args, optimizer) -> LRScheduler:
-    """The LR schedule of validated training options; call `step(args.global_batch_size)`
-    after every optimizer step."""
-    if args.lr is None:
-        raise ValueError("an lr schedule needs --lr")
-    return LRScheduler(optimizer, max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init,
-                       decay_style=args.lr_decay_style, wsd_decay_style=args.lr_wsd_decay_style,
-                       **schedule_lengths_from_args(args))
+def lr_scheduler(schedule, optimizer) -> LRScheduler:
+    """The LR schedule of a run's LRScheduleConfig (megalite.config.run_config); call
+    `step(global batch size)` after every optimizer step."""
+    return LRScheduler(optimizer, max_lr=schedule.max_lr, min_lr=schedule.min_lr, init_lr=schedule.init_lr,
+                       decay_style=schedule.decay_style, wsd_decay_style=schedule.wsd_decay_style,
+                       warmup_steps=schedule.warmup_steps, decay_steps=schedule.decay_steps,
+                       wsd_decay_steps=schedule.wsd_decay_steps)

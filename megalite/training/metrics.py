@@ -1,7 +1,8 @@
 """What a training run reports: Megatron's console lines, a JSON-lines metrics file,
 TensorBoard and Weights & Biases.
 
-    logger = MetricsLogger.from_args(args, should_write=is_last_stage and tp_rank == 0 and dp_rank == 0)
+    logger = MetricsLogger.from_config(run_config.logging, run_config.options,
+                                       should_write=is_last_stage and tp_rank == 0 and dp_rank == 0)
     logger.log_training(TrainingRecord(iteration=..., lm_loss=..., ...))
     logger.log_evaluation("valid", iteration, lm_loss)
     logger.close()
@@ -204,16 +205,14 @@ class MetricsLogger:
                                      name=wandb_exp_name or None, dir=save_dir, config=run_config or {})
 
     @classmethod
-    def from_args(cls, args, should_write: bool, resume_iteration: int | None = None,
-                  print_fn=None) -> "MetricsLogger":
-        """A logger for parsed options; wandb files go to --wandb-save-dir, else <save>/wandb.
-        TensorBoard is left to megalite.training.tensorboard_log (Megatron's tags)."""
-        save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-        config = args.to_dict() if hasattr(args, "to_dict") else dict(vars(args))
-        return cls(should_write, metrics_file=args.metrics_file,
-                   wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-                   wandb_save_dir=save_dir, wandb_entity=getattr(args, "wandb_entity", None),
-                   run_config=config, resume_iteration=resume_iteration, print_fn=print_fn)
+    def from_config(cls, logging, options: dict, should_write: bool, resume_iteration: int | None = None,
+                    print_fn=None) -> "MetricsLogger":
+        """A logger for a run's LoggingConfig (`options`, every option's value, go to wandb as
+        the run's config). TensorBoard is left to megalite.training.tensorboard_log (Megatron's tags)."""
+        return cls(should_write, metrics_file=logging.metrics_file,
+                   wandb_project=logging.wandb_project, wandb_exp_name=logging.wandb_exp_name,
+                   wandb_save_dir=logging.wandb_save_dir, wandb_entity=logging.wandb_entity,
+                   run_config=options, resume_iteration=resume_iteration, print_fn=print_fn)
 
     def _write(self, record: dict, step: int, prefix: str):
         if self._file is not None:

@@ -10,7 +10,7 @@
                                 every replica's weights hashed and compared
     --log-progress              Megatron's progress.txt lines in --save
 
-    hooks = RunHooks(args, pstate, device)
+    hooks = RunHooks(training, logging, pstate, device)   # megalite.config.run_config's parts
     hooks.before_iteration(iteration)   # iteration about to run (1-based)
     hooks.after_iteration(iteration, models)
 """
@@ -112,31 +112,32 @@ def saved_flops(save_dir: str, iteration: int) -> float:
 
 
 class RunHooks:
-    def __init__(self, args, pstate, device, *, flops_per_sample: float = 0.0, resume_iteration: int | None = None):
-        """`resume_iteration`: the loaded checkpoint's iteration; the floating-point operations
-        progress.txt recorded for it are where this job's count starts (Megatron keeps the count
-        in its checkpoints)."""
-        self.args, self.pstate, self.device = args, pstate, device
+    def __init__(self, training, logging, pstate, device, *, flops_per_sample: float = 0.0,
+                 resume_iteration: int | None = None):
+        """`training`, `logging`: the run's TrainingConfig and LoggingConfig; `resume_iteration`:
+        the loaded checkpoint's iteration; the floating-point operations progress.txt recorded for
+        it are where this job's count starts (Megatron keeps the count in its checkpoints)."""
+        self.training, self.logging, self.pstate, self.device = training, logging, pstate, device
+        self.progress_dir = logging.progress_dir
         start_flops = 0.0
-        if args.log_progress and args.save and resume_iteration:
-            start_flops = saved_flops(args.save, resume_iteration)
+        if self.progress_dir and resume_iteration:
+            start_flops = saved_flops(self.progress_dir, resume_iteration)
         self.flops_per_sample, self.job_start_flops = flops_per_sample, start_flops
         self.total_flops = start_flops
         self.job_start = datetime.now()
         self.profiler = None
-        ranks = [int(r) for r in (args.profile_ranks or ["0"])]
-        self.profiles = args.profile and pstate.rank in ranks
-        if args.manual_gc:
+        ranks = [int(r) for r in (logging.profile_ranks or ["0"])]
+        self.profiles = logging.profile and pstate.rank in ranks
+        if training.manual_gc:
             gc.disable()
             gc.collect()
-        if args.log_progress and args.save and pstate.rank == 0:
-            append_progress(args.save, pstate.world_size, "Starting job")
+        if self.progress_dir and pstate.rank == 0:
+            append_progress(self.progress_dir, pstate.world_size, "Starting job")
 
     # --- around iterations ------------------------------------------------------------------
     def before_iteration(self, iteration: int) -> None:
-        args = self.args
-        if self.profiles and iteration == args.profile_step_start:
-            trace_dir = args.tensorboard_dir or os.path.join(args.save, "profile")
+        if self.profiles and iteration == self.logging.profile_step_start:
+            trace_dir = self.logging.profile_dir
             self.profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []),
@@ -146,46 +147,45 @@ class RunHooks:
             self.profiler.start()
 
     def after_iteration(self, iteration: int, models, samples: int) -> None:
-        args = self.args
+        training = self.training
         self.total_flops += self.flops_per_sample * samples
-        if self.profiler is not None and iteration + 1 >= args.profile_step_end:
+        if self.profiler is not None and iteration + 1 >= self.logging.profile_step_end:
             self.profiler.stop()  # writes the trace
             self.profiler = None
-        if args.empty_unused_memory_level >= 1 and self.device.type == "cuda":
+        if training.empty_unused_memory_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+        if training.manual_gc and training.manual_gc_interval and iteration % training.manual_gc_interval == 0:
             gc.collect()
-        interval = args.check_weight_hash_across_dp_replicas_interval
+        interval = training.check_weight_hash_across_dp_replicas_interval
         if interval and iteration % interval == 0:
             check_weight_hash(models, self.pstate, iteration)
 
     def around_evaluation(self) -> None:
         """Called at the start and the end of each evaluation."""
-        if self.args.manual_gc and self.args.manual_gc_eval:
+        if self.training.manual_gc and self.training.manual_gc_eval:
             gc.collect()
-        if self.args.empty_unused_memory_level >= 2 and self.device.type == "cuda":
+        if self.training.empty_unused_memory_level >= 2 and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def after_save(self, iteration: int, consumed_samples: int) -> None:
         """Megatron's progress line for a saved checkpoint (rank 0)."""
-        args = self.args
-        if not args.log_progress or not args.save or self.pstate.rank != 0:
+        if not self.progress_dir or self.pstate.rank != 0:
             return
         world = self.pstate.world_size
         seconds = max((datetime.now() - self.job_start).total_seconds(), 1e-9)
         job = (self.total_flops - self.job_start_flops) / (seconds * 1e12 * world)
-        start, start_flops = progress_start(args.save, world)
+        start, start_flops = progress_start(self.progress_dir, world)
         elapsed = max((datetime.now() - start).total_seconds(), 1e-9)
         cumulative = (self.total_flops - start_flops) / (elapsed * 1e12 * world)
-        append_progress(args.save, world,
+        append_progress(self.progress_dir, world,
                         f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
                         f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
                         f"Floating-point operations: {self.total_flops:.2e}\t"
-                        f"Tokens (in billions): {consumed_samples * args.seq_length / 10**9:.2f}")
+                        f"Tokens (in billions): {consumed_samples * self.training.seq_length / 10**9:.2f}")
 
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
-        if self.args.manual_gc:
+        if self.training.manual_gc:
             gc.enable()

@@ -25,16 +25,17 @@ from megalite.training.metrics import memory_usage_mb
 
 
 class MegatronTensorboard:
-    def __init__(self, args, should_write: bool):
-        self.args = args
+    def __init__(self, logging, should_write: bool):
+        """`logging`: the run's LoggingConfig."""
+        self.logging = logging
         self.writer = None
-        if should_write and args.tensorboard_dir:
+        if should_write and logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
                 raise RuntimeError(f"--tensorboard-dir needs the tensorboard package ({error}); "
                                    "pip install tensorboard") from None
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+            self.writer = SummaryWriter(log_dir=logging.tensorboard_dir, max_queue=logging.tensorboard_queue_size)
 
     def _add(self, tag: str, value, iteration: int, samples: int | None = None) -> None:
         self.writer.add_scalar(tag, value, iteration)
@@ -44,29 +45,29 @@ class MegatronTensorboard:
     def log_iteration(self, iteration: int, *, consumed_samples: int, learning_rate: float, batch_size: int,
                       loss: float | None, loss_scale: float, grad_norm: float | None = None,
                       num_zeros: int | None = None, world_size: int = 1, device=None) -> None:
-        args = self.args
-        if self.writer is None or iteration % args.tensorboard_log_interval:
+        logging = self.logging
+        if self.writer is None or iteration % logging.tensorboard_log_interval:
             return
         samples = consumed_samples
-        if args.log_learning_rate_to_tensorboard:
+        if logging.log_learning_rate_to_tensorboard:
             self._add("learning-rate", learning_rate, iteration, samples)
-        if args.log_batch_size_to_tensorboard:
+        if logging.log_batch_size_to_tensorboard:
             self._add("batch-size", batch_size, iteration, samples)
         if loss is not None:
             self._add("lm loss", loss, iteration, samples)
-        if args.log_loss_scale_to_tensorboard:
+        if logging.log_loss_scale_to_tensorboard:
             self._add("loss-scale", loss_scale, iteration, samples)
-        if args.log_world_size_to_tensorboard:
+        if logging.log_world_size_to_tensorboard:
             self._add("world-size", world_size, iteration, samples)
         for tag, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros)):
             if value is not None:
                 self._add(tag, value, iteration, samples)
-        if args.log_memory_to_tensorboard:
+        if logging.log_memory_to_tensorboard:
             self._log_memory(iteration, device)
 
     def log_params_norm(self, iteration: int, consumed_samples: int, params_norm: float | None) -> None:
         """'params-norm' (computed every --log-interval, a collective)."""
-        if self.writer is not None and params_norm is not None and iteration % self.args.tensorboard_log_interval == 0:
+        if self.writer is not None and params_norm is not None and iteration % self.logging.tensorboard_log_interval == 0:
             self._add("params-norm", params_norm, iteration, consumed_samples)
 
     def _log_memory(self, iteration: int, device) -> None:
@@ -83,7 +84,7 @@ class MegatronTensorboard:
             self._add("mem-max-rss-bytes", megabytes * 2**20, iteration)
 
     def log_timers(self, iteration: int, seconds_per_iteration: float, timers_max_ms: dict) -> None:
-        if self.writer is None or not self.args.log_timers_to_tensorboard:
+        if self.writer is None or not self.logging.log_timers_to_tensorboard:
             return
         self._add("iteration-time", seconds_per_iteration, iteration)
         for phase, ms in timers_max_ms.items():
@@ -94,7 +95,7 @@ class MegatronTensorboard:
             return
         tag = "lm loss validation" if split == "valid" else "lm loss test"
         self._add(tag, loss, iteration, consumed_samples)
-        if self.args.log_validation_ppl_to_tensorboard:
+        if self.logging.log_validation_ppl_to_tensorboard:
             self._add(f"{tag} ppl", math.exp(min(20.0, loss)), iteration, consumed_samples)
 
     def flush(self) -> None:

@@ -115,11 +115,13 @@ def _pipeline_logits(world: int, load_dir: str, vp: int):
     from megalite.parallel.state import ParallelLayout, ParallelState
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.run_config import CheckpointConfig
 
     pstate = ParallelState.create(ParallelLayout(world, pipeline=world, virtual_pipeline=vp))
     config = MegatronCheckpoint(load_dir).config
     chunks = build_model_chunks(config, pstate, init_seed=5)
-    common = load_for_run(parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"]), chunks, pstate, None)
+    ckpt = CheckpointConfig.from_args(parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"]))
+    common = load_for_run(ckpt, chunks, pstate, None)
     for chunk in chunks:
         chunk.eval()
 

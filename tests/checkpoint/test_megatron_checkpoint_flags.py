@@ -18,8 +18,10 @@ from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.checkpoint.dcp_format import CheckpointError
 from megalite.training.lr_schedule import LRScheduler
 from megalite.checkpoint.run_load import (
-    apply_checkpoint_args, load_for_run, non_persistent_dir, prune_checkpoints, restore_scheduler,
+    checkpoint_args_of, load_for_run, non_persistent_dir, prune_checkpoints, restore_scheduler,
 )
+from megalite.config.arguments_megatron_checkpoint import apply_checkpoint_args
+from megalite.config.run_config import CheckpointConfig
 from tests.checkpoint.megatron_files import CONFIG, megatron_args, write_megatron_torch
 from tests.distributed import free_port
 
@@ -31,7 +33,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2
 def _load(tmp_path, *flags, seed=1):
     model = GPTModel(CONFIG, init_seed=seed)
     args = parse_args(["--load", str(tmp_path / "ckpt"), *flags])
-    return model, load_for_run(args, [model], ParallelState.single(), None)
+    return model, load_for_run(CheckpointConfig.from_args(args), [model], ParallelState.single(), None)
 
 
 def _fc1(model):
@@ -72,16 +74,16 @@ def test_pretrained_checkpoint_when_load_is_empty(tmp_path):
     model = GPTModel(CONFIG, init_seed=1)
     args = parse_args(["--load", str(tmp_path / "empty"), "--pretrained-checkpoint", str(tmp_path / "pre"),
                        "--ckpt-format", "torch"])
-    common = load_for_run(args, [model], ParallelState.single(), None)
+    common = load_for_run(CheckpointConfig.from_args(args), [model], ParallelState.single(), None)
     assert common["finetune"] and torch.equal(_fc1(model), state["decoder.layers.0.mlp.linear_fc1.weight"])
 
 
 def test_use_checkpoint_args_takes_the_architecture(tmp_path):
     write_megatron_torch(tmp_path / "ckpt", args=megatron_args(num_layers=2, hidden_size=16, swiglu=True))
     plain = parse_args(["--load", str(tmp_path / "ckpt")])
-    assert apply_checkpoint_args(plain) == [] and plain.num_layers is None and not plain.swiglu
+    assert apply_checkpoint_args(plain, checkpoint_args_of(plain.load)) == [] and plain.num_layers is None and not plain.swiglu
     args = parse_args(["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--num-layers", "8"])
-    lines = apply_checkpoint_args(args)
+    lines = apply_checkpoint_args(args, checkpoint_args_of(args.load))
     assert args.num_layers == 8  # set by the user: Megatron keeps it
     assert (args.hidden_size, args.swiglu, args.normalization, args.disable_bias_linear) == (16, True, "RMSNorm", True)
     assert any("swiglu" in line for line in lines)
@@ -110,12 +112,12 @@ def test_scheduler_flags():
     saved.step(10)
     state = saved.state_dict()
     with pytest.raises(CheckpointError, match="--override-opt_param-scheduler"):
-        restore_scheduler(_scheduler(2e-3), state, parse_args([]))
+        restore_scheduler(_scheduler(2e-3), state, CheckpointConfig.from_args(parse_args([])))
     kept = _scheduler(2e-3)
-    restore_scheduler(kept, state, parse_args(["--override-opt_param-scheduler"]))
+    restore_scheduler(kept, state, CheckpointConfig.from_args(parse_args(["--override-opt_param-scheduler"])))
     assert kept.num_steps == 10 and kept.optimizer.param_groups[0]["lr"] == 2e-3
     taken = _scheduler(2e-3)
-    restore_scheduler(taken, state, parse_args(["--use-checkpoint-opt_param-scheduler"]))
+    restore_scheduler(taken, state, CheckpointConfig.from_args(parse_args(["--use-checkpoint-opt_param-scheduler"])))
     assert taken.num_steps == 10 and taken.optimizer.param_groups[0]["lr"] == 1e-3
     with pytest.raises(ValueError, match="contradict"):
         validate_args(parse_args([*MODEL, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]), 1)
@@ -133,8 +135,8 @@ def test_non_persistent_directories():
     kinds = {"local": ["--non-persistent-local-ckpt-dir", "/node/ckpt"], "global": []}
     for kind, extra in kinds.items():
         args = parse_args(["--save", "/s", "--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", kind, *extra])
-        assert str(non_persistent_dir(args)) == ("/node/ckpt" if kind == "local" else "/s/non_persistent")
-    assert non_persistent_dir(parse_args(["--save", "/s"])) is None
+        assert str(non_persistent_dir(CheckpointConfig.from_args(args))) == ("/node/ckpt" if kind == "local" else "/s/non_persistent")
+    assert non_persistent_dir(CheckpointConfig.from_args(parse_args(["--save", "/s"]))) is None
 
 
 def test_accepted_flags_say_how_megalite_serves_them():

@@ -41,12 +41,13 @@ def _load_and_run(world, load_dir):
     from megalite.parallel.state import ParallelLayout, ParallelState
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.run_config import CheckpointConfig
 
     pstate = ParallelState.create(ParallelLayout(world, tensor=world))
     config = MegatronCheckpoint(load_dir).config
     [model] = build_model_chunks(config, pstate, init_seed=5)
     args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
-    common = load_for_run(args, [model], pstate, None)
+    common = load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
     model.eval()
     with torch.no_grad():
         local = model(tokens())  # vocab-parallel logits [b, s, V/t]

@@ -151,11 +151,13 @@ def _rng_after_load(rank, world, load_dir):
     from megalite.parallel.state import ParallelLayout, ParallelState
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.run_config import CheckpointConfig
 
     pstate = ParallelState.create(ParallelLayout(world, tensor=world))
     [model] = build_model_chunks(MegatronCheckpoint(load_dir).config, pstate, init_seed=5)
     torch.manual_seed(99)
-    load_for_run(parse_args(["--load", load_dir, "--auto-detect-ckpt-format", "--no-load-optim"]), [model], pstate, None)
+    ckpt = CheckpointConfig.from_args(parse_args(["--load", load_dir, "--auto-detect-ckpt-format", "--no-load-optim"]))
+    load_for_run(ckpt, [model], pstate, None)
     return torch.get_rng_state()
 
 

@@ -15,7 +15,8 @@ from megalite.parallel.state import ParallelState
 from megalite.config.arguments import parse_args
 from megalite.checkpoint.dcp_format import CheckpointError
 from megalite.checkpoint.run_load import load_for_run, resume_optimizer
-from megalite.training.setup_run import _build_optimizer
+from megalite.config.run_config import CheckpointConfig, OptimizerConfig
+from megalite.training.setup_run import build_optimizer_and_schedule
 from tests.checkpoint.megatron_files import (
     CONFIG, megatron_adam_state, megatron_args, megatron_scheduler, megatron_state_dict, write_megatron_torch,
 )
@@ -37,10 +38,12 @@ def _resume(tmp_path, *flags):
     """What build_run does with --load: weights, then the optimizer built, then its state."""
     model = GPTModel(CONFIG, init_seed=1)
     args = parse_args(["--load", str(tmp_path / "ckpt"), *FLAGS, *flags])
-    common = load_for_run(args, [model], SINGLE, None)
-    optimizer, scheduler = _build_optimizer([DistributedDataParallel(model, SINGLE)], args, SINGLE)
-    if not (args.finetune or args.no_load_optim):
-        resume_optimizer(common, chunks=[model], optimizer=optimizer, scheduler=scheduler, args=args, pstate=SINGLE)
+    ckpt = CheckpointConfig.from_args(args)
+    common = load_for_run(ckpt, [model], SINGLE, None)
+    optimizer, scheduler = build_optimizer_and_schedule([DistributedDataParallel(model, SINGLE)],
+                                                        OptimizerConfig.from_args(args), SINGLE)
+    if not (ckpt.finetune or ckpt.no_load_optim):
+        resume_optimizer(common, ckpt, chunks=[model], optimizer=optimizer, scheduler=scheduler, pstate=SINGLE)
     return model, common, optimizer, scheduler
 
 

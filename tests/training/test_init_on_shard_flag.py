@@ -21,9 +21,9 @@ def test_init_on_shard_flag_is_passed_to_build_model_chunks(monkeypatch, flag):
         seen.update(kwargs)
         raise Built
 
-    monkeypatch.setattr(setup_run, "init_distributed", lambda args: (ParallelState.single(), torch.device("cpu")))
+    monkeypatch.setattr(setup_run, "init_distributed", lambda parallel: (ParallelState.single(), torch.device("cpu")))
     monkeypatch.setattr(setup_run, "build_model_chunks", fake_build)
-    args = parse_args(BASE + ["--train-iters", "1"] + (["--init-on-shard"] if flag else []))
+    args = parse_args(BASE + ["--train-iters", "4"] + (["--init-on-shard"] if flag else []))
     with pytest.raises(Built):
         setup_run.build_run(args)
     assert seen["init_on_shard"] is flag

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megalite.training.lr_schedule import LRScheduler, lr_scheduler_from_args
+from megalite.config.run_config import LRScheduleConfig
+from megalite.training.lr_schedule import LRScheduler, lr_scheduler
 
 MAX, MIN = 1.0, 0.1
 
@@ -134,7 +135,7 @@ def schedule_args(**overrides):
 
 
 def run(args, iterations):
-    scheduler = lr_scheduler_from_args(args, optimizer())
+    scheduler = lr_scheduler(LRScheduleConfig.from_args(args), optimizer())
     return [scheduler.step(args.global_batch_size) for _ in range(iterations)]
 
 
@@ -156,9 +157,9 @@ def test_iteration_and_sample_based_schedules_agree():
 
 def test_factory_names_what_is_missing():
     with pytest.raises(ValueError, match="--train-iters or --train-samples"):
-        lr_scheduler_from_args(schedule_args(), optimizer())
+        LRScheduleConfig.from_args(schedule_args())
     with pytest.raises(ValueError, match="--lr"):
-        lr_scheduler_from_args(schedule_args(train_iters=10, lr=None), optimizer())
+        LRScheduleConfig.from_args(schedule_args(train_iters=10, lr=None))
 
 
 def megatron_scheduler_class():

@@ -8,7 +8,7 @@ import pytest
 
 from megalite.data import build_gpt_datasets
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from megalite.training.setup_run import startup_notes
+from megalite.config.run_config import startup_notes
 from tests.training.launch import drop_flags
 from tests.config.test_arguments import BASE, parsed, refused
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from megalite.checkpoint.dcp_checkpoint import iteration_dir
+from megalite.config.arguments import parse_args
+from megalite.config.run_config import LoggingConfig, TrainingConfig
 from megalite.training.metrics import MetricsLogger, read_metrics
 from megalite.training.run_hooks import RunHooks
 from megalite.training.tensorboard_log import MegatronTensorboard
@@ -181,9 +183,9 @@ def test_wandb_entity_reaches_wandb_init(tmp_path, monkeypatch):
     fake.init = lambda **kwargs: calls.append(kwargs) or SimpleNamespace(log=lambda *a, **k: None,
                                                                            finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    args = SimpleNamespace(metrics_file=None, tensorboard_dir=None, wandb_project="p", wandb_exp_name="e",
-                           wandb_save_dir=str(tmp_path), save=None, wandb_entity="my-team")
-    MetricsLogger.from_args(args, should_write=True, print_fn=lambda text: None).close()
+    logging = LoggingConfig.from_args(parse_args(["--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir",
+                                                  str(tmp_path), "--wandb-entity", "my-team"]))
+    MetricsLogger.from_config(logging, {}, should_write=True, print_fn=lambda text: None).close()
     assert calls[0]["entity"] == "my-team" and calls[0]["project"] == "p"
 
 
@@ -201,15 +203,14 @@ def test_timing_log_option_formats(option, header):
 
 
 def test_progress_floating_point_operations_continue_after_a_resume(tmp_path):
-    args = SimpleNamespace(log_progress=True, save=str(tmp_path), manual_gc=False, profile=False, profile_ranks=None,
-                           seq_length=16, empty_unused_memory_level=0,
-                           check_weight_hash_across_dp_replicas_interval=None)
+    args = parse_args(["--log-progress", "--save", str(tmp_path), "--seq-length", "16"])
+    training, logging = TrainingConfig.from_args(args), LoggingConfig.from_args(args)
     state = SimpleNamespace(rank=0, world_size=1)
-    first = RunHooks(args, state, torch.device("cpu"), flops_per_sample=1e6)
+    first = RunHooks(training, logging, state, torch.device("cpu"), flops_per_sample=1e6)
     for iteration in (1, 2):
         first.after_iteration(iteration, [], 4)
     first.after_save(2, 8)
-    resumed = RunHooks(args, state, torch.device("cpu"), flops_per_sample=1e6, resume_iteration=2)
+    resumed = RunHooks(training, logging, state, torch.device("cpu"), flops_per_sample=1e6, resume_iteration=2)
     resumed.after_iteration(3, [], 4)
     resumed.after_save(3, 12)
     lines = (tmp_path / "progress.txt").read_text().splitlines()
@@ -220,7 +221,7 @@ def test_progress_floating_point_operations_continue_after_a_resume(tmp_path):
 
 
 def test_tensorboard_and_progress_flags_without_their_directory_say_so():
-    from megalite.training.setup_run import startup_notes
+    from megalite.config.run_config import startup_notes
     from tests.config.test_arguments import parsed
 
     notes = startup_notes(parsed("--log-progress --log-timers-to-tensorboard", 1))

@@ -25,7 +25,8 @@ from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import read_metrics
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr, scale_main_grads, token_factor
 from megalite.training.run_hooks import RunHooks, apply_deterministic_mode, check_weight_hash
-from megalite.training.setup_run import _wrap, startup_notes
+from megalite.config.run_config import ParallelConfig, startup_notes
+from megalite.training.setup_run import wrap_chunks
 from tests.distributed import run_distributed
 from tests.training.launch import BASE as LAUNCH_BASE
 from tests.training.launch import drop_flags, run
@@ -283,10 +284,10 @@ def test_deterministic_mode_sets_torch_and_the_environment():
 def _hooks(**overrides):
     values = dict(manual_gc=False, manual_gc_interval=0, manual_gc_eval=True, empty_unused_memory_level=0,
                   profile=False, profile_ranks=None, profile_step_start=10, profile_step_end=12,
-                  check_weight_hash_across_dp_replicas_interval=None, log_progress=False, save=None,
-                  tensorboard_dir=None, seq_length=16)
+                  check_weight_hash_across_dp_replicas_interval=None, progress_dir=None, profile_dir=None,
+                  seq_length=16)
     state = SimpleNamespace(rank=0, world_size=1, dp_size=1)
-    return SimpleNamespace(**{**values, **overrides}), state
+    return SimpleNamespace(**{**values, **overrides}), state  # the run's TrainingConfig and LoggingConfig in one
 
 
 def test_manual_gc_collects_only_at_its_interval_and_evaluation(monkeypatch):
@@ -294,7 +295,7 @@ def test_manual_gc_collects_only_at_its_interval_and_evaluation(monkeypatch):
     calls = []
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or 0)
     try:
-        hooks = RunHooks(args, state, torch.device("cpu"))
+        hooks = RunHooks(args, args, state, torch.device("cpu"))
         assert not gc.isenabled() and len(calls) == 1
         for iteration in range(1, 7):
             hooks.after_iteration(iteration, [], 2)
@@ -311,7 +312,8 @@ def test_empty_unused_memory_level(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     for level, expected in ((0, 0), (1, 1), (2, 2)):
         emptied.clear()
-        hooks = RunHooks(_hooks(empty_unused_memory_level=level)[0], _hooks()[1], torch.device("cuda", 0))
+        options, state = _hooks(empty_unused_memory_level=level)
+        hooks = RunHooks(options, options, state, torch.device("cuda", 0))
         hooks.after_iteration(1, [], 2)
         hooks.around_evaluation()
         assert len(emptied) == expected, level
@@ -321,9 +323,9 @@ def test_grad_reduce_in_bf16_keeps_the_gradient_buffers_in_bf16():
     state = ParallelState.create(ParallelLayout(1))
     args = parsed("--bf16 --grad-reduce-in-bf16", 1)
     models = build_model_chunks(_tiny_config(params_dtype="bfloat16"), state, init_seed=5)
-    assert {b.grad_dtype for c in _wrap(models, args, state) for b in c.buffers_} == {torch.bfloat16}
+    assert {b.grad_dtype for c in wrap_chunks(models, ParallelConfig.from_args(args, 1), state) for b in c.buffers_} == {torch.bfloat16}
     args = parsed("--bf16", 1)
-    assert {b.grad_dtype for c in _wrap(models, args, state) for b in c.buffers_} == {torch.float32}
+    assert {b.grad_dtype for c in wrap_chunks(models, ParallelConfig.from_args(args, 1), state) for b in c.buffers_} == {torch.float32}
     assert "--grad-reduce-in-bf16 needs --bf16" in refused("--grad-reduce-in-bf16", 1)
 
 

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megalite.config.arguments import parse_args
+from megalite.config.run_config import LoggingConfig
 from megalite.training.metrics import (MetricsLogger, TrainingRecord, format_evaluation_lines,
                                        format_training_line, memory_usage_mb, throughput)
 
@@ -102,12 +104,11 @@ def test_corrupt_metrics_file_is_named_on_resume(tmp_path):
         MetricsLogger(True, metrics_file=str(path), resume_iteration=1)
 
 
-def test_from_args_wires_the_options(tmp_path):
-    args = SimpleNamespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None,
-                           wandb_project=None, wandb_exp_name=None, wandb_save_dir=None, save=None)
-    with MetricsLogger.from_args(args, should_write=True, print_fn=lambda text: None) as logger:
+def test_from_config_wires_the_options(tmp_path):
+    logging = LoggingConfig.from_args(parse_args(["--metrics-file", str(tmp_path / "m.jsonl")]))
+    with MetricsLogger.from_config(logging, {}, should_write=True, print_fn=lambda text: None) as logger:
         logger.log_evaluation("valid", 5, 2.0)
-    assert read_jsonl(args.metrics_file)[0]["iteration"] == 5
+    assert read_jsonl(logging.metrics_file)[0]["iteration"] == 5
 
 
 def test_throughput_and_memory():
