@@ -75,12 +75,15 @@ def _valid_loss_logged(metrics: Path) -> float:
 def _valid_batches(argv):
     """The validation micro-batches of the run's final evaluation, in the order it read them:
     its datasets rebuilt from its own options (the index cache it wrote is reused)."""
+    from megalite.config.run_config import DataConfig
     from megalite.training.setup_run import build_data
 
     args = parse_args(argv)
     validate_args(args, WORLD)
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model)
-    _, valid, _ = build_data(SimpleNamespace(args=args, pstate=ParallelState.single(), tokenizer=tokenizer))
+    run = SimpleNamespace(config=SimpleNamespace(data=DataConfig.from_args(args)), pstate=ParallelState.single(),
+                          tokenizer=tokenizer)
+    _, valid, _ = build_data(run)
     per_step, mbs = args.global_batch_size, args.micro_batch_size
     for step in range(EVAL_ITERS):
         yield [[valid[i] for i in range(start, start + mbs)]

@@ -131,3 +131,19 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("package", ["checkpoint", "config"])
+def test_every_module_of_the_one_concern_packages_says_what_it_holds(package):
+    """megalite/checkpoint/: each module's docstring says which format and which direction
+    (the package docstring tabulates them); megalite/config/: which options or which step."""
+    bare = []
+    for path in sorted((PACKAGE_ROOT / package).glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        if not doc or len(doc.split()) < 5:
+            bare.append(path.name)
+    assert bare == []
+    table = importlib.import_module("megalite.checkpoint").__doc__
+    for path in (PACKAGE_ROOT / "checkpoint").glob("*.py"):
+        if path.stem != "__init__":
+            assert path.stem.removesuffix("_moe") in table, f"{path.stem} missing from megalite.checkpoint's table"
