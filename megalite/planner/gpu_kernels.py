@@ -1,0 +1,294 @@
+"""The step on a GPU whose kernels were measured (cluster.KernelRates): each kernel megalite
+runs, in the class whose measured rate times it, and the host's time per operator call.
+
+Per layer, micro-batch and rank (T tokens on the rank, t tensor-parallel ranks, e bytes per
+activation element; bytes read + written):
+
+- dense GEMMs: compute.py's roofline (matmul efficiency); the weight-gradient GEMMs equal the
+  forward's.
+- attention (flash kernel): the causal half of the scores, forward 2 GEMMs (q k^T, p v),
+  backward 5 (the scores again, dV, dP, dQ, dK), at `attention` of the peak; flash-attention
+  2's backward (csrc/flash_attn/flash_api.cpp mha_bwd, which PyTorch builds) also runs
+  `dot_do_o` (reads dO and O, zeroes an fp32 dQ accumulator), `convert_dq` (fp32 dQ to e) and,
+  with grouped k/v heads, sums dK and dV over each group from per-query-head buffers: torch
+  class. Without a flash kernel (--attention-backend unfused/local) compute.py's roofline.
+- memory-bound kernels, as megalite's layer issues them (traffic_per_layer), each class at its
+  measured fraction of the copy bandwidth; an op whose fusion is off (--no-*-fusion,
+  --no-fused-kernels) moves its torch reference's bytes (REFERENCE, counted by running the
+  references under a dispatch counter) at the torch rate.
+- host: each operator call costs the host `host[op]` seconds; the GPU idles when the host falls
+  behind. The host queues a micro-batch from an empty queue (each micro-batch starts after a
+  host sync: its tokens' copy to the device); a layer's forward takes max(GPU, host) and its
+  backward what the host's lead left over: with the layers alike, a chunk's time is its layers'.
+
+Outside the layers: the embedding lookup and its dense gradient, the final norm, the output
+GEMM, the cross-entropy (megalite's Triton kernel, or the torch path: fp32 chunks of the logits,
+30 + 56 bytes per 16-bit logit as cross_entropy_torch.py runs), and per step the optimizer:
+gradient norm, clipping (Megatron's default --clip-grad 1.0 clips a young model's gradients)
+and fused AdamW at the `optimizer` rate, the copy of the fp32 main parameters into the 16-bit
+ones and the zeroing of the gradient buffers at the torch rate.
+
+Updating the constants: run `bash tools/benchmarks/gpu_check.sh` on the GPU; its
+kernel_rates.json (from the profiled step) is what `plan.py --kernel-rates FILE` reads, and the
+numbers to carry into cluster.py's ISSUE23_PROFILE-style table when they should become a preset.
+"""
+
+from megalite.planner.cluster import Cluster
+from megalite.planner.compute import ChunkTimes, gemm_time
+from megalite.planner.layouts import Layout
+from megalite.planner.workload import Workload
+
+# Bytes a torch reference moves, in units of its output's size (swiglu: the activation's, half
+# its input), and its operator count: (forward bytes, backward bytes, forward ops, backward
+# ops), counted on megalite.kernels' references in bf16 (tests/planner/test_gpu_model.py); the
+# Triton kernels' (FUSED): read the input, write the output, and in backward read the output's
+# gradient too.
+REFERENCE = {"rms_norm": (18, 48, 9, 16), "layer_norm": (10, 12, 8, 5), "swiglu": (19, 35, 5, 6),
+             "bias_gelu": (14, 14, 7, 5), "rotary": (26, 26, 10, 7)}
+FUSED = {"rms_norm": (2, 3), "layer_norm": (2, 3), "swiglu": (3, 5), "bias_gelu": (2, 3), "rotary": (2, 2)}
+CE_TORCH_BYTES = (30, 56)  # per 16-bit logit, forward and backward (e = 2; general: e + 28, 4e + 48)
+CE_CHUNK_ELEMENTS = 1 << 24  # cross_entropy_torch.TORCH_CHUNK_ELEMENTS
+CE_TORCH_OPS = (10, 12)  # operators per chunk
+
+
+class Traffic:
+    """Bytes per kernel class and host operator calls, forward and backward, of one piece of work."""
+
+    def __init__(self):
+        self.bytes = {}  # kind -> [forward, backward]
+        self.calls = {}  # op -> [forward, backward]
+
+    def move(self, kind: str, forward: float, backward: float) -> None:
+        pair = self.bytes.setdefault(kind, [0.0, 0.0])
+        pair[0] += forward
+        pair[1] += backward
+
+    def call(self, op: str, forward: float, backward: float) -> None:
+        pair = self.calls.setdefault(op, [0.0, 0.0])
+        pair[0] += forward
+        pair[1] += backward
+
+    def fused_or_reference(self, fused: bool, op: str, kind: str, unit: float) -> None:
+        """One call of megalite op `op` whose output (swiglu, bias_gelu: activation) is `unit`
+        bytes: its Triton kernel, or its torch reference."""
+        if fused:
+            self.move(kind, FUSED[op][0] * unit, FUSED[op][1] * unit)
+            self.call(op, 1, 1)
+        else:
+            forward, backward, ops_f, ops_b = REFERENCE[op]
+            self.move("torch", forward * unit, backward * unit)
+            self.call("aten", ops_f, ops_b)
+
+    def seconds(self, cluster: Cluster) -> tuple[float, float, float, float]:
+        """(GPU forward, GPU backward, host forward, host backward) seconds."""
+        rates = cluster.kernels
+        gpu = [sum(pair[i] / rates.rate(kind) for kind, pair in self.bytes.items()) for i in (0, 1)]
+        host = [sum(pair[i] * rates.host[op][i] for op, pair in self.calls.items()) for i in (0, 1)]
+        return gpu[0], gpu[1], host[0], host[1]
+
+
+def fused(workload: Workload, op: str) -> bool:
+    return workload.config.kernel_impl_for(op) != "torch"
+
+
+def _residual(traffic: Traffic, workload: Workload, elements: float, count: int) -> None:
+    """`count` x (dropout, add) on `elements`, and their backward: the dropout's, and the sum of
+    the two branches' gradients."""
+    e, dropout = workload.activation_bytes, workload.config.hidden_dropout > 0
+    per = (2 * e + 1) * elements if dropout else 0.0  # read, write, the mask's byte
+    traffic.move("torch", count * (per + 3 * e * elements), count * (per + 3 * e * elements))
+    traffic.call("aten", count * (1 + dropout), count * (1 + dropout))
+
+
+def _norms(traffic: Traffic, workload: Workload, elements: float, count: float) -> None:
+    op = "rms_norm" if workload.config.normalization == "RMSNorm" else "layer_norm"
+    for _ in range(int(count)):
+        traffic.fused_or_reference(fused(workload, op), op, "norm", elements * workload.activation_bytes)
+
+
+def layer_traffic(workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> Traffic:
+    """Memory-bound bytes and operator calls of one transformer layer (attention GEMMs and the
+    flash kernel aside) on one rank, one micro-batch."""
+    config, t, e = workload.config, layout.tp, workload.activation_bytes
+    d = config.kv_channels
+    q, kv, h = config.num_attention_heads * d / t, config.num_query_groups * d / t, config.hidden_size
+    split = t if layout.sequence_parallel else 1
+    traffic = Traffic()
+    _norms(traffic, workload, tokens * h / split, 2)
+    _residual(traffic, workload, tokens * h / split, 2)
+    rotated = config.position_embedding_type == "rope"
+    if config.qk_layernorm:
+        _norms(traffic, workload, tokens * q, 1)
+        _norms(traffic, workload, tokens * kv, 1)
+    if rotated:
+        op = "rotary"
+        traffic.fused_or_reference(fused(workload, op), op, "rotary", tokens * q * e)
+        traffic.fused_or_reference(fused(workload, op), op, "rotary", tokens * kv * e)
+    # q, k, v are views of the fused QKV output; a grouped q is copied by its reshape, and when
+    # any of them is a new tensor the views among the others are cloned (attention.py)
+    grouped = config.num_query_groups != config.num_attention_heads
+    new_q, new_k = grouped or rotated or config.qk_layernorm, rotated or config.qk_layernorm
+    copies = (q * grouped + (kv if new_q and not new_k else 0) + (kv if new_q or new_k else 0)) * tokens
+    traffic.move("torch", 2 * e * copies, 0.0)
+    traffic.call("aten", grouped + (new_q and not new_k) + (new_q or new_k), 0)
+    # autograd assembles the QKV gradient from its slices: three zeroed full-size gradients
+    # written with one slice each, read with the slice gradients, summed by two adds
+    traffic.move("torch", 0.0, 10 * e * tokens * (q + 2 * kv))
+    traffic.call("aten", 0, 5)
+    activation(traffic, workload, layout, tokens, moe_layer)
+    return traffic
+
+
+def activation(traffic: Traffic, workload: Workload, layout: Layout, tokens: float, moe_layer: bool) -> None:
+    """The MLP's activation (MoE: the routed tokens' and the shared expert's) and MoE routing."""
+    config, t, e = workload.config, layout.tp, workload.activation_bytes
+    widths = [(tokens, config.ffn_hidden_size)]
+    if moe_layer:
+        moe = config.moe
+        widths = [(tokens * moe.router_topk, moe.ffn_hidden_size)]
+        if moe.shared_expert_intermediate_size:
+            widths.append((tokens, moe.shared_expert_intermediate_size))
+        # router scores and top-k, and each routed token's hidden state permuted there and back
+        traffic.move("torch", e * (3 * tokens * moe.num_experts + 4 * tokens * moe.router_topk * config.hidden_size),
+                     e * 4 * tokens * moe.router_topk * config.hidden_size)
+        traffic.call("aten", 12, 12)
+    for rows, width in widths:
+        unit = rows * width / t * e
+        if config.activation == "swiglu":
+            traffic.fused_or_reference(fused(workload, "swiglu"), "swiglu", "swiglu", unit)
+        elif config.activation == "squared_relu":  # relu and square, plain torch
+            traffic.move("torch", 4 * unit, 6 * unit)
+            traffic.call("aten", 2, 4)
+        else:
+            traffic.fused_or_reference(fused(workload, "bias_gelu"), "bias_gelu", "bias_gelu", unit)
+
+
+def attention_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float) -> tuple[float, float, float]:
+    """(forward, backward, backward auxiliary) seconds of the flash kernel for one layer on one
+    rank: the causal FLOPs at the measured fraction of the peak, the auxiliary kernels at the
+    torch rate."""
+    config, t, e = workload.config, layout.tp, workload.activation_bytes
+    d, heads, groups = config.kv_channels, config.num_attention_heads / t, config.num_query_groups / t
+    keys = workload.seq_length  # with CP each rank's queries meet every earlier key: 1/cp of the causal work
+    forward_flops = 4 * tokens * keys * heads * d / 2
+    rate = cluster.peak_flops * cluster.kernels.attention
+    q_bytes, k_bytes = tokens * heads * d * e, tokens * groups * d * e
+    aux = 7 * q_bytes + (2 * q_bytes + 2 * k_bytes if groups != heads else 0.0)
+    return forward_flops / rate, 2.5 * forward_flops / rate, aux / cluster.kernels.rate("torch")
+
+
+def host_bound(gpu_f: float, gpu_b: float, host_f: float, host_b: float) -> tuple[float, float]:
+    """(forward, backward) seconds the GPU waits for the host: the forward starts from an empty
+    queue; the backward gets the lead the host built during the forward."""
+    forward = max(gpu_f, host_f)
+    backward = max(gpu_b, host_f + host_b - forward)
+    return forward - gpu_f, backward - gpu_b
+
+
+def measured_layer(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, moe_layer: bool,
+                   gemms: tuple, accumulate_bytes: float, score_elements: float) -> ChunkTimes:
+    """One layer's compute on a measured GPU: matmul (gemms: the forward's dense GEMM seconds,
+    the attention core's by the roofline, the number of dense GEMMs), attention, memory-bound
+    kernels, host-bound waits; recompute as layout.recompute says. Without a flash kernel the
+    attention core is the roofline's and its softmax and dropout (`score_elements`) torch work."""
+    dense, core, dense_gemms = gemms
+    traffic = layer_traffic(workload, layout, tokens, moe_layer)
+    traffic.move("torch", 0.0, accumulate_bytes)
+    traffic.call("aten", dense_gemms + 1, 2 * dense_gemms + 1)  # the GEMMs and the attention kernel
+    traffic.call("aten", 0, accumulate_params(workload))
+    full, selective = layout.recompute == "full", layout.recompute == "selective"
+    if workload.flash_attention:
+        attn_f, attn_b, aux = attention_seconds(cluster, workload, layout, tokens)
+    else:
+        scores = score_elements * workload.activation_bytes
+        traffic.move("torch", scores, 2 * scores)
+        attn_f, attn_b, aux = core, 2 * core, scores / cluster.kernels.rate("torch") if selective else 0.0
+    gpu_f, gpu_b, host_f, host_b = traffic.seconds(cluster)
+    times = ChunkTimes()
+    times.add("matmul", dense, 2 * dense + (dense if full else 0.0))
+    times.weight += dense
+    times.add("attention", attn_f, attn_b + (attn_f if full or selective else 0.0))
+    times.add("memory-bound", gpu_f, gpu_b + aux + (gpu_f if full else 0.0))
+    compute_f, compute_b = dense + attn_f + gpu_f, 2 * dense + attn_b + aux + gpu_b
+    if full:
+        compute_b, host_b = compute_b + compute_f, host_b + host_f
+    wait_f, wait_b = host_bound(compute_f, compute_b, host_f, host_b)
+    times.add("operators", wait_f, wait_b)
+    return times
+
+
+def accumulate_params(workload: Workload) -> int:
+    """Parameter tensors of a layer (one gradient accumulation each)."""
+    config = workload.config
+    tensors = 4 + 2 + (2 if config.qk_layernorm else 0)  # QKV, proj, fc1, fc2, two norms
+    if config.add_bias_linear:
+        tensors += 4
+    if config.normalization == "LayerNorm":
+        tensors += 2
+    return tensors
+
+
+def output_traffic(workload: Workload, layout: Layout, tokens: float, vocab: float) -> Traffic:
+    """The final norm and the cross-entropy over `vocab` columns of the logits on this rank."""
+    config, e = workload.config, workload.activation_bytes
+    traffic = Traffic()
+    split = layout.tp if layout.sequence_parallel else 1
+    _norms(traffic, workload, tokens * config.hidden_size / split, 1)
+    logits = tokens * vocab
+    if fused(workload, "cross_entropy"):
+        traffic.move("cross_entropy", e * logits, 2 * e * logits)
+        traffic.call("cross_entropy", 1, 1)
+    else:
+        traffic.move("torch", (e + 28) * logits, (4 * e + 48) * logits)
+        chunks = -(-tokens // max(1, CE_CHUNK_ELEMENTS // vocab))
+        traffic.call("aten", CE_TORCH_OPS[0] * chunks, CE_TORCH_OPS[1] * chunks)
+    return traffic
+
+
+def embedding_traffic(workload: Workload, layout: Layout, tokens: float, vocab: float) -> Traffic:
+    """The lookup (and the embedding dropout), and the dense gradient of the table."""
+    config, e = workload.config, workload.activation_bytes
+    h = config.hidden_size
+    traffic = Traffic()
+    traffic.move("torch", 2 * e * tokens * h, e * (tokens * h + vocab * h))
+    traffic.call("aten", 1, 1)
+    if config.hidden_dropout > 0:
+        traffic.move("torch", (2 * e + 1) * tokens * h, (2 * e + 1) * tokens * h)
+        traffic.call("aten", 1, 1)
+    return traffic
+
+
+def optimizer_seconds(cluster: Cluster, workload: Workload, updated: float, held: float) -> float:
+    """The optimizer step over `updated` parameters (this rank's shard) of the `held` this rank
+    keeps gradient buffers for."""
+    rates = cluster.kernels
+    sixteen = workload.precision != "fp32"
+    passes = 4 + 8 + 28  # gradient norm, clipping, fused AdamW (fp32 main values, gradient, m, v)
+    copies = (4 + workload.activation_bytes) * updated if sixteen else 0.0
+    return passes * updated / rates.rate("optimizer") + (copies + 4 * held) / rates.rate("torch")
+
+
+def output_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, vocab: float,
+                   accumulate_bytes: float) -> ChunkTimes:
+    config = workload.config
+    times = ChunkTimes()
+    gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, workload.activation_bytes)
+    times.add("matmul", gemm, 2 * gemm)
+    times.weight += gemm
+    traffic = output_traffic(workload, layout, tokens, vocab)
+    traffic.move("torch", 0.0, accumulate_bytes)
+    traffic.call("aten", 1, 2)
+    gpu_f, gpu_b, host_f, host_b = traffic.seconds(cluster)
+    times.add("memory-bound", gpu_f, gpu_b)
+    times.add("operators", *host_bound(gemm + gpu_f, 2 * gemm + gpu_b, host_f, host_b))
+    return times
+
+
+def embedding_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, vocab: float,
+                      accumulate_bytes: float) -> ChunkTimes:
+    traffic = embedding_traffic(workload, layout, tokens, vocab)
+    traffic.move("torch", 0.0, accumulate_bytes)
+    gpu_f, gpu_b, _, _ = traffic.seconds(cluster)
+    times = ChunkTimes()
+    times.add("memory-bound", gpu_f, gpu_b)
+    return times
