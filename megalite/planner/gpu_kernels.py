@@ -121,9 +121,10 @@ def layer_traffic(workload: Workload, layout: Layout, tokens: float, moe_layer: 
         _norms(traffic, workload, tokens * q, 1)
         _norms(traffic, workload, tokens * kv, 1)
     if rotated:
-        op = "rotary"
-        traffic.fused_or_reference(fused(workload, op), op, "rotary", tokens * q * e)
-        traffic.fused_or_reference(fused(workload, op), op, "rotary", tokens * kv * e)
+        tables = 2 * 2 * workload.seq_length * d * 4  # each call reads the fp32 cos and sin tables
+        for width in (q, kv):
+            traffic.fused_or_reference(fused(workload, "rotary"), "rotary", "rotary", tokens * width * e)
+            traffic.move("rotary" if fused(workload, "rotary") else "torch", tables / 2, tables / 2)
     # q, k, v are views of the fused QKV output; a grouped q is copied by its reshape, and when
     # any of them is a new tensor the views among the others are cloned (attention.py)
     grouped = config.num_query_groups != config.num_attention_heads
@@ -135,6 +136,9 @@ def layer_traffic(workload: Workload, layout: Layout, tokens: float, moe_layer: 
     # written with one slice each, read with the slice gradients, summed by two adds
     traffic.move("torch", 0.0, 10 * e * tokens * (q + 2 * kv))
     traffic.call("aten", 0, 5)
+    if config.add_bias_linear:  # the row-parallel biases added after the reduction; bias gradients
+        traffic.move("torch", 2 * 2 * e * tokens * h / split, e * tokens * (q + 2 * kv + 2 * h / split))
+        traffic.call("aten", 2, 3)
     activation(traffic, workload, layout, tokens, moe_layer)
     return traffic
 
@@ -246,12 +250,19 @@ def output_traffic(workload: Workload, layout: Layout, tokens: float, vocab: flo
 
 
 def embedding_traffic(workload: Workload, layout: Layout, tokens: float, vocab: float) -> Traffic:
-    """The lookup (and the embedding dropout), and the dense gradient of the table."""
+    """The lookup (and the embedding dropout), and the dense gradient of the table; a table the
+    output layer shares on this stage gets two gradients, which autograd adds."""
     config, e = workload.config, workload.activation_bytes
     h = config.hidden_size
     traffic = Traffic()
     traffic.move("torch", 2 * e * tokens * h, e * (tokens * h + vocab * h))
     traffic.call("aten", 1, 1)
+    if not config.untie_embeddings_and_output_weights and layout.pp == 1 and layout.vp == 1:
+        traffic.move("torch", 0.0, 3 * e * vocab * h)
+        traffic.call("aten", 0, 1)
+    if config.position_embedding_type == "learned_absolute":  # the position lookup, added
+        traffic.move("torch", 5 * e * tokens * h, e * (tokens * h + workload.seq_length * h))
+        traffic.call("aten", 2, 1)
     if config.hidden_dropout > 0:
         traffic.move("torch", (2 * e + 1) * tokens * h, (2 * e + 1) * tokens * h)
         traffic.call("aten", 1, 1)
@@ -292,3 +303,36 @@ def embedding_seconds(cluster: Cluster, workload: Workload, layout: Layout, toke
     times = ChunkTimes()
     times.add("memory-bound", gpu_f, gpu_b)
     return times
+
+
+def step_traffic(workload: Workload, layout: Layout) -> dict:
+    """{kernel class: [forward bytes, backward bytes]} of one step of a one-stage layout (pp = 1)
+    on one rank, the optimizer aside: what a profile's kernel times are divided by to measure
+    the classes' rates (tools/benchmarks/gpu_check_report.py) and what the tests recount."""
+    from megalite.planner.compute import accumulation_bytes
+    from megalite.planner.parameters import layer_parameters
+
+    if layout.pp != 1:
+        raise ValueError("step_traffic: one pipeline stage only")
+    config = workload.config
+    tokens = layout.micro_batch_size * workload.seq_length / layout.cp
+    vocab = config.padded_vocab_size(layout.tp) / layout.tp
+    total = Traffic()
+    for layer in range(config.num_layers):
+        moe = config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers)
+        piece = layer_traffic(workload, layout, tokens, moe)
+        piece.move("torch", 0.0, accumulation_bytes(workload, sum(layer_parameters(config, layer, layout.tp, layout.ep))))
+        _add(total, piece)
+    _add(total, output_traffic(workload, layout, tokens, vocab))
+    _add(total, embedding_traffic(workload, layout, tokens, vocab))
+    tables = (1 + bool(config.untie_embeddings_and_output_weights)) * vocab * config.hidden_size
+    total.move("torch", 0.0, accumulation_bytes(workload, tables + config.hidden_size))  # and the final norm's
+    steps = layout.num_microbatches(workload.global_batch_size)
+    return {kind: [steps * pair[0], steps * pair[1]] for kind, pair in total.bytes.items()}
+
+
+def _add(total: Traffic, piece: Traffic) -> None:
+    for kind, (forward, backward) in piece.bytes.items():
+        total.move(kind, forward, backward)
+    for op, (forward, backward) in piece.calls.items():
+        total.call(op, forward, backward)
