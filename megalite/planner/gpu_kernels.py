@@ -28,9 +28,12 @@ gradient norm, clipping (Megatron's default --clip-grad 1.0 clips a young model'
 and fused AdamW at the `optimizer` rate, the copy of the fp32 main parameters into the 16-bit
 ones and the zeroing of the gradient buffers at the torch rate.
 
-Updating the constants: run `bash tools/benchmarks/gpu_check.sh` on the GPU; its
-kernel_rates.json (from the profiled step) is what `plan.py --kernel-rates FILE` reads, and the
-numbers to carry into cluster.py's ISSUE23_PROFILE-style table when they should become a preset.
+Updating the constants: `bash tools/benchmarks/gpu_check.sh` on the GPU profiles one step of
+the 1.1B run and writes kernel_rates.json beside its table (each class's kernel time over this
+module's count for it; gpu_check_report.py), which `plan.py --kernel-rates kernel_rates.json`
+reads as it is. To make a new measurement the preset, carry the profile's seconds per class
+(gpu_check_logs/profile.json) and bench_kernels' copy bandwidth into cluster.py's
+ISSUE23_PROFILE-style table, with the date, the GPU and the versions.
 """
 
 from megalite.planner.cluster import Cluster

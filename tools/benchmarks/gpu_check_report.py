@@ -131,8 +131,12 @@ def parse_steps(logs: Path) -> list[dict]:
 
 
 def junit_summary(path: Path) -> str:
+    """Passed, failed and skipped tests of a --junitxml file (a run killed before writing it: the
+    last line of its log)."""
     if not path.exists():
-        return "no result file"
+        log = path.with_suffix(".log")
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+        return f"no result file; the log ends: {tail[-1].strip()[:200]}" if tail else "no result file"
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
