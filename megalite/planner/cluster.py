@@ -29,6 +29,17 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 
+def read_json(path: str, flag: str):
+    """The JSON in file `path` given to `flag`; a ValueError in one line when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 GIB = 2 ** 30
@@ -101,13 +112,7 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str) -> "Cluster":
-        try:
-            with open(path, encoding="utf-8") as handle:
-                values = json.load(handle)
-        except OSError as error:
-            raise ValueError(f"--cluster {path}: cannot read it ({error.strerror})") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--cluster {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+        values = read_json(path, "--cluster")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -241,13 +246,7 @@ class KernelRates:
     def load(cls, path: str) -> "KernelRates":
         """The rates in a JSON file: gpu_check.sh's kernel_rates.json (its "kernels" object) or
         these fields at the top level."""
-        try:
-            with open(path, encoding="utf-8") as handle:
-                values = json.load(handle)
-        except OSError as error:
-            raise ValueError(f"--kernel-rates {path}: cannot read it ({error.strerror})") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--kernel-rates {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+        values = read_json(path, "--kernel-rates")
         if not isinstance(values, dict):
             raise ValueError(f"--kernel-rates {path}: expected a JSON object")
         return cls.from_dict(values.get("kernels", values), f"--kernel-rates {path}")

@@ -2,6 +2,9 @@
 operator overhead, and the tensor-, context- and expert-parallel communication that cannot
 overlap them.
 
+On a cluster whose kernels were measured (cluster.kernels: the h100 and h200 presets), the
+attention core, the memory-bound kernels and the host's waits are gpu_kernels.py's; otherwise:
+
 Matmuls: each GEMM takes max(FLOPs / (peak x matmul efficiency), bytes / memory bandwidth) (a
 roofline), with FLOPs counted as formulas.md counts them (2 per multiply-add, attention
 non-causal); the backward is twice the forward (input and weight gradients). Memory-bound
@@ -27,6 +30,8 @@ from functools import lru_cache
 
 from megalite.parallel.expert.groups import ExpertLayout
 from megalite.planner.cluster import Cluster
+from megalite.planner.gpu_kernels import (accumulation_bytes, attention_seconds, embedding_seconds, measured_layer,
+                                          output_seconds)
 from megalite.planner.layouts import Layout
 from megalite.planner.parameters import layer_parameters
 from megalite.planner.workload import Workload
@@ -48,6 +53,14 @@ class ChunkTimes:
         self.backward += backward
         self.parts[kind] = self.parts.get(kind, 0.0) + forward + backward
 
+    @classmethod
+    def of(cls, parts: list, weight: float = 0.0) -> "ChunkTimes":
+        """From [(kind, forward, backward)] and the weight-gradient GEMMs' seconds."""
+        times = cls(weight=weight)
+        for kind, forward, backward in parts:
+            times.add(kind, forward, backward)
+        return times
+
     def __iadd__(self, other: "ChunkTimes") -> "ChunkTimes":
         self.forward += other.forward
         self.backward += other.backward
@@ -55,12 +68,6 @@ class ChunkTimes:
         for kind, value in other.parts.items():
             self.parts[kind] = self.parts.get(kind, 0.0) + value
         return self
-
-
-def accumulation_bytes(workload: Workload, num_params: float) -> float:
-    """Bytes of adding one micro-batch's weight gradients into the main-gradient buffers."""
-    weight, grad = (4, 4) if workload.precision == "fp32" else (2, 2) if workload.precision == "fp16" else (2, 4)
-    return num_params * (weight + 2 * grad)
 
 
 def accumulation_time(cluster: Cluster, workload: Workload, num_params: float) -> float:
@@ -197,10 +204,9 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     dense, core = _layer_gemms(cluster, workload, layout, tokens, moe_layer)
     accumulate = accumulation_bytes(workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
     if cluster.kernels is not None:
-        from megalite.planner.gpu_kernels import attention_seconds, measured_layer
         count = sum(1 for *_, kind in layer_gemms(workload, layout, tokens, moe_layer) if kind != "core")
-        times = measured_layer(cluster, workload, layout, tokens, moe_layer, (dense, core, count), accumulate,
-                               _score_elements(workload, layout, tokens))
+        times = ChunkTimes.of(*measured_layer(cluster, workload, layout, tokens, moe_layer, (dense, core, count),
+                                              accumulate, _score_elements(workload, layout, tokens)))
         if workload.flash_attention:
             core = attention_seconds(cluster, workload, layout, tokens)[0]
     else:
@@ -238,9 +244,8 @@ def embedding_times(cluster: Cluster, workload: Workload, layout: Layout) -> Chu
     activation = tokens * workload.config.hidden_size * workload.activation_bytes
     vocab = workload.config.padded_vocab_size(layout.tp) // layout.tp * workload.config.hidden_size
     if cluster.kernels is not None:
-        from megalite.planner.gpu_kernels import embedding_seconds
-        times = embedding_seconds(cluster, workload, layout, tokens, vocab / workload.config.hidden_size,
-                                  accumulation_bytes(workload, vocab))
+        times = ChunkTimes.of(embedding_seconds(cluster, workload, layout, tokens, vocab / workload.config.hidden_size,
+                                                accumulation_bytes(workload, vocab)))
     else:
         times = ChunkTimes()
         lookup = 2 * activation / cluster.memory_bandwidth
@@ -258,14 +263,12 @@ def output_times(cluster: Cluster, workload: Workload, layout: Layout) -> ChunkT
     vocab = config.padded_vocab_size(t) / t
     untied = config.untie_embeddings_and_output_weights or layout.pp > 1 or layout.vp > 1
     accumulate = accumulation_bytes(workload, vocab * config.hidden_size) if untied else 0.0
+    gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, e)
     if cluster.kernels is not None:
-        from megalite.planner.gpu_kernels import output_seconds
-        times = output_seconds(cluster, workload, layout, tokens, vocab, accumulate)
+        times = ChunkTimes.of(output_seconds(cluster, workload, layout, tokens, vocab, accumulate, gemm), gemm)
     else:
-        times = ChunkTimes()
-        gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, e)
+        times = ChunkTimes(weight=gemm)
         times.add("matmul", gemm, 2 * gemm)
-        times.weight += gemm
         loss = (4 * tokens * vocab + 4 * tokens * config.hidden_size) * 4 / cluster.memory_bandwidth  # fp32 loss
         times.add("memory-bound", loss, 2 * loss + accumulate / cluster.memory_bandwidth)
     if t > 1:

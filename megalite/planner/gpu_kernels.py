@@ -37,8 +37,8 @@ ISSUE23_PROFILE-style table, with the date, the GPU and the versions.
 """
 
 from megalite.planner.cluster import Cluster
-from megalite.planner.compute import ChunkTimes, gemm_time
 from megalite.planner.layouts import Layout
+from megalite.planner.parameters import layer_parameters
 from megalite.planner.workload import Workload
 
 # Bytes a torch reference moves, in units of its output's size (swiglu: the activation's, half
@@ -193,11 +193,12 @@ def host_bound(gpu_f: float, gpu_b: float, host_f: float, host_b: float) -> tupl
 
 
 def measured_layer(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, moe_layer: bool,
-                   gemms: tuple, accumulate_bytes: float, score_elements: float) -> ChunkTimes:
+                   gemms: tuple, accumulate_bytes: float, score_elements: float) -> tuple[list, float]:
     """One layer's compute on a measured GPU: matmul (gemms: the forward's dense GEMM seconds,
     the attention core's by the roofline, the number of dense GEMMs), attention, memory-bound
     kernels, host-bound waits; recompute as layout.recompute says. Without a flash kernel the
-    attention core is the roofline's and its softmax and dropout (`score_elements`) torch work."""
+    attention core is the roofline's and its softmax and dropout (`score_elements`) torch work.
+    Returns ([(part, forward s, backward s)], the weight-gradient GEMMs' s)."""
     dense, core, dense_gemms = gemms
     traffic = layer_traffic(workload, layout, tokens, moe_layer)
     traffic.move("torch", 0.0, accumulate_bytes)
@@ -211,17 +212,13 @@ def measured_layer(cluster: Cluster, workload: Workload, layout: Layout, tokens:
         traffic.move("torch", scores, 2 * scores)
         attn_f, attn_b, aux = core, 2 * core, scores / cluster.kernels.rate("torch") if selective else 0.0
     gpu_f, gpu_b, host_f, host_b = traffic.seconds(cluster)
-    times = ChunkTimes()
-    times.add("matmul", dense, 2 * dense + (dense if full else 0.0))
-    times.weight += dense
-    times.add("attention", attn_f, attn_b + (attn_f if full or selective else 0.0))
-    times.add("memory-bound", gpu_f, gpu_b + aux + (gpu_f if full else 0.0))
+    parts = [("matmul", dense, 2 * dense + (dense if full else 0.0)),
+             ("attention", attn_f, attn_b + (attn_f if full or selective else 0.0)),
+             ("memory-bound", gpu_f, gpu_b + aux + (gpu_f if full else 0.0))]
     compute_f, compute_b = dense + attn_f + gpu_f, 2 * dense + attn_b + aux + gpu_b
     if full:
         compute_b, host_b = compute_b + compute_f, host_b + host_f
-    wait_f, wait_b = host_bound(compute_f, compute_b, host_f, host_b)
-    times.add("operators", wait_f, wait_b)
-    return times
+    return parts + [("operators", *host_bound(compute_f, compute_b, host_f, host_b))], dense
 
 
 def accumulate_params(workload: Workload) -> int:
@@ -283,38 +280,35 @@ def optimizer_seconds(cluster: Cluster, workload: Workload, updated: float, held
 
 
 def output_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, vocab: float,
-                   accumulate_bytes: float) -> ChunkTimes:
-    config = workload.config
-    times = ChunkTimes()
-    gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, workload.activation_bytes)
-    times.add("matmul", gemm, 2 * gemm)
-    times.weight += gemm
+                   accumulate_bytes: float, gemm: float) -> list:
+    """[(part, forward s, backward s)] of the final norm, the output GEMM (`gemm` s forward) and
+    the cross-entropy."""
     traffic = output_traffic(workload, layout, tokens, vocab)
     traffic.move("torch", 0.0, accumulate_bytes)
     traffic.call("aten", 1, 2)
     gpu_f, gpu_b, host_f, host_b = traffic.seconds(cluster)
-    times.add("memory-bound", gpu_f, gpu_b)
-    times.add("operators", *host_bound(gemm + gpu_f, 2 * gemm + gpu_b, host_f, host_b))
-    return times
+    return [("matmul", gemm, 2 * gemm), ("memory-bound", gpu_f, gpu_b),
+            ("operators", *host_bound(gemm + gpu_f, 2 * gemm + gpu_b, host_f, host_b))]
 
 
 def embedding_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, vocab: float,
-                      accumulate_bytes: float) -> ChunkTimes:
+                      accumulate_bytes: float) -> list:
     traffic = embedding_traffic(workload, layout, tokens, vocab)
     traffic.move("torch", 0.0, accumulate_bytes)
     gpu_f, gpu_b, _, _ = traffic.seconds(cluster)
-    times = ChunkTimes()
-    times.add("memory-bound", gpu_f, gpu_b)
-    return times
+    return [("memory-bound", gpu_f, gpu_b)]
+
+
+def accumulation_bytes(workload: Workload, num_params: float) -> float:
+    """Bytes of adding one micro-batch's weight gradients into the main-gradient buffers."""
+    weight, grad = (4, 4) if workload.precision == "fp32" else (2, 2) if workload.precision == "fp16" else (2, 4)
+    return num_params * (weight + 2 * grad)
 
 
 def step_traffic(workload: Workload, layout: Layout) -> dict:
     """{kernel class: [forward bytes, backward bytes]} of one step of a one-stage layout (pp = 1)
     on one rank, the optimizer aside: what a profile's kernel times are divided by to measure
     the classes' rates (tools/benchmarks/gpu_check_report.py) and what the tests recount."""
-    from megalite.planner.compute import accumulation_bytes
-    from megalite.planner.parameters import layer_parameters
-
     if layout.pp != 1:
         raise ValueError("step_traffic: one pipeline stage only")
     config = workload.config
