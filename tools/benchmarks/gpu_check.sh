@@ -25,8 +25,9 @@
 # Each step runs under `timeout` with its budget (a step that fails or times out is reported and
 # the script goes on); the table ends the output and goes to --out (default $OUT/gpu_check.md
 # when $OUT is set, else ./gpu_check.md), the logs to gpu_check_logs/ beside it. Budgets in
-# seconds, overridable: BUDGET_TESTS=150 BUDGET_KERNELS=60 BUDGET_RUN=60 (each driver run)
-# BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60; bench_model gets what is left of --budget (480).
+# seconds, overridable: BUDGET_TESTS=150 BUDGET_KERNELS=60 BUDGET_RUN=60 (each driver run;
+# BUDGET_RUN_1B=90 for the profiled one) BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
+# bench_model gets what is left of --budget (480): --only model gives it the whole budget.
 # Without a GPU it says so and exits 0. Runs from any directory; python is $PYTHON or python3.
 set -uo pipefail
 
@@ -173,7 +174,8 @@ if wants drivers; then
       fi
     fi
     # shellcheck disable=SC2086
-    step "run-$name" "$(budget "${BUDGET_RUN:-60}")" "$PY" -m megalite.pretrain_gpt ${MODEL[$name]} ${LAYOUT[$name]} \
+    want=${BUDGET_RUN:-60}; [ "$name" = 1b ] && want=${BUDGET_RUN_1B:-90}
+    step "run-$name" "$(budget "$want")" "$PY" -m megalite.pretrain_gpt ${MODEL[$name]} ${LAYOUT[$name]} \
       --mock-data --lr 1e-4 --train-iters "$ITERS" --log-interval 1 --eval-iters 0 \
       --metrics-file "$LOGS/run-$name.jsonl" "${extra[@]}"
   done
