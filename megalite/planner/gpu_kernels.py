@@ -49,7 +49,6 @@ from megalite.planner.workload import Workload
 REFERENCE = {"rms_norm": (18, 48, 9, 16), "layer_norm": (10, 12, 8, 5), "swiglu": (19, 35, 5, 6),
              "bias_gelu": (14, 14, 7, 5), "rotary": (26, 26, 10, 7)}
 FUSED = {"rms_norm": (2, 3), "layer_norm": (2, 3), "swiglu": (3, 5), "bias_gelu": (2, 3), "rotary": (2, 2)}
-CE_TORCH_BYTES = (30, 56)  # per 16-bit logit, forward and backward (e = 2; general: e + 28, 4e + 48)
 CE_CHUNK_ELEMENTS = 1 << 24  # cross_entropy_torch.TORCH_CHUNK_ELEMENTS
 CE_TORCH_OPS = (10, 12)  # operators per chunk
 
@@ -210,7 +209,8 @@ def measured_layer(cluster: Cluster, workload: Workload, layout: Layout, tokens:
     else:
         scores = score_elements * workload.activation_bytes
         traffic.move("torch", scores, 2 * scores)
-        attn_f, attn_b, aux = core, 2 * core, scores / cluster.kernels.rate("torch") if selective else 0.0
+        redone = scores / cluster.kernels.rate("torch") if selective else 0.0  # the softmax again
+        attn_f, attn_b, aux = core, 2 * core, redone
     gpu_f, gpu_b, host_f, host_b = traffic.seconds(cluster)
     parts = [("matmul", dense, 2 * dense + (dense if full else 0.0)),
              ("attention", attn_f, attn_b + (attn_f if full or selective else 0.0)),
@@ -242,7 +242,8 @@ def output_traffic(workload: Workload, layout: Layout, tokens: float, vocab: flo
     if fused(workload, "cross_entropy"):
         traffic.move("cross_entropy", e * logits, 2 * e * logits)
         traffic.call("cross_entropy", 1, 1)
-    else:
+    else:  # cross_entropy_torch.py, per logit: to fp32, max, subtract, exp, sum; backward: to fp32,
+        # three subtractions, exp, scale, back to e, into the gradient (30 + 56 B at e = 2)
         traffic.move("torch", (e + 28) * logits, (4 * e + 48) * logits)
         chunks = -(-tokens // max(1, CE_CHUNK_ELEMENTS // vocab))
         traffic.call("aten", CE_TORCH_OPS[0] * chunks, CE_TORCH_OPS[1] * chunks)
