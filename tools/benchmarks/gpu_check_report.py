@@ -231,8 +231,11 @@ def profile_row(logs: Path) -> str:
         return "no GPU kernels in the trace (CPU run): kernel rates not measured"
     classes = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(summary["classes"].items(), key=lambda kv: -kv[1]))
     idle = summary["span"] - summary["busy"]
+    rates = logs.parent / "kernel_rates.json"
+    written = f"; rates: {rates.name} (measured: {', '.join(json.loads(rates.read_text())['measured'])})" \
+        if rates.exists() else ""
     return (f"{summary['kernels']} kernels; GPU busy {1e3 * summary['busy']:.1f} ms of {1e3 * summary['span']:.1f} ms "
-            f"(idle {1e3 * idle:.1f} ms); ms by class: {classes}")
+            f"(idle {1e3 * idle:.1f} ms); ms by class: {classes}{written}")
 
 
 def _version(package: str) -> str:
