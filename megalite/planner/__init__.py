@@ -9,6 +9,7 @@ schedule simulator, and print the best as ready `scripts/pretrain_gpt.sh` flags.
     layouts.py     the candidate layouts and their flags
     memory.py      predicted peak memory per rank (formulas.md)
     compute.py     per-micro-batch compute and tensor/context/expert-parallel communication
+    gpu_kernels.py the compute on a GPU whose kernels were measured: kernel classes, host waits
     step.py        one step: the schedule simulator, data-parallel traffic, the optimizer
     search.py      enumerate, filter, rank
     report.py      tables and launch flags

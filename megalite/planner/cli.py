@@ -7,17 +7,19 @@
         --seq-length 8192 --global-batch-size 512
     python tools/plan.py --calibrate cpu8.json --world-size 8        # measure this machine
     python tools/plan.py --cluster cpu8.json -- --config model.yaml  # plan for it
+    python tools/plan.py --cluster h200 --kernel-rates kernel_rates.json -- ...  # gpu_check.sh's rates
 
 The model is given by pretrain_gpt's own flags after `--` (Megatron flags, or `--config` YAML)
-or by --hf-config; the cluster by a preset (a100, h100) with optional overrides, or by a JSON
-file --calibrate wrote.
+or by --hf-config; the cluster by a preset (a100, h100, h200) with optional overrides, or by a
+JSON file --calibrate wrote; on h100 and h200 megalite's kernels run at the rates measured on an
+H200 (megalite/planner/cluster.py), or at those of --kernel-rates.
 """
 
 import argparse
 import json
 import sys
 
-from megalite.planner.cluster import GIB, PRESETS, Cluster, preset
+from megalite.planner.cluster import GIB, PRESETS, Cluster, KernelRates, preset
 from megalite.planner.layouts import RECOMPUTE, Space
 from megalite.planner.report import finalists, table
 from megalite.planner.search import plan
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per device")
     cluster.add_argument("--intra-node-gbps", type=float, help="collective bus bandwidth in a node, GB/s per device")
     cluster.add_argument("--inter-node-gbps", type=float, help="network bandwidth per device across nodes, GB/s")
+    cluster.add_argument("--kernel-rates", metavar="FILE",
+                         help="megalite's kernels as measured on the GPU: the kernel_rates.json gpu_check.sh writes")
     search = parser.add_argument_group("search space (comma-separated lists; default: every valid value)")
     search.add_argument("--tp", type=_ints("--tp"))
     search.add_argument("--pp", type=_ints("--pp"))
@@ -92,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_cluster(args) -> Cluster:
+    cluster = _cluster(args)
+    if args.kernel_rates:
+        cluster = cluster.replace(kernels=KernelRates.load(args.kernel_rates))
+    return cluster
+
+
+def _cluster(args) -> Cluster:
     if args.cluster.endswith(".json"):
         cluster = Cluster.load(args.cluster)
         changes = {"num_gpus": args.num_gpus, "gpus_per_node": args.gpus_per_node}

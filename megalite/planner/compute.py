@@ -2,6 +2,9 @@
 operator overhead, and the tensor-, context- and expert-parallel communication that cannot
 overlap them.
 
+On a cluster whose kernels were measured (cluster.kernels: the h100 and h200 presets), the
+attention core, the memory-bound kernels and the host's waits are gpu_kernels.py's; otherwise:
+
 Matmuls: each GEMM takes max(FLOPs / (peak x matmul efficiency), bytes / memory bandwidth) (a
 roofline), with FLOPs counted as formulas.md counts them (2 per multiply-add, attention
 non-causal); the backward is twice the forward (input and weight gradients). Memory-bound
@@ -27,6 +30,8 @@ from functools import lru_cache
 
 from megalite.parallel.expert.groups import ExpertLayout
 from megalite.planner.cluster import Cluster
+from megalite.planner.gpu_kernels import (accumulation_bytes, attention_seconds, embedding_seconds, measured_layer,
+                                          output_seconds)
 from megalite.planner.layouts import Layout
 from megalite.planner.parameters import layer_parameters
 from megalite.planner.workload import Workload
@@ -48,6 +53,14 @@ class ChunkTimes:
         self.backward += backward
         self.parts[kind] = self.parts.get(kind, 0.0) + forward + backward
 
+    @classmethod
+    def of(cls, parts: list, weight: float = 0.0) -> "ChunkTimes":
+        """From [(kind, forward, backward)] and the weight-gradient GEMMs' seconds."""
+        times = cls(weight=weight)
+        for kind, forward, backward in parts:
+            times.add(kind, forward, backward)
+        return times
+
     def __iadd__(self, other: "ChunkTimes") -> "ChunkTimes":
         self.forward += other.forward
         self.backward += other.backward
@@ -59,8 +72,7 @@ class ChunkTimes:
 
 def accumulation_time(cluster: Cluster, workload: Workload, num_params: float) -> float:
     """Adding one micro-batch's weight gradients into the main-gradient buffers."""
-    weight, grad = (4, 4) if workload.precision == "fp32" else (2, 2) if workload.precision == "fp16" else (2, 4)
-    return num_params * (weight + 2 * grad) / cluster.memory_bandwidth
+    return accumulation_bytes(workload, num_params) / cluster.memory_bandwidth
 
 
 def gemm_time(cluster: Cluster, m: float, k: float, n: float, element: int, batch: float = 1) -> float:
@@ -162,6 +174,24 @@ def _tp_comm(cluster: Cluster, layout: Layout, activation_bytes: float, group) -
     return cluster.collective_time("all_reduce", activation_bytes, group)
 
 
+def _roofline_layer(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, moe_layer: bool,
+                    dense: float, core: float, accumulate: float, ops: tuple) -> ChunkTimes:
+    """A layer's compute by the roofline: GEMMs at the matmul rate, elementwise work at the
+    memory bandwidth, `ops` operators at cluster.op_overhead each."""
+    e = workload.activation_bytes
+    times = ChunkTimes()
+    elementwise = _elementwise_elements(workload, layout, tokens, moe_layer) * e / cluster.memory_bandwidth
+    overhead_f, overhead_b = ops[0] * cluster.op_overhead, ops[1] * cluster.op_overhead
+    times.add("matmul", dense + core, 2 * (dense + core) + (dense + core if layout.recompute == "full" else
+                                                            core if layout.recompute == "selective" else 0))
+    times.weight += dense + core
+    redone = {"none": 0.0, "full": elementwise,
+              "selective": _score_elements(workload, layout, tokens) * e / cluster.memory_bandwidth}[layout.recompute]
+    times.add("memory-bound", elementwise, 2 * elementwise + redone + accumulate)
+    times.add("operators", overhead_f, overhead_b + (overhead_f if layout.recompute == "full" else 0))
+    return times
+
+
 def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int, ops: tuple) -> ChunkTimes:
     """One transformer layer, one micro-batch, one rank. `ops` = (forward, backward) operators
     per layer (zeros where op overhead is not modelled)."""
@@ -172,16 +202,16 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     groups = groups_of(layout)
     times = ChunkTimes()
     dense, core = _layer_gemms(cluster, workload, layout, tokens, moe_layer)
-    elementwise = _elementwise_elements(workload, layout, tokens, moe_layer) * e / cluster.memory_bandwidth
-    overhead_f, overhead_b = ops[0] * cluster.op_overhead, ops[1] * cluster.op_overhead
-    times.add("matmul", dense + core, 2 * (dense + core) + (dense + core if layout.recompute == "full" else
-                                                            core if layout.recompute == "selective" else 0))
-    times.weight += dense + core
-    accumulate = accumulation_time(cluster, workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
-    redone = {"none": 0.0, "full": elementwise,
-              "selective": _score_elements(workload, layout, tokens) * e / cluster.memory_bandwidth}[layout.recompute]
-    times.add("memory-bound", elementwise, 2 * elementwise + redone + accumulate)
-    times.add("operators", overhead_f, overhead_b + (overhead_f if layout.recompute == "full" else 0))
+    accumulate = accumulation_bytes(workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
+    if cluster.kernels is not None:
+        count = sum(1 for *_, kind in layer_gemms(workload, layout, tokens, moe_layer) if kind != "core")
+        times = ChunkTimes.of(*measured_layer(cluster, workload, layout, tokens, moe_layer, (dense, core, count),
+                                              accumulate, _score_elements(workload, layout, tokens)))
+        if workload.flash_attention:
+            core = attention_seconds(cluster, workload, layout, tokens)[0]
+    else:
+        times = _roofline_layer(cluster, workload, layout, tokens, moe_layer, dense, core,
+                                accumulate / cluster.memory_bandwidth, ops)
     activation = tokens * config.hidden_size * e
     tp = 2 * _tp_comm(cluster, layout, activation, groups["tp"])
     regather = 0.0
@@ -213,9 +243,13 @@ def embedding_times(cluster: Cluster, workload: Workload, layout: Layout) -> Chu
     tokens = layout.micro_batch_size * workload.seq_length / layout.cp
     activation = tokens * workload.config.hidden_size * workload.activation_bytes
     vocab = workload.config.padded_vocab_size(layout.tp) // layout.tp * workload.config.hidden_size
-    times = ChunkTimes()
-    lookup = 2 * activation / cluster.memory_bandwidth
-    times.add("memory-bound", lookup, lookup + accumulation_time(cluster, workload, vocab))
+    if cluster.kernels is not None:
+        times = ChunkTimes.of(embedding_seconds(cluster, workload, layout, tokens, vocab / workload.config.hidden_size,
+                                                accumulation_bytes(workload, vocab)))
+    else:
+        times = ChunkTimes()
+        lookup = 2 * activation / cluster.memory_bandwidth
+        times.add("memory-bound", lookup, lookup + accumulation_time(cluster, workload, vocab))
     if layout.tp > 1:
         kind = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
         times.add("tensor-parallel", cluster.collective_time(kind, activation, groups_of(layout)["tp"]), 0.0)
@@ -227,14 +261,16 @@ def output_times(cluster: Cluster, workload: Workload, layout: Layout) -> ChunkT
     config, e, t = workload.config, workload.activation_bytes, layout.tp
     tokens = layout.micro_batch_size * workload.seq_length / layout.cp
     vocab = config.padded_vocab_size(t) / t
-    times = ChunkTimes()
-    gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, e)
-    times.add("matmul", gemm, 2 * gemm)
-    times.weight += gemm
-    loss = (4 * tokens * vocab + 4 * tokens * config.hidden_size) * 4 / cluster.memory_bandwidth  # fp32 loss
     untied = config.untie_embeddings_and_output_weights or layout.pp > 1 or layout.vp > 1
-    accumulate = accumulation_time(cluster, workload, vocab * config.hidden_size) if untied else 0.0
-    times.add("memory-bound", loss, 2 * loss + accumulate)
+    accumulate = accumulation_bytes(workload, vocab * config.hidden_size) if untied else 0.0
+    gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, e)
+    if cluster.kernels is not None:
+        times = ChunkTimes.of(output_seconds(cluster, workload, layout, tokens, vocab, accumulate, gemm), gemm)
+    else:
+        times = ChunkTimes(weight=gemm)
+        times.add("matmul", gemm, 2 * gemm)
+        loss = (4 * tokens * vocab + 4 * tokens * config.hidden_size) * 4 / cluster.memory_bandwidth  # fp32 loss
+        times.add("memory-bound", loss, 2 * loss + accumulate / cluster.memory_bandwidth)
     if t > 1:
         group = groups_of(layout)["tp"]
         activation = tokens * config.hidden_size * e

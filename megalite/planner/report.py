@@ -8,7 +8,7 @@ from megalite.planner.search import Plan
 from megalite.planner.step import PARTS, Prediction
 
 GIB = 2 ** 30
-_SHORT = {"matmul": "matmul", "memory-bound": "membound", "operators": "ops", "tensor-parallel": "TP",
+_SHORT = {"matmul": "matmul", "attention": "attn", "memory-bound": "membound", "operators": "ops", "tensor-parallel": "TP",
           "context-parallel": "CP", "expert-parallel": "EP", "pipeline bubble + p2p": "bubble+p2p", "shared cores": "cores",
           "data-parallel": "DP", "optimizer": "optim"}
 

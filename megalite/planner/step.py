@@ -32,9 +32,9 @@ from megalite.planner.parameters import rank_parameters
 from megalite.planner.workload import Workload
 from megalite.training.flops import flops_per_token
 
-PARTS = ("matmul", "memory-bound", "operators", "tensor-parallel", "context-parallel", "expert-parallel",
+PARTS = ("matmul", "attention", "memory-bound", "operators", "tensor-parallel", "context-parallel", "expert-parallel",
          "pipeline bubble + p2p", "shared cores", "data-parallel", "optimizer")
-COMPUTE_PARTS = ("matmul", "memory-bound", "operators")
+COMPUTE_PARTS = ("matmul", "attention", "memory-bound", "operators")
 
 
 @dataclass
@@ -178,9 +178,12 @@ def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) 
     dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
     shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     updated = dense / shards + expert / max(1, shards // layout.ep)
+    norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
+    if cluster.kernels is not None:
+        from megalite.planner.gpu_kernels import optimizer_seconds
+        return optimizer_seconds(cluster, workload, updated, dense + expert) + norm
     grad = state_bytes(workload.precision, 1, False, 1)[1]
     moved = updated * cluster.optimizer_bytes_per_parameter + 2 * (dense + expert) * grad
-    norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
     # about 20 operators: foreach AdamW's, the norm's, zeroing the buffers (host overhead on a CPU)
     return moved / cluster.memory_bandwidth + norm + 20 * cluster.op_overhead
 

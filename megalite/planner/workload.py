@@ -7,10 +7,10 @@ A model comes from megalite's own flag parsing (Megatron flags, or a YAML file t
 micro-batch size) are the planner's to choose: given among a model's flags they are refused.
 """
 
-import json
 from dataclasses import dataclass, field
 
 from megalite.model.config import GPTConfig
+from megalite.planner.cluster import read_json
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 # Options the planner chooses; a model's flags or YAML must leave them unset.
@@ -114,13 +114,7 @@ def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision
     from megalite.convert.hints import model_flags
     from megalite.checkpoint.hf_mapping import config_from_hf
 
-    try:
-        with open(path, encoding="utf-8") as handle:
-            hf = json.load(handle)
-    except OSError as error:
-        raise ValueError(f"--hf-config {path}: cannot read it ({error.strerror})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--hf-config {path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    hf = read_json(path, "--hf-config")
     try:
         config = config_from_hf(hf)
     except ValueError as error:

@@ -17,7 +17,7 @@ from megalite.planner.step import chunk_times, predict
 from megalite.training.flops import flops_per_token
 from tests.planner.models import GPT, LLAMA, MOE, workload
 
-H100 = preset("h100", 64)
+H100 = preset("h100", 64).replace(kernels=None)  # the roofline (compute.py); measured kernels: test_gpu_model.py
 
 
 def layout(tp=1, pp=1, dp=1, vp=1, cp=1, ep=1, mbs=1, sp=False, recompute="none", do=False):

@@ -1,0 +1,159 @@
+"""tools/benchmarks/gpu_check.sh without a GPU: it says so in one line; its --cpu-smoke mode runs
+every step at toy scale and ends with the table (slow: the whole run), a step over its budget is
+reported and the script goes on; and its reader (gpu_check_report.py) on made-up logs and
+traces: the kernel classes, the GPU's idle time, the kernel rates the planner reads."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.planner.cli import main as plan_main
+from megalite.planner.cluster import H200_KERNELS, KernelRates, preset
+from megalite.planner.gpu_kernels import attention_seconds, step_traffic
+from megalite.planner.layouts import Layout
+from megalite.planner.parameters import rank_parameters
+from megalite.planner.workload import from_flags
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools/benchmarks/gpu_check.sh"
+sys.path.insert(0, str(REPO / "tools/benchmarks"))
+import gpu_check_report as report  # noqa: E402
+
+ENV = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
+
+
+def run(*args, env=None, timeout=900):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
+                          env=dict(ENV, **(env or {})), timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script would measure it")
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    done = run("--out", str(tmp_path / "t.md"))
+    assert done.returncode == 0 and len(done.stdout.strip().splitlines()) == 1
+    assert "no CUDA GPU" in done.stdout and not (tmp_path / "t.md").exists()
+
+
+@pytest.mark.parametrize("args, message", [(["--frobnicate"], "unknown option --frobnicate"),
+                                           (["--only", "tests,bogus"], "unknown step bogus"),
+                                           (["--budget", "ten"], "--budget must be whole seconds")])
+def test_bad_options_are_one_line(args, message):
+    done = run(*args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_step_over_its_budget_is_reported_and_the_script_goes_on(tmp_path):
+    out = tmp_path / "check.md"
+    done = run("--cpu-smoke", "--only", "kernels", "--out", str(out), env={"BUDGET_KERNELS": "1"})
+    assert done.returncode == 0, done.stderr
+    table = out.read_text()
+    assert "| bench-kernels | timed out | " in table and done.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "torch " + torch.__version__ in table and "command: `bash tools/benchmarks/gpu_check.sh --cpu-smoke" in table
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_step(tmp_path):
+    out = tmp_path / "check.md"
+    done = run("--cpu-smoke", "--out", str(out), timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = out.read_text()
+    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "run-1b", "run-8b-layers", "run-1b-recompute",
+             "profile", "bench-model"]
+    for name in steps:
+        assert f"| {name} | ok |" in table, name
+    for name in ("1b", "8b-layers", "1b-recompute"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| run-{name} |"))
+        assert "ms/step" in row and "dry run n/a" not in row and "planner (h200) n/a" not in row, row
+    assert "1 passed" in table and "skipped" in table  # the smoke selection: a kernel file, the TP cases' skips
+
+
+def _kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_profile_summary_classes_and_idle_time(tmp_path):
+    trace = tmp_path / "t.json"
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+              _kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 10, 100),
+              _kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 110, 50),
+              _kernel("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>", 200, 80),
+              _kernel("void pytorch_flash::flash_bwd_convert_dq_kernel<>", 280, 10),
+              _kernel("_norm_bwd_kernel", 300, 20), _kernel("_swiglu_fwd_kernel", 320, 5),
+              _kernel("void at::native::vectorized_elementwise_kernel<4, AddFunctor>", 330, 10),
+              _kernel("void at::native::(anonymous)::multi_tensor_apply_kernel<>", 335, 15),  # overlaps the add
+              _kernel("_rotary_kernel", 400, 10)]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    summary = report.profile_summary(trace)
+    assert summary["kernels"] == 9
+    assert summary["classes"] == pytest.approx({"gemm": 100e-6, "attention forward": 50e-6, "attention backward": 80e-6,
+                                                "attention auxiliary": 10e-6, "norm": 20e-6, "swiglu": 5e-6,
+                                                "torch": 10e-6, "optimizer": 15e-6, "rotary": 10e-6})
+    assert summary["span"] == pytest.approx(410e-6)
+    assert summary["busy"] == pytest.approx((100 + 50 + 80 + 10 + 20 + 5 + 20 + 10) * 1e-6)  # the gap 160-200 idle
+
+
+def test_rates_invert_the_traffic_model():
+    """A profile whose class times are the planner's own predictions for the 1.1B run gives back
+    the preset's rates: the file gpu_check.sh writes means what cluster.py's constants mean."""
+    flags = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --group-query-attention --num-query-groups 8 "
+             "--ffn-hidden-size 8192 --swiglu --normalization RMSNorm --position-embedding-type rope "
+             "--disable-bias-linear --untie-embeddings-and-output-weights --seq-length 4096 --global-batch-size 4 "
+             "--bf16 --attention-backend flash --tokenizer-type NullTokenizer --vocab-size 32000").split()
+    workload = from_flags(flags)
+    layout = Layout(1, 1, 1, micro_batch_size=2, schedule="none")
+    cluster = preset("h200", 1)
+    k = cluster.kernels
+    traffic = step_traffic(workload, layout)
+    params = sum(rank_parameters(workload.config, 1, 1, 1, 0))
+    forward, backward, aux = attention_seconds(cluster, workload, layout, 8192)
+    torch_bytes = sum(traffic["torch"]) + 32 * aux * k.rate("torch") + params * 10
+    seconds = {kind: sum(traffic[kind]) / k.rate(kind) for kind in ("norm", "swiglu", "rotary")}
+    seconds.update({"torch": torch_bytes / k.rate("torch"), "optimizer": params * 40 / k.rate("optimizer"),
+                    "attention forward": 32 * forward, "attention backward": 32 * backward, "gemm": 0.13})
+    rates = report.measured_rates({"classes": seconds, "kernels": 1}, flags + ["--micro-batch-size", "2"], "h200",
+                                  k.copy_bandwidth)
+    assert rates["measured"] == ["attention", "norm", "optimizer", "rotary", "swiglu", "torch"]
+    for name in ("attention", "norm", "swiglu", "rotary", "torch", "optimizer"):
+        assert rates["kernels"][name] == pytest.approx(getattr(H200_KERNELS, name), rel=1e-9), name
+    assert KernelRates.from_dict(rates["kernels"], "test").cross_entropy == H200_KERNELS.cross_entropy
+
+
+def test_the_rates_file_feeds_the_planner(tmp_path, capsys):
+    flags = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --global-batch-size 4 --bf16 "
+             "--tokenizer-type NullTokenizer --vocab-size 1000 --normalization RMSNorm --swiglu "
+             "--position-embedding-type rope").split()
+    summary = {"classes": {"norm": 1e-3, "swiglu": 1e-3, "torch": 5e-3, "attention backward": 1e-3}, "kernels": 4}
+    rates = report.measured_rates(summary, flags + ["--micro-batch-size", "2"], "h100", 3e12)
+    path = tmp_path / "kernel_rates.json"
+    path.write_text(json.dumps(rates))
+    loaded = KernelRates.load(str(path))
+    assert loaded.copy_bandwidth == 3e12 and loaded.rotary == preset("h100", 1).kernels.rotary  # not run: preset's
+    assert rates["measured"] == ["attention", "norm", "swiglu", "torch"]
+    assert plan_main(["--cluster", "h100", "--num-gpus", "1", "--kernel-rates", str(path), "--", *flags]) == 0
+    assert "TP1 PP1 DP1" in capsys.readouterr().out
+
+
+def test_logs_are_summarised(tmp_path):
+    (tmp_path / "steps.tsv").write_text("tests-kernels\tok\t50\t112\nrun-1b\tfailed (exit 1)\t3\t60\n"
+                                        "dry-1b\tok\t9\t120\nplan-1b\ttimed out\t60\t60\n")
+    (tmp_path / "tests-kernels.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.kernels.test_norms" name="test_a"/>'
+        '<testcase classname="tests.kernels.test_norms" name="test_b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.kernels.test_norms" name="test_c"><skipped/></testcase></testsuite></testsuites>')
+    records = [{"iteration": i, "elapsed_ms_per_iteration": ms, "mfu": 0.4, "memory_mb": 100.0 + i,
+                "memory_kind": "cuda_max_allocated"} for i, ms in enumerate([900, 500, 300, 310, 305, 290, 999, 301], 1)]
+    (tmp_path / "run-1b.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "profiled.json").write_text('{"1b": 7}')
+    (tmp_path / "dry-1b.log").write_text('noise\n{"rank": 0, "pp_rank": 0, "peak": {}, "peak_total": 110100480}\n')
+    text = report.table(tmp_path, "bash gpu_check.sh", "NVIDIA H200", "h200")
+    assert "| tests-kernels | ok | 50 (112) | 1 passed, 1 failed, 1 skipped: test_norms::test_b |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| run-1b |"))
+    assert "measured 301.0 ms/step, MFU 40.0%, peak 108.0 MiB" in row  # median of iterations 3-6 and 8
+    assert "dry run 105.0 MiB (-2.8%)" in row and "planner (h200) n/a" in row
+    assert "| plan-1b | timed out | 60 (60) |" in text and "dry-1b" not in text.replace("dry run", "")
