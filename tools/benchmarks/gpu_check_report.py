@@ -74,7 +74,7 @@ def measured_rates(summary: dict, flags: list[str], cluster_name: str, copy: flo
     from megalite.planner.layouts import Layout
     from megalite.planner.parameters import rank_parameters
     from megalite.planner.workload import from_flags
-    from megalite.training.arguments import parse_args
+    from megalite.config.arguments import parse_args
 
     args = parse_args(flags)
     layout_flags = ("--micro-batch-size", "--use-distributed-optimizer", "--recompute-granularity",
