@@ -42,9 +42,11 @@ def _stage_table(layout, stages, reports, all_stages: bool) -> list[str]:
 
 
 def _over(stages, reports, gib: float) -> str:
-    """Which of the pipeline stages peak over `gib` GiB, e.g. 'stages 1-9, 9 of 16'."""
+    """On which of the pipeline stages the peak exceeds `gib` GiB, e.g. 'on stages 1-9 (9 of 16)'
+    ('' without pipeline parallelism)."""
+    total = sum(map(len, stages))
     over = sorted(s for group, r in zip(stages, reports) if r.peak_total > gib * GIB for s in group)
-    return f"{stage_name(over)}, {len(over)} of {sum(map(len, stages))}"
+    return f", on {stage_name(over)} ({len(over)} of {total})" if total > 1 else ""
 
 
 def verdict(stages, reports, gpu_memory_gib: float) -> str:
@@ -52,18 +54,18 @@ def verdict(stages, reports, gpu_memory_gib: float) -> str:
     a GPU of `gpu_memory_gib` GiB (TIGHT: over HEADROOM of it, under all of it)."""
     group, top = max(zip(stages, reports), key=lambda pair: pair[1].peak_total)
     peak, limit, room = top.peak_total / GIB, gpu_memory_gib, HEADROOM * gpu_memory_gib
-    head = (f"verdict: highest peak {peak:.2f} GiB ({top.peak_total / MIB:,.0f} MiB) on pipeline "
-            f"{stage_name(group)} (rank {top.rank} measured)")
+    where = f"pipeline {stage_name(group)} (rank {top.rank} measured)" if len(stages) > 1 else f"rank {top.rank}"
+    head = f"verdict: highest peak {peak:.2f} GiB ({top.peak_total / MIB:,.0f} MiB) on {where}"
     gpu = f"a GPU of {limit:g} GiB (--dry-run-gpu-memory-gib)"
-    headroom = (f"{HEADROOM:.0%} of it, {room:.2f} GiB, is what tensors may fill: the CUDA context, NCCL's buffers "
-                "and allocator fragmentation, which a dry run does not count, need the rest (tools/plan.py keeps "
-                "as much)")
+    fill = f"the {room:.2f} GiB ({HEADROOM:.0%}) that tensors may fill"
+    rest = (f"the other {1 - HEADROOM:.0%} is for the CUDA context, NCCL's buffers and allocator fragmentation, "
+            "which a dry run does not count, as tools/plan.py keeps")
     if peak > limit:
-        return f"{head}: DOES NOT FIT {gpu}, {peak - limit:.2f} GiB over (over it: {_over(stages, reports, limit)})"
+        return f"{head}: DOES NOT FIT {gpu}: {peak - limit:.2f} GiB over{_over(stages, reports, limit)}"
     if peak > room:
-        return (f"{head}: TIGHT: under {gpu} by {limit - peak:.2f} GiB, {peak - room:.2f} GiB over {headroom} "
-                f"(over {HEADROOM:.0%}: {_over(stages, reports, room)})")
-    return f"{head}: FITS {gpu} with {limit - peak:.2f} GiB to spare, {room - peak:.2f} GiB under {headroom}"
+        return (f"{head}: TIGHT: {limit - peak:.2f} GiB under {gpu} but {peak - room:.2f} GiB over {fill}"
+                f"{_over(stages, reports, room)}; {rest}")
+    return f"{head}: FITS {gpu}: {room - peak:.2f} GiB to spare under {fill}; {rest}"
 
 
 def format_report(args, layout, stages, reports) -> str:
