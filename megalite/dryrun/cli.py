@@ -1,8 +1,12 @@
 """`python -m megalite.pretrain_gpt --dry-run [the run's flags] --dry-run-world-size N`: one
-iteration of each distinct rank on a fake device, in this one process (see runner.py)."""
+iteration of a rank of each distinct pipeline stage (stages.py) on a fake device, in this one
+process (see runner.py); prints the tables and the verdict (report.py). Exits 0 once every
+stage is measured, whether or not the layout fits (the verdict line says it), 1 when an op
+mixes devices or dtypes, 2 on bad flags."""
 
 import math
 import sys
+import time
 
 import torch
 
@@ -10,17 +14,24 @@ from megalite.dryrun.fake_cuda import fake_cuda_ready, reexec_with_fake_cuda
 from megalite.dryrun.probes import MixedTensorsError
 from megalite.dryrun.report import format_report
 from megalite.dryrun.runner import run_rank
-from megalite.config.arguments import layout_from_args, validate_args
+from megalite.dryrun.stages import distinct_stages, every_stage, stage_name
+from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
 from megalite.config.arguments_megatron_model import tokenizer_from_args
 
 
-def distinct_ranks(layout, all_stages: bool) -> list[int]:
-    """TP rank 0, DP rank 0 of the first, a middle and the last pipeline stage (every stage
-    with all_stages): other TP, CP and DP ranks hold the same shapes (every EP rank as many
-    experts, and under the balanced-routing assumption as many tokens)."""
-    p = layout.pipeline
-    stages = range(p) if all_stages else sorted({0, p // 2, p - 1})
-    return [layout.rank_of(0, 0, s) for s in stages]
+def stages_to_measure(args, layout, vocab_size: int) -> list[list[int]]:
+    """Groups of pipeline ranks, one measured per group (its first): the distinct stages, or
+    with --dry-run-all-stages every stage alone."""
+    if args.dry_run_all_stages:
+        return every_stage(layout)
+    return distinct_stages(args, model_config_from_args(args, vocab_size), layout, args.dry_run_device)
+
+
+def measured_rank(layout, group: list[int]) -> int:
+    """TP rank 0, DP rank 0 of the group's first stage: other TP, CP and DP ranks hold the same
+    shapes (every EP rank as many experts, and under the balanced-routing assumption as many
+    tokens)."""
+    return layout.rank_of(0, 0, group[0])
 
 
 def default_world_size(args) -> int:
@@ -41,12 +52,18 @@ def run_dry(args, argv: list[str]) -> int:
     tokenizer = tokenizer_from_args(args)
     layout = layout_from_args(args, world)
     device = torch.device(args.dry_run_device)
+    stages = stages_to_measure(args, layout, tokenizer.vocab_size)
+    print(f"pretrain_gpt: dry run: measuring {len(stages)} of {layout.pipeline} pipeline stages", file=sys.stderr,
+          flush=True)
     reports = []
-    for rank in distinct_ranks(layout, args.dry_run_all_stages):
+    for group in stages:
+        rank, start = measured_rank(layout, group), time.perf_counter()
         try:
             reports.append(run_rank(args, tokenizer.vocab_size, rank, world, device))
         except MixedTensorsError as error:
             print(f"pretrain_gpt: dry run: rank {rank}: {error}", file=sys.stderr, flush=True)
             return 1
-    print(format_report(args, layout, reports), flush=True)
+        print(f"pretrain_gpt: dry run: {stage_name(group)} (rank {rank}) measured in "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    print(format_report(args, layout, stages, reports), flush=True)
     return 0

@@ -79,7 +79,6 @@ def verify(plan: Plan, count: int, dry_run=None) -> tuple[list, str]:
 
 
 def _child(argv: list[str]) -> int:
-    from megalite.dryrun.cli import distinct_ranks
     from megalite.dryrun.fake_cuda import fake_cuda_ready, reexec_with_fake_cuda
     from megalite.config.arguments import parse_args
 
@@ -89,6 +88,7 @@ def _child(argv: list[str]) -> int:
     import torch
 
     from megalite.dryrun.runner import run_rank
+    from megalite.dryrun.stages import first_middle_last
     from megalite.config.arguments import layout_from_args, validate_args
     from megalite.config.arguments_megatron_model import tokenizer_from_args
 
@@ -96,7 +96,7 @@ def _child(argv: list[str]) -> int:
     validate_args(args, world)
     tokenizer = tokenizer_from_args(args)
     layout = layout_from_args(args, world)
-    for rank in distinct_ranks(layout, False):
+    for rank in (layout.rank_of(0, 0, s) for s in first_middle_last(layout)):
         report = run_rank(args, tokenizer.vocab_size, rank, world, torch.device(args.dry_run_device))
         print(json.dumps({"rank": rank, "pp_rank": layout.coords(rank)[2], "peak": report.peak,
                           "peak_total": report.peak_total}), flush=True)

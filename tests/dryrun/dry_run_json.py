@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from megalite.dryrun.cli import distinct_ranks
+from megalite.dryrun.cli import measured_rank, stages_to_measure
 from megalite.dryrun.fake_cuda import exit_now
 from megalite.dryrun.runner import run_rank
 from megalite.config.arguments import layout_from_args, parse_args, validate_args
@@ -19,8 +19,8 @@ def reports(argv):
     validate_args(args, world)
     vocab = tokenizer_from_args(args).vocab_size
     layout = layout_from_args(args, world)
-    return [run_rank(args, vocab, r, world, torch.device(args.dry_run_device))
-            for r in distinct_ranks(layout, args.dry_run_all_stages)]
+    return [run_rank(args, vocab, measured_rank(layout, group), world, torch.device(args.dry_run_device))
+            for group in stages_to_measure(args, layout, vocab)]
 
 
 if __name__ == "__main__":

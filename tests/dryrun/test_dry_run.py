@@ -42,9 +42,12 @@ def test_dry_run_on_fake_cuda_prints_formula_bytes_per_rank():
     for h in held:
         numbers = [int(x.replace(",", "")) for x in h[5:]]
         assert numbers[:3] == numbers[3:] and min(numbers) > 0, h
-    peaks = re.findall(r"^\s+(\d+)\s+\(\d, \d, \d, \d\)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
-                       out.stdout, re.M)
-    assert len(peaks) == 2 and all(float(p[4]) > 0 for p in peaks), out.stdout  # activations
+    # one row per pipeline stage: stage, measured rank, layers per chunk, peak by category, total
+    peaks = re.findall(r"^\s+(\d)\s+(\d)\s+1\+1\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
+                       r"\s+yes$", out.stdout, re.M)
+    assert [p[:2] for p in peaks] == [("0", "0"), ("1", "4")], out.stdout
+    assert all(float(p[5]) > 0 for p in peaks), out.stdout  # activations
+    assert out.stdout.strip().splitlines()[-1].startswith("verdict: highest peak "), out.stdout
 
 
 def test_dry_run_bytes_held_and_moved_on_fake_cpu():
@@ -145,7 +148,8 @@ def test_planted_dtype_mismatch_is_named(monkeypatch, capsys):
     assert "mlp.linear_fc2" in err and "torch.bfloat16" in err and "torch.float32" in err, err
 
 
-@pytest.mark.parametrize("flag", [["--dry-run-world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"]])
+@pytest.mark.parametrize("flag", [["--dry-run-world-size", "8"], ["--dry-run-device", "cpu"], ["--dry-run-all-stages"],
+                                  ["--dry-run-gpu-memory-gib", "40"]])
 def test_dry_run_flags_need_dry_run(flag):
     from megalite.config.arguments import validate_args
 
@@ -153,6 +157,14 @@ def test_dry_run_flags_need_dry_run(flag):
     args = parse_args(base + flag)
     with pytest.raises(ValueError, match=re.escape(flag[0]) + ".*needs --dry-run"):
         validate_args(args, 8)
+
+
+@pytest.mark.parametrize("gib", ["0", "-1", "nan"])
+def test_gpu_memory_must_be_positive(gib):
+    from megalite.config.arguments import validate_args
+
+    with pytest.raises(ValueError, match=f"--dry-run-gpu-memory-gib must be positive, got {gib}"):
+        validate_args(parse_args(SMALL + ["--dry-run-gpu-memory-gib", gib]), 8)
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """Dry runs of Llama-3 8B (TP=1, TP=2 with SP), 70B (TP=8 PP=4 SP) and 405B (TP=8 PP=16, two
-virtual stages, SP) in bf16 with the distributed optimizer, at s = 8192, b = 1: pipeline stage 0's
-rank (the one holding the most activations), as `python -m megalite.pretrain_gpt --dry-run` runs
-it. Prints the README's table: held bytes beside formulas.md's, the peak of a steady iteration,
-and the most activations held at once beside Korthikanti et al.'s formula for the layers in
-flight (megalite/dryrun/formulas.py).
+virtual stages, SP) in bf16 with the distributed optimizer, at s = 8192, b = 1: a rank of every
+distinct pipeline stage, as `python -m megalite.pretrain_gpt --dry-run` measures them
+(megalite/dryrun/stages.py). Prints the README's table, a row per distinct stage: held bytes
+beside formulas.md's, the peak of a steady iteration, and the most activations held at once
+beside Korthikanti et al.'s formula for the layers in flight (megalite/dryrun/formulas.py); then
+each model's verdict against an 80 GiB GPU.
 
     python tools/benchmarks/dry_run_llama3.py [8b-tp1 8b-tp2 70b 405b]
 
@@ -42,9 +43,13 @@ RUNS = {
 }
 
 
-def run(name: str) -> str:
+def run(name: str) -> tuple[list[str], str]:
+    """The table's rows for model `name`, one per distinct pipeline stage, and its verdict."""
+    from megalite.dryrun.cli import measured_rank, stages_to_measure
+    from megalite.dryrun.report import verdict
     from megalite.dryrun.runner import run_rank
-    from megalite.config.arguments import parse_args, validate_args
+    from megalite.dryrun.stages import stage_label
+    from megalite.config.arguments import layout_from_args, parse_args, validate_args
     from megalite.config.arguments_megatron_model import tokenizer_from_args
 
     model, layout_name, flags = RUNS[name]
@@ -52,23 +57,34 @@ def run(name: str) -> str:
     world = args.dry_run_world_size
     validate_args(args, world)
     vocab = tokenizer_from_args(args).vocab_size
-    start = time.perf_counter()
-    r = run_rank(args, vocab, 0, world, torch.device("cuda"))
-    seconds = time.perf_counter() - start
-    held = " / ".join(f"{r.resident[c] / MIB:,.1f}" for c in ("parameters", "gradients", "optimizer"))
-    return (f"| {model} | {layout_name} ({world}) | {seconds:.0f} s | {held} | "
-            f"{'exactly' if r.resident == r.formula else 'NO: ' + str(r.formula)} | {r.peak_total / MIB:,.0f} | "
-            f"{r.activation_peak / MIB:,.0f} | {r.korthikanti / MIB:,.0f} | {r.activation_peak / r.korthikanti:.3f} |")
+    layout = layout_from_args(args, world)
+    stages = stages_to_measure(args, layout, vocab)
+    rows, reports = [], []
+    for group in stages:
+        start = time.perf_counter()
+        r = run_rank(args, vocab, measured_rank(layout, group), world, torch.device("cuda"))
+        seconds = time.perf_counter() - start
+        reports.append(r)
+        held = " / ".join(f"{r.resident[c] / MIB:,.1f}" for c in ("parameters", "gradients", "optimizer"))
+        rows.append(f"| {model} | {layout_name} ({world}) | {stage_label(group)} | {seconds:.0f} s | {held} | "
+                    f"{'exactly' if r.resident == r.formula else 'NO: ' + str(r.formula)} | {r.peak_total / MIB:,.0f} | "
+                    f"{r.activation_peak / MIB:,.0f} | {r.korthikanti / MIB:,.0f} | "
+                    f"{r.activation_peak / r.korthikanti:.3f} |")
+    return rows, f"{model} {layout_name}: {verdict(stages, reports, args.dry_run_gpu_memory_gib)}"
 
 
 def main(names: list[str]) -> int:
     if not fake_cuda_ready():
         reexec_with_fake_cuda([__file__, *names])  # does not return
-    print("| model | layout (world) | wall time | params / grads / optimizer held (MiB) | = formulas.md | "
-          "peak (MiB) | most activations (MiB) | Korthikanti (MiB) | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | layout (world) | pipeline stages | wall time | params / grads / optimizer held (MiB) | "
+          "= formulas.md | peak (MiB) | most activations (MiB) | Korthikanti (MiB) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    verdicts = []
     for name in names or list(RUNS):
-        print(run(name), flush=True)
+        rows, line = run(name)
+        print("\n".join(rows), flush=True)
+        verdicts.append(line)
+    print("\n".join(verdicts))
     return 0
 
 
