@@ -80,9 +80,9 @@ class SlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o400)
-        first_job = 50000 + free_port() - 10000  # the first job's training port, 10000 + id % 50000, is free
-        self.conf.write_text(self._slurm_conf(slurmctld_port=free_port(), slurmd_port=free_port(),
-                                              first_job=first_job))
+        slurmctld_port, slurmd_port, training_port = _free_ports(3)
+        # scripts/pretrain_gpt.sh trains on port 10000 + SLURM_JOB_ID % 50000: free for the first job
+        self.conf.write_text(self._slurm_conf(slurmctld_port, slurmd_port, first_job=training_port + 40000))
         munge = self.root / "munge"
         self._spawn("munged", ["munged", "--foreground", f"--key-file={key}", f"--socket={munge / 'socket'}",
                                f"--pid-file={munge / 'munged.pid'}", f"--seed-file={munge / 'seed'}",
@@ -175,10 +175,12 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         out = self.command(["scontrol", "show", "job", "--oneliner", str(job_id)])
         return [dict(re.findall(r"(\w[\w/:]*)=(\S*)", line)) for line in out.splitlines() if line.strip()]
 
-    def node_state(self) -> str | None:
+    def _check_daemons(self):
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 raise AssertionError(f"{name} exited with status {proc.returncode}\n{self.logs()}")
+
+    def node_state(self) -> str | None:
         out = self.command(["scontrol", "show", "node", self.host], check=False, timeout=10)
         found = re.search(r"State=(\w+)", out)
         return found.group(1) if found else None
@@ -222,10 +224,23 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     def _wait(self, condition, timeout: float, what: str, details=lambda: ""):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._check_daemons()
             if condition():
                 return
             time.sleep(0.25)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{details()}\n{self.logs()}")
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` different free ports in 10000-59999 (where a job id can put the training port)."""
+    ports: list[int] = []
+    for _ in range(100 * count):
+        port = free_port()
+        if 10000 <= port < 60000 and port not in ports:
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise AssertionError(f"no {count} free ports in 10000-59999")
 
 
 def _end_group(proc: subprocess.Popen, grace: float = 10):
