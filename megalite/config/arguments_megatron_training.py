@@ -210,6 +210,8 @@ def _check_local_graphs(args, fail) -> None:
          "--hidden-dropout 0)"),
         (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (a graphed layer holds one "
                                                 "micro-batch's activations; the pipeline keeps several in flight)"),
+        (args.pipeline_schedule not in (None, "none"), f"--pipeline-schedule {args.pipeline_schedule} (it runs "
+                                                       "several micro-batches' forwards before their backwards)"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (args.num_experts is not None, "--num-experts (MoE routing sends a data-dependent number of tokens to "
                                        "each expert, shapes a graph cannot hold)"),

@@ -11,6 +11,11 @@ forward graphs in layer order and the backward graphs in reverse, the order a st
 graphed layers (GPTModel.graphed_layers); evaluation and no-grad forwards keep the eager
 layers, and so does a call whose inputs differ from the captured ones in shape or dtype.
 
+A graphed backward hands each parameter's gradient back in the graph's static buffer, which
+the next replay overwrites: megalite's DDP wrapper, which every run without FSDP2 has, adds it
+to main_grad and drops .grad at once (its post-accumulate-grad hook), so nothing holds it
+across replays.
+
 What the validation (config/arguments_megatron_training.py) refuses is what a capture cannot
 hold: RNG state swaps (the tensor-parallel dropout stream, recompute), several micro-batches
 in flight (pipeline parallelism), data-dependent shapes (MoE), hooks around layers (FSDP2,

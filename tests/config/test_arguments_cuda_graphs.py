@@ -58,6 +58,7 @@ def test_megatron_refusals(extra, message):
     (f"{LOCAL} --recompute-activations", "not available with --recompute-granularity selective"),
     (f"{LOCAL} --num-experts 4 --disable-bias-linear", "not available with --num-experts"),
     (f"{LOCAL} --use-torch-fsdp2", "not available with --use-torch-fsdp2"),
+    (f"{LOCAL} --pipeline-schedule gpipe", "not available with --pipeline-schedule gpipe"),
     (f"{LOCAL} --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
      "not available with --overlap-param-gather"),
 ])

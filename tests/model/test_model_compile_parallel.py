@@ -1,5 +1,5 @@
 """--torch-compile's regions (GPTModel.compile_regions) under tensor, sequence and pipeline
-parallelism and with MoE layers: the compiled model's loss and gradients equal the eager
+parallelism, under FSDP2 and with MoE layers: the compiled model's loss and gradients equal the eager
 model's in the same layout (fp32, within 1e-5 relative; the eager layouts are themselves tested
 against TP = 1 in test_gpt_tp.py). Under TP the f/g autograd functions and the vocabulary-parallel
 loss call torch.distributed collectives, which Dynamo maps to functional collectives: every
@@ -53,7 +53,8 @@ def compare(compiled, eager, what):
         assert_rel_close(compiled[1][name], grad, TOL, f"{what}: grad {name}")
 
 
-def _tp_worker(rank, world_size):
+def _worker(rank, world_size):
+    from megalite.parallel.data.fsdp import apply_fsdp2
     from megalite.parallel.state import ParallelLayout, ParallelState
 
     state = ParallelState.create(ParallelLayout(world_size, tensor=2))
@@ -62,23 +63,46 @@ def _tp_worker(rank, world_size):
         cfg = make_config(family, sequence_parallel=sp, fused_kernels=kernels)
         eager, compiled = (loss_and_grads([GPTModel(cfg, state, init_seed=7)], c) for c in (False, True))
         out[(family, sp, kernels, rank)] = (eager, compiled)
+    # FSDP2 over DP = 2, sharding after compile_regions, as build_run orders them
+    state = ParallelState.create(ParallelLayout(world_size))
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = GPTModel(make_config("llama"), state, init_seed=7)
+        if compiled:
+            model.compile_regions(backend="aot_eager", fullgraph=True)
+        chunk = apply_fsdp2(model, state)
+        tokens, labels, mask = batch(seed=rank)
+        loss = masked_mean_loss(chunk(tokens, labels=labels), mask)
+        loss.backward()
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads, sum(counters["graph_break"].values())))
+    out[("fsdp2", rank)] = tuple(results)
     return out
 
 
 @pytest.fixture(scope="module")
-def tp_results():
+def parallel_results():
     merged = {}
-    for rank_result in run_distributed(_tp_worker, 2):
+    for rank_result in run_distributed(_worker, 2):
         merged.update(rank_result)
     return merged
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("family, sp, kernels", TP_CASES)
-def test_tensor_parallel_regions_compile_whole_and_equal_eager(tp_results, family, sp, kernels, rank):
-    eager, compiled = tp_results[(family, sp, kernels, rank)]
+def test_tensor_parallel_regions_compile_whole_and_equal_eager(parallel_results, family, sp, kernels, rank):
+    eager, compiled = parallel_results[(family, sp, kernels, rank)]
     assert compiled[2] == 0 and eager[2] == 0
     compare(compiled, eager, f"TP=2 {family} sp={sp} kernels={kernels} rank {rank}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp2_shards_compiled_regions(parallel_results, rank):
+    eager, compiled = parallel_results[("fsdp2", rank)]
+    assert compiled[2] == 0
+    compare(compiled, eager, f"FSDP2 DP=2 rank {rank}")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
