@@ -9,9 +9,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 
 class RecordingBackend:
-    """`inductor_partition`: split forward and backward as inductor does (its min-cut
-    rematerialisation), so that what the forward graphs return beside the outputs is what
-    inductor would save for backward."""
+    """`inductor_partition`: decompose and split forward and backward as inductor does (its
+    decompositions, its min-cut rematerialisation), so that what the forward graphs return
+    beside the outputs is what inductor would save for backward."""
 
     def __init__(self, inductor_partition: bool = False):
         self.graphs = {"forward": [], "backward": []}
@@ -28,7 +28,10 @@ class RecordingBackend:
             return compile_graph
         partition = {}
         if inductor_partition:
+            from torch._inductor.decomposition import select_decomp_table
+
             partition["partition_fn"] = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+            partition["decompositions"] = select_decomp_table()
         self.backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), **partition)
 
     def code(self, kind) -> str:
