@@ -13,6 +13,9 @@ from megalite.config.arguments_field import arg, on_cpu
 from megalite.config.schedules import batch_schedule_from_args, parse_threshold
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+CUDA_GRAPH_SCOPES = ("full", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration",
+                     "full_iteration_inference")
 
 
 @dataclass
@@ -84,6 +87,17 @@ class MegatronTrainingArgs:
     profile_ranks: list[str] | None = arg(None, "Global ranks to profile (default 0).")
     global_batch_size_from_schedule: bool = arg(
         False, "--global-batch-size was filled from --step-batch-size-schedule.", cli=False)
+    cuda_graph_impl: str = arg(
+        "none", "CUDA graphs of the training step. local: megalite's own, each transformer layer's forward "
+        "and backward captured once with torch.cuda.make_graphed_callables after --cuda-graph-warmup-steps "
+        "eager steps, then replayed (no host work per kernel). transformer_engine needs Transformer Engine, "
+        "which megalite does without.", choices=CUDA_GRAPH_IMPLS)
+    cuda_graph_scope: list[str] | None = arg(
+        None, "What the CUDA graphs capture: none given (or full) captures whole transformer layers, the one "
+        f"scope megalite serves; Megatron's others ({', '.join(CUDA_GRAPH_SCOPES[1:])}) are refused.")
+    cuda_graph_warmup_steps: int = arg(3, "Training steps run eagerly before the CUDA graphs are captured.")
+    enable_cuda_graph: bool = arg(False, "Deprecated: --cuda-graph-impl local.")
+    external_cuda_graph: bool = arg(False, "Deprecated: --cuda-graph-impl transformer_engine.")
 
 
 def _int_list(name: str, values, fail) -> list[int]:
@@ -130,6 +144,84 @@ def check_megatron_training_args(args, world_size: int, fail) -> None:
     elif args.profile_ranks is not None:
         fail("--profile-ranks needs --profile")
     _check_batch_schedule(args, fail)
+    _check_cuda_graphs(args, fail)
+
+
+def cuda_graph_impl_of(args) -> str:
+    """--cuda-graph-impl, or what a deprecated --enable-cuda-graph / --external-cuda-graph stands for."""
+    if args.enable_cuda_graph:
+        return "local"
+    return "transformer_engine" if args.external_cuda_graph else args.cuda_graph_impl
+
+
+def cuda_graph_scope_of(args) -> tuple[str, ...]:
+    """--cuda-graph-scope as Megatron normalises it: () for whole layers (none given, or full)."""
+    return tuple(s for s in args.cuda_graph_scope or () if s != "full")
+
+
+def _check_cuda_graphs(args, fail) -> None:
+    """Megatron's refusals first (TransformerConfig.__post_init__, validate_args), then what
+    megalite's local graphs cannot capture."""
+    if (args.enable_cuda_graph or args.external_cuda_graph) and args.cuda_graph_impl != "none":
+        fail("--enable-cuda-graph / --external-cuda-graph (deprecated) and --cuda-graph-impl contradict each "
+             "other: give --cuda-graph-impl alone")
+    if args.enable_cuda_graph and args.external_cuda_graph:
+        fail("--enable-cuda-graph and --external-cuda-graph contradict each other (give one)")
+    scope = args.cuda_graph_scope or []
+    if unknown := [s for s in scope if s not in CUDA_GRAPH_SCOPES]:
+        fail(f"--cuda-graph-scope {unknown[0]}: unknown scope (choose from {', '.join(CUDA_GRAPH_SCOPES)})")
+    if "full" in scope and len(scope) > 1:
+        fail("--cuda-graph-scope full (the whole layer) cannot be combined with other scopes")
+    impl = cuda_graph_impl_of(args)
+    if impl == "none":
+        return
+    if impl == "transformer_engine" and "full_iteration" in scope:
+        fail("--cuda-graph-scope full_iteration needs --cuda-graph-impl local, not transformer_engine")
+    if "moe" in scope and "moe_router" in scope:
+        fail("--cuda-graph-scope must not contain both moe and moe_router")
+    if "moe_preprocess" in scope and "moe_router" not in scope and impl != "local":
+        fail("--cuda-graph-scope moe_preprocess needs moe_router as well")
+    if args.num_experts is None and {"moe", "moe_router", "moe_preprocess"} & set(scope):
+        fail("--cuda-graph-scope moe / moe_router capture MoE layers: they need --num-experts")
+    if args.recompute_granularity == "full" and scope != ["full_iteration"]:
+        fail("--recompute-granularity full with CUDA graphs needs --cuda-graph-scope full_iteration (as in Megatron)")
+    if impl == "transformer_engine":
+        fail("--cuda-graph-impl transformer_engine (or --external-cuda-graph) needs Transformer Engine, which "
+             "megalite does not use: give --cuda-graph-impl local")
+    _check_local_graphs(args, fail)
+
+
+def _check_local_graphs(args, fail) -> None:
+    scope = cuda_graph_scope_of(args)
+    if scope:
+        fail(f"--cuda-graph-scope {' '.join(scope)}: megalite's local CUDA graphs capture whole transformer layers "
+             "only (give no --cuda-graph-scope, or full)")
+    if args.cuda_graph_warmup_steps < 1:
+        fail(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: megalite's local CUDA graphs take their "
+             "static shapes from an eager step, so at least 1")
+    limits = [
+        (args.recompute_granularity, f"--recompute-granularity {args.recompute_granularity} (recompute inside a "
+                                     "graphed layer saves and restores RNG states, which a capture cannot hold)"),
+        (args.attention_dropout > 0, f"--attention-dropout {args.attention_dropout} (it draws from the tensor-"
+                                     "parallel RNG stream by swapping generator states, which a capture cannot "
+                                     "hold: give --attention-dropout 0)"),
+        (args.hidden_dropout > 0 and args.sequence_parallel,
+         "--hidden-dropout with --sequence-parallel (it draws from the tensor-parallel RNG stream; give "
+         "--hidden-dropout 0)"),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (a graphed layer holds one "
+                                                "micro-batch's activations; the pipeline keeps several in flight)"),
+        (args.pipeline_schedule not in (None, "none"), f"--pipeline-schedule {args.pipeline_schedule} (it runs "
+                                                       "several micro-batches' forwards before their backwards)"),
+        (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (args.num_experts is not None, "--num-experts (MoE routing sends a data-dependent number of tokens to "
+                                       "each expert, shapes a graph cannot hold)"),
+        (args.use_torch_fsdp2, "--use-torch-fsdp2 (its hooks gather parameters around each layer)"),
+        (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks wait for parameters)"),
+        (on_cpu(args), "a CPU run (CUDA graphs need CUDA)"),
+    ]
+    for refused, what in limits:
+        if refused:
+            fail(f"--cuda-graph-impl local is not available with {what}")
 
 
 def _check_batch_schedule(args, fail) -> None:
@@ -207,6 +299,10 @@ def megatron_training_notes(args) -> list[str]:
                      "warm-up and flush too); the flag changes nothing")
     if args.use_pytorch_profiler:
         notes.append("--use-pytorch-profiler: megalite's --profile always uses torch.profiler")
+    if args.enable_cuda_graph:
+        notes.append("--enable-cuda-graph is deprecated: running with --cuda-graph-impl local, as Megatron does")
+    if args.cuda_graph_scope and cuda_graph_impl_of(args) == "none":
+        notes.append("--cuda-graph-scope: no effect without --cuda-graph-impl local (Megatron ignores it too)")
     group = args.microbatch_group_size_per_virtual_pipeline_stage
     if group is not None and interleaved_group_size(args) is None:
         notes.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: no effect without virtual "

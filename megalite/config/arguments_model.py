@@ -86,7 +86,8 @@ class ModelArgs:
     fused_kernels: bool | None = arg(
         None, "Triton kernels for norms, activations, rotary and cross-entropy (default: on "
         "with CUDA).", negative_flag="--no-fused-kernels", origin=MEGALITE)
-    torch_compile: bool = arg(False, "Compile each transformer layer with torch.compile.",
+    torch_compile: bool = arg(False, "torch.compile the embedding, each transformer layer and the output "
+                              "layer with its loss (GPTModel.compile_regions).",
                               origin=MEGALITE)
 
 

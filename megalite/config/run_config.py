@@ -23,7 +23,8 @@ from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.config.arguments_megatron_data import megatron_data_notes
 from megalite.config.arguments_megatron_logging import megatron_logging_notes
 from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_from_args
-from megalite.config.arguments_megatron_training import interleaved_group_size, megatron_training_notes
+from megalite.config.arguments_megatron_training import (cuda_graph_impl_of, cuda_graph_scope_of,
+                                                         interleaved_group_size, megatron_training_notes)
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
 from megalite.parallel.state import ParallelLayout
@@ -276,10 +277,14 @@ class TrainingConfig:
     deterministic_mode: bool
     seed: int
     split: str | None
+    cuda_graph_impl: str  # resolved: --cuda-graph-impl, or what --enable/--external-cuda-graph stand for
+    cuda_graph_scope: tuple[str, ...]  # normalised as Megatron does: () is whole layers (none given, or full)
+    cuda_graph_warmup_steps: int
 
     @classmethod
     def from_args(cls, args) -> "TrainingConfig":
-        return _options(cls, args)
+        return _options(cls, args, cuda_graph_impl=cuda_graph_impl_of(args),
+                        cuda_graph_scope=cuda_graph_scope_of(args))
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,10 @@ class GPTModel(nn.Module):
         if self.embedding is not None and self.share_embeddings and pstate.pp_size > 1:
             self.embedding.word_embeddings.weight.shared_embedding = True
         self.init_seed, self.init_on_shard = init_seed, init_on_shard
+        self._compiled_head = None  # compile_regions' compiled output_head
+        # Layer number -> its CUDA-graphed call (megalite.training.cuda_graphs), used in training
+        # with gradients on; a plain dict, so the graphed wrappers are not submodules.
+        self.graphed_layers = {}
         if torch.device(device or "cpu").type != "meta":
             self.init_weights(init_seed)
 
@@ -168,8 +172,9 @@ class GPTModel(nn.Module):
                 x = layer(x, rotary, attention_mask, inference_cache)
             return x
         if cfg.recompute_granularity != "full":
-            for layer in layers:
-                x = layer(x, rotary, attention_mask)
+            graphed = self.graphed_layers if self.training and torch.is_grad_enabled() else {}
+            for number, layer in self.layers.items():
+                x = graphed.get(number, layer)(x, rotary, attention_mask)
             return x
 
         def run(chunk):
@@ -217,6 +222,10 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, rotary, attention_mask)
         if not self.post_process:
             return x
+        return (self._compiled_head or self.output_head)(x, labels)
+
+    def output_head(self, x, labels=None):
+        """The final norm, the output layer and, given `labels`, the loss (see forward)."""
         x = self.final_layernorm(x)
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
         if labels is None:
@@ -227,6 +236,21 @@ class GPTModel(nn.Module):
                                             impl=self.config.kernel_impl_for("cross_entropy"),
                                             inplace_backward=True)
         return loss.t()
+
+    def compile_regions(self, **compile_kwargs) -> None:
+        """--torch-compile: torch.compile(**compile_kwargs) of each region this chunk holds -- the
+        embedding (word and position embeddings, dropout), every transformer layer (one compiled
+        graph serves all layers alike), and the head (output_head: final norm, output layer,
+        loss) -- as the peer compiles its whole model. Regions rather than the whole forward:
+        a chunk's layer count does not multiply the compile time, and what lies between the
+        regions (full recompute with its RNG tracker, rotary tables, context-parallel position
+        bookkeeping) stays eager."""
+        if self.embedding is not None:
+            self.embedding.compile(**compile_kwargs)
+        for layer in self.layers.values():
+            layer.compile(**compile_kwargs)
+        if self.post_process:
+            self._compiled_head = torch.compile(self.output_head, **compile_kwargs)
 
     def _forward_cached(self, tokens, hidden_states, cache):
         if self.config.sequence_parallel:

@@ -48,8 +48,9 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """Sum contiguous `x` over the group into `out`, this rank's 1/n slice of dim 0 (`out` may be
     that slice of `x` itself). On gloo in the list form: gloo's single-tensor reduce-scatter
-    reduces into a scratch tensor the size of `x` and copies this rank's slice out of it."""
-    if dist.get_backend(group) == "gloo":
+    reduces into a scratch tensor the size of `x` and copies this rank's slice out of it. Under
+    torch.compile the single-tensor form, the one Dynamo maps to a functional collective."""
+    if not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo":
         return dist.reduce_scatter(out, list(x.chunk(group_size(group))), op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_single(out, x, op=op, group=group, async_op=async_op)
 

@@ -228,6 +228,8 @@ class Trainer:
         batch = self.batch_schedule.at(run.consumed_train_samples)
         executor = run.executor_for(batch // (self.training.micro_batch_size * run.pstate.dp_size))
         self.hooks.before_iteration(run.iteration)
+        for graphs in run.cuda_graphs:  # captured once the warm-up steps are done
+            graphs.before_step()
         if self.rerun.active:  # keep the micro-batches and random state for a re-run
             batches = _take(iterator, executor.num_microbatches)
             rng = self.rerun.save_rng()

@@ -24,6 +24,7 @@ from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
+from megalite.training.cuda_graphs import layer_graphs_for
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
@@ -51,6 +52,7 @@ class Run:
     make_executor: object = None  # micro-batch count -> PipelineExecutor (rampup, eval batches)
     per_token: PerTokenLoss | None = None  # --calculate-per-token-loss's forward step
     executors: dict = field(default_factory=dict)
+    cuda_graphs: list = field(default_factory=list)  # --cuda-graph-impl local: LayerGraphs per chunk
 
     @property
     def tokenizer(self):
@@ -139,8 +141,7 @@ def build_run(args) -> Run:
                                 init_seed=cfg.training.seed, device=device, init_on_shard=parallel.init_on_shard)
     if parallel.torch_compile:
         for model in models:
-            for layer in model.layers.values():
-                layer.compile()
+            model.compile_regions()
     ckpt = cfg.checkpoint
     common = None
     if ckpt.load or ckpt.pretrained_checkpoint:
@@ -165,7 +166,8 @@ def build_run(args) -> Run:
     peak = peak_flops() if device.type == "cuda" else None
     run = Run(cfg, pstate, device, tracker, chunks, optimizer, scheduler, executor,
               flops_per_token(config, data.seq_length, config.padded_vocab_size(pstate.tp_size)),
-              peak[1] if peak else None, make_executor=make_executor, per_token=per_token)
+              peak[1] if peak else None, make_executor=make_executor, per_token=per_token,
+              cuda_graphs=layer_graphs_for(models, cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps))
     if common is not None:
         run.loaded_from = common["path"]
         if not (ckpt.finetune or common["finetune"]):

@@ -36,20 +36,34 @@ def test_kernels_take_the_fused_path_on_fake_cuda():
     assert all(device == "cuda:0" for _, _, device in auto["out"])
 
 
-def test_compiled_model_with_fused_kernels_on_fake_cuda_has_no_graph_break():
-    """torch.compile(fullgraph=True) of the whole model on fake CUDA: the kernels are custom
-    operators (triton_op) with registered autograd, so Dynamo captures every layer, the loss and
-    the backward in one graph each, with the kernels in them, and no autograd.Function to break on."""
+def test_compiled_regions_with_fused_kernels_on_fake_cuda_have_no_graph_break():
+    """--torch-compile's regions (GPTModel.compile_regions) each compiled with fullgraph=True on
+    fake CUDA: the kernels are custom operators (triton_op) with registered autograd and the
+    TP collectives map to functional collectives, so Dynamo captures the embedding, one layer
+    graph serving every layer, and the head with its loss, forward and backward, with no graph
+    break; the kernels end up in the graphs as user-defined Triton kernels, the form inductor
+    compiles, the Triton cross-entropy among them; at TP = 2 with sequence parallelism as at
+    TP = 1. With the reference loss (no --cross-entropy-loss-fusion) no cross-entropy kernel is
+    left."""
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-m", "tests.dryrun.fake_cuda_compile", "gpt2", "llama"],
                          env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
-    family_kernels = {"gpt2": {"norm_forward", "bias_gelu_forward"}, "llama": {"norm_forward", "rotary", "swiglu_forward"}}
-    for family, got in result.items():
-        assert got["graph_breaks"] == 0 and got["graphs"] == [1, 1], (family, got)
-        forward = family_kernels[family] | {"ce_local_stats", "cross_entropy_loss"}
-        backward = {k.replace("_forward", "_backward") for k in family_kernels[family]} | {"ce_grad_logits"}
-        assert forward <= set(got["kernels"]["forward"]), (family, got["kernels"])
-        assert backward <= set(got["kernels"]["backward"]), (family, got["kernels"])
-        assert got["loss"] == ["torch.float32", "cuda:0"] and got["grad_devices"] == ["cuda"], (family, got)
+    family_kernels = {"gpt2": {"_norm_fwd_kernel", "_bias_gelu_fwd_kernel"},
+                      "llama": {"_norm_fwd_kernel", "_rotary_kernel", "_swiglu_fwd_kernel"}}
+    cross_entropy = {"_ce_stats_kernel", "cross_entropy_loss", "_ce_grad_kernel"}
+    assert len(result) == 6
+    for name, got in result.items():
+        family, case = name.split("/")
+        assert got["graph_breaks"] == 0 and got["graphs"] == [3, 3], (name, got)
+        forward, backward = set(got["kernels"]["forward"]), set(got["kernels"]["backward"])
+        assert family_kernels[family] <= forward, (name, got["kernels"])
+        assert {k.replace("_fwd", "_bwd") for k in family_kernels[family]} <= backward, (name, got["kernels"])
+        if case == "tp1-reference-loss":
+            assert not cross_entropy & (forward | backward), (name, got["kernels"])
+        else:
+            assert {"_ce_stats_kernel", "cross_entropy_loss"} <= forward and "_ce_grad_kernel" in backward, \
+                (name, got["kernels"])
+        assert got["loss"] == ["torch.float32", "cuda:0"] and got["grad_devices"] == ["cuda"], (name, got)
+        assert bool(got["collectives"]) == case.startswith("tp2"), (name, got["collectives"])

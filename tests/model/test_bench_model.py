@@ -199,3 +199,20 @@ def test_kernel_benchmark_process_finds_the_repository(monkeypatch):
                                 "--cpu-smoke", "--quick"]
     assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
     assert seen["timeout"] == 120.0 and seen["cwd"] == ROOT
+
+
+@pytest.mark.parametrize("key", ["no-kernels-compile", "kernels-compile", "no-kernels"])
+def test_compile_rows_compile_as_the_driver_does(key, monkeypatch):
+    """A megalite compile row calls GPTModel.compile_regions -- the method --torch-compile's
+    setup_run calls -- with the row's backend and mode; an eager row compiles nothing."""
+    from megalite.model.gpt import GPTModel
+
+    bench = _load_script()
+    seen = []
+    monkeypatch.setattr(GPTModel, "compile_regions", lambda model, **kwargs: seen.append((model, kwargs)))
+    args = bench.parse_args(["--cpu-smoke", "--compile-mode", "max-autotune-no-cudagraphs"])
+    row = next(r for r in bench.ROWS if r.key == key)
+    bench.build_step(args.specs[0], row, torch.device("cpu"), args)
+    expected = [{"backend": "aot_eager", "mode": "max-autotune-no-cudagraphs"}] if row.compiled else []
+    assert [kwargs for _, kwargs in seen] == expected
+    assert all(isinstance(model, GPTModel) for model, _ in seen)

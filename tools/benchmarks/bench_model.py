@@ -17,7 +17,8 @@ positions, tied embeddings, vocab 50257) and a Llama-style 1.3B at seq 2048 (24 
 RoPE, untied embeddings, vocab 32000). Dropout off everywhere.
 
 Rows per model, in this order: megalite with its Triton kernels (fused_kernels=True) eager and
-with --torch-compile (each transformer layer compiled, as megalite/training/setup_run.py does),
+with --torch-compile (GPTModel.compile_regions, the driver's own call: the embedding, each
+transformer layer and the output layer with the loss compiled),
 the peer: transformers' GPT2LMHeadModel / LlamaForCausalLM built from
 megalite.checkpoint.hf_mapping.hf_config_dict(config) (random weights, nothing downloaded),
 attn_implementation="sdpa", the whole model torch.compile'd; then megalite with the plain-torch
@@ -125,9 +126,8 @@ def build_step(spec: ModelSpec, row: Row, device: torch.device, args):
     torch.manual_seed(0)
     if row.megalite:
         model = GPTModel(spec.config.replace(fused_kernels=row.fused_kernels), init_seed=1234, device=device)
-        if row.compiled:  # what --torch-compile does (setup_run.py)
-            for layer in model.layers.values():
-                layer.compile(**_compile_kwargs(args))
+        if row.compiled:  # what --torch-compile does (megalite/training/setup_run.py)
+            model.compile_regions(**_compile_kwargs(args))
 
         def loss_of(tokens, labels):
             return masked_mean_loss(model(tokens, labels=labels), None)

@@ -172,8 +172,9 @@ def report(specs, results, device, peak, args, kernels_text: str | None = None) 
              f"{args.steps} step(s), each between torch.cuda.synchronize calls",
              "- peer: transformers' model built from megalite.checkpoint.hf_mapping.hf_config_dict(config) (random "
              'weights, nothing downloaded), attn_implementation="sdpa"',
-             f"- compile: backend {args.compile_backend}{mode}; megalite --torch-compile compiles each transformer "
-             "layer, the peer is compiled whole",
+             f"- compile: backend {args.compile_backend}{mode}; megalite --torch-compile compiles the embedding, "
+             "each transformer layer and the output layer with the loss (GPTModel.compile_regions), the peer "
+             "is compiled whole",
              "- FLOPs (shared/docs/formulas.md): F_token = 6 P_mm + 12 L s h, each row with its own output width "
              f"(megalite pads the vocabulary); MFU = F_token x tokens/s / peak; peak: {peak_text}"]
     for spec in specs:
