@@ -32,7 +32,7 @@ def _global_statistics(logits2d, local_target, valid_vocab: int, group, label_sm
     if triton:
         from megalite.kernels import cross_entropy_triton
 
-        stats_fn = cross_entropy_triton.local_stats
+        stats_fn = cross_entropy_triton.statistics
     else:
         stats_fn = torch_local_stats
     need_sum = label_smoothing > 0
@@ -92,7 +92,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: in
     if use:
         from megalite.kernels import cross_entropy_triton
 
-        loss = cross_entropy_triton.loss_from_statistics(*args)
+        loss = cross_entropy_triton.loss(*args)
     else:
         loss = TorchLoss.apply(*args)
     return loss.view(target.shape)
