@@ -145,13 +145,14 @@ class DirectLauncher:
     specialisation launch that CompiledKernel directly (CompiledKernel[grid]), skipping run()'s
     option parsing, argument binding and cache-key building.
 
-    The key holds all that Triton specialises a launch on, or more: the constexpr and option
-    keywords, each tensor's dtype and whether its address is a multiple of 16, for each int
-    whether it is 1 (Triton makes that a constant), a multiple of 16, or wider than 32 bits,
-    Nones, bools and floats by kind, and the device of the first argument (megalite launches on
-    the device of its tensors, the current one). Triton 3.3 and later pass every argument,
-    constexprs included, to the compiled launcher, as here; before 3.4 (no triton.knobs) the
-    eager path launches through JITFunction.run (`direct` returns the kernel itself)."""
+    The key holds all that Triton specialises a launch on, or more: the current device (whose
+    kernel cache run() uses), the constexpr and option keywords, each tensor's dtype and whether
+    its address is a multiple of 16, for each int whether it is 1 (Triton makes that a constant),
+    a multiple of 16, or wider than 32 bits, and Nones and floats by kind. Anything else among the
+    arguments (a bool passed positionally, a tensor subclass), or pre-run hooks on the kernel, and
+    the launch goes through run(). Triton 3.3 and later pass every argument, constexprs included,
+    to the compiled launcher, as here; before 3.4 (no triton.knobs) the eager path launches
+    through JITFunction.run (`direct` returns the kernel itself)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -180,7 +181,7 @@ class DirectLauncher:
                 return self.kernel[grid](*args, **kwargs)
         key = tuple(key)
         found = self.compiled.get(key)
-        if found is None:
+        if found is None or getattr(self.kernel, "pre_run_hooks", None):
             compiled = self.kernel[grid](*args, **kwargs)
             if isinstance(compiled, CompiledKernel):
                 self.compiled[key] = (compiled, tuple(kwargs[name] for name in self.names[len(args):]))

@@ -87,6 +87,26 @@ def assert_row_sum_close(actual: torch.Tensor, expected64: torch.Tensor, terms64
                                             f"{float(allowed[worst]):.3g} (depth {depth})")
 
 
+def assert_partial_sums_close(partials: torch.Tensor, terms64: torch.Tensor, block_m: int, depth: int,
+                              name: str) -> None:
+    """partials [P, h]: the fp32 sums a persistent backward kernel's programs wrote, program p
+    having added the rows of blocks p, p + P, p + 2P, ... (BLOCK_M rows a block); terms64 [n, h]:
+    the kernel's terms in fp64. Each program's sum is held to gamma_d * sum|t| over its own rows
+    (the bound of assert_row_sum_close), d = `depth` (its tree over a block, its blocks, the
+    terms' own roundings): a row dropped or counted twice fails it at any grid size, where the
+    bound on torch's final sum over thousands of partials would not."""
+    programs = partials.shape[0]
+    owner = (torch.arange(terms64.shape[0]) // block_m) % programs
+    expected = torch.zeros(partials.shape, dtype=torch.float64).index_add_(0, owner, terms64)
+    magnitude = torch.zeros(partials.shape, dtype=torch.float64).index_add_(0, owner, terms64.abs())
+    d = depth * FP32_UNIT_ROUNDOFF
+    error = (partials.double().cpu() - expected).abs()
+    allowed = d / (1 - d) * magnitude
+    worst = divmod(int((error - allowed).argmax()), partials.shape[1])
+    assert bool((error <= allowed).all()), (f"{name}: program {worst[0]} column {worst[1]} off by "
+                                            f"{float(error[worst]):.3g}, bound {float(allowed[worst]):.3g}")
+
+
 def grads_fp64(fn, inputs: list[torch.Tensor | None], grad_out: torch.Tensor) -> list[torch.Tensor | None]:
     """Gradients of fn(*inputs) w.r.t. the non-None inputs, evaluated in fp64 at the same values."""
     leaves = [None if t is None else t.detach().double().requires_grad_() for t in inputs]

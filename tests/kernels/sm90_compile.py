@@ -8,7 +8,7 @@ The launch wrappers are called with tensors on the "meta" device while JITFuncti
 replaced by a recorder, so the exact arguments, constexprs and num_warps the wrappers choose are
 compiled (through Triton's full pipeline down to a cubin, with the ptxas bundled in the triton
 wheel). Prints one JSON line per distinct compilation: kernel, constexprs, num_warps, registers,
-spill bytes (stack), shared memory.
+spill bytes (stack), shared memory, and whether global loads are 16 bytes wide (vector_loads).
 
 --inductor compiles each kernel a second time from the copy of its source torch.compile's
 Inductor makes (inductor_copy.py), once per code path (constexprs other than block sizes), and
@@ -163,7 +163,8 @@ def main(argv: list[str]) -> int:
                                       target=target, options=options)
             pointers = sorted({t for t in signature.values() if t.startswith("*")})
             line = dict(kernel=kernel.__name__, constexprs=constexprs, num_warps=num_warps, pointers=pointers,
-                        **_resources(compiled.asm["cubin"]))
+                        **_resources(compiled.asm["cubin"]),
+                        vector_loads="ld.global.v4" in compiled.asm["ptx"])  # 16-byte loads
             path = (kernel.__name__, json.dumps(signature, sort_keys=True),
                     json.dumps({k: v for k, v in constexprs.items() if not k.startswith("BLOCK")}, sort_keys=True))
             if "--inductor" in flags and path not in copied:
