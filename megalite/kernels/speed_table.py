@@ -28,8 +28,18 @@ def shape_class(op: str, width: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_gpu_class(index: int | None) -> str:
+def _gpu_class_of(index: int | None) -> str:
     return gpu_class(torch.device("cuda", index))
+
+
+def _cached_gpu_class(index: int | None) -> str:
+    """gpu_class of CUDA device `index`, asked once; under torch.compile a constant of the graph
+    (Dynamo calls it while tracing instead of tracing into it)."""
+    return _gpu_class_of(index)
+
+
+if hasattr(torch.compiler, "assume_constant_result"):
+    _cached_gpu_class = torch.compiler.assume_constant_result(_cached_gpu_class)
 
 
 def prefers_torch(op: str, x: torch.Tensor) -> bool:

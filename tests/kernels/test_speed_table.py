@@ -71,3 +71,19 @@ def test_bench_verdicts_pick_the_faster_forward_plus_backward():
             dict(table_key="layer_norm:4096", impl="triton", total_ms=0.3),
             dict(table_key="layer_norm:4096", impl="torch reference", total_ms=0.2)]
     assert bench_kernels.verdicts(rows) == {"rms_norm:4096": "triton", "layer_norm:4096": "torch"}
+
+
+def test_the_lookup_compiles_into_a_full_graph(monkeypatch):
+    """Dynamo traces use_triton: with a table in force, the GPU class lookup is a constant of the
+    graph, not a graph break (torch.compile(fullgraph=True) of a model must still capture it)."""
+    monkeypatch.setattr(speed_table, "MEASURED", {"sm90-132sm": {"layer_norm:16": "torch"}})
+    props = SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    speed_table._gpu_class_of.cache_clear()
+    try:
+        def pick(x):
+            return x * 2 if speed_table.prefers_torch("layer_norm", x) else x * 3
+        x = torch.ones(4, 16)
+        assert torch.equal(torch.compile(pick, backend="eager", fullgraph=True)(x), x * 2)
+    finally:
+        speed_table._gpu_class_of.cache_clear()
