@@ -38,8 +38,10 @@ def _cached_gpu_class(index: int | None) -> str:
     return _gpu_class_of(index)
 
 
-if hasattr(torch.compiler, "assume_constant_result"):
-    _cached_gpu_class = torch.compiler.assume_constant_result(_cached_gpu_class)
+# What torch.compiler.assume_constant_result does (torch/_dynamo/decorators.py), without importing
+# torch._dynamo, and with it triton, whenever megalite.kernels is imported; test_speed_table.py
+# checks that a full graph still captures the lookup.
+_cached_gpu_class._dynamo_marked_constant = True
 
 
 def prefers_torch(op: str, x: torch.Tensor) -> bool:
