@@ -1,7 +1,11 @@
 """Fused kernels for megalite: Triton on CUDA, plain-torch references on CPU and as the fallback.
 
 Every op takes ``impl="auto" | "triton" | "torch"`` (see dispatch.py); "auto" picks Triton for
-CUDA tensors when triton imports. Importing this package never imports triton.
+CUDA tensors when triton imports, unless speed_table.py records the torch reference as faster
+on that GPU class and shape. On plain tensors in eager mode the Triton ops launch their kernels
+directly from an autograd.Function of megalite's; under torch.compile, FakeTensorMode or any
+dispatch mode they are torch.library operators (triton_common.eager_path). Importing this
+package never imports triton.
 
     rms_norm(x, weight, eps)                      Llama-order RMSNorm over the last dim
     layer_norm(x, weight, bias, eps)              LayerNorm over the last dim (fp32 math)

@@ -6,7 +6,7 @@ Both compute in fp32 and round once to x.dtype (reference.py).
 
 import torch
 
-from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
+from megalite.kernels.dispatch import check_triton_device, use_triton
 from megalite.kernels.reference import bias_gelu_reference, swiglu_reference
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -23,7 +23,7 @@ def swiglu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         check_triton_device("swiglu", x)
         from megalite.kernels import activations_triton
 
-        return activations_triton.swiglu_forward(as_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)
+        return activations_triton.swiglu(x)
     return swiglu_reference(x)
 
 
@@ -42,5 +42,5 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
         check_triton_device("bias_gelu", x, bias)
         from megalite.kernels import activations_triton
 
-        return activations_triton.bias_gelu_forward(as_rows(x), bias, approximate == "tanh").view(x.shape)
+        return activations_triton.bias_gelu(x, bias, approximate == "tanh")
     return bias_gelu_reference(x, bias, approximate)

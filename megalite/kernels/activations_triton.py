@@ -1,19 +1,23 @@
 """Triton SwiGLU and bias-GeLU: elementwise tile kernels, fp32 math, one rounding on store,
 registered as the operators megalite_kernels::swiglu_forward / ::bias_gelu_forward, each
 differentiable through its backward operator (which recomputes the activation from the saved
-input instead of saving the output).
+input instead of saving the output), and launched directly by SwigluFunction / BiasGeluFunction
+on the eager path.
 
 Bias-GeLU's backward also reduces dbias: a fixed number of programs per column block loop over
 row blocks keeping fp32 column sums in registers; a small torch sum finishes the reduction.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.dispatch import as_rows
-from megalite.kernels.triton_common import (kernel_op, persistent_programs, reduce_sum, rows_per_program, sigmoid,
-                                            to_dtype, warps_for, wrap_triton)
+from megalite.kernels.dispatch import as_rows, rows_of
+from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, direct, eager_path, kernel_op,
+                                            op_wrap_triton, persistent_programs, reduce_sum, rows_per_program, sigmoid,
+                                            sm_count, to_dtype, warps_for)
 
 
 @triton.jit
@@ -99,62 +103,98 @@ def _bias_gelu_bwd_kernel(X, B, DY, DX, DB_PART, n_rows, f, stride_x, stride_dy,
         tl.store(DB_PART + pid * f + cols, db_acc, mask=col_ok)
 
 
-def _tiles(n_rows: int, n_cols: int, max_block_n: int = 1024) -> tuple[int, int, int]:
-    block_n = min(triton.next_power_of_2(n_cols), max_block_n)
+def _tiles(n_rows: int, n_cols: int, elems_per_thread: int = 16) -> tuple[int, int, int]:
+    block_n = min(triton.next_power_of_2(n_cols), 1024)
     block_m = rows_per_program(block_n, n_rows)
-    return block_m, block_n, warps_for(block_m * block_n)
+    return block_m, block_n, warps_for(block_m * block_n, elems_per_thread)
+
+
+_cached_tiles = functools.lru_cache(maxsize=256)(_tiles)
+
+
+def bias_gelu_backward_launch(n_rows: int, f: int, has_bias: bool, sms: int | None):
+    """(programs per column block, column blocks, BLOCK_M, BLOCK_N, num_warps) of the backward on
+    a GPU of `sms` SMs (None: the CPU). With a bias each program loops over row blocks pid,
+    pid + programs, ..., summing its dbias partials; without one there is one program per row block.
+    8 values a thread (not 16): the erf form's backward then stays within the 64 registers a
+    thread has when 32 warps of programs share an SM, as persistent_programs assumes."""
+    block_m, block_n, num_warps = _tiles(n_rows, f, 8)
+    col_blocks = cdiv(f, block_n)
+    row_blocks = cdiv(n_rows, block_m)
+    programs = max(1, persistent_programs(row_blocks, num_warps, sms) // col_blocks) if has_bias else row_blocks
+    return programs, col_blocks, block_m, block_n, num_warps
+
+
+_cached_bias_gelu_backward_launch = functools.lru_cache(maxsize=256)(bias_gelu_backward_launch)
 
 
 def _like_rows(x2d, n_cols):
     return x2d.new_empty((x2d.shape[0], n_cols))
 
 
+def _swiglu_forward(x, n_rows, stride_x, y, tiles, wrap_triton):
+    """x: [..., 2f] rows `stride_x` apart; y: contiguous [..., f]."""
+    f = x.shape[-1] // 2
+    block_m, block_n, num_warps = tiles
+    grid = (cdiv(n_rows, block_m), cdiv(f, block_n))
+    wrap_triton(_swiglu_fwd_kernel)[grid](x, y, n_rows, f, stride_x, f,
+                                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def _swiglu_backward(dy, stride_dy, x, n_rows, stride_x, dx, tiles, wrap_triton):
+    """dy: [..., f] rows `stride_dy` apart; dx: contiguous [..., 2f]."""
+    f = dy.shape[-1]
+    block_m, block_n, num_warps = tiles
+    grid = (cdiv(n_rows, block_m), cdiv(f, block_n))
+    wrap_triton(_swiglu_bwd_kernel)[grid](x, dy, dx, n_rows, f, stride_x, stride_dy, 2 * f,
+                                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return dx
+
+
+def _bias_gelu_forward(x, n_rows, stride_x, bias, approximate_tanh, y, tiles, wrap_triton):
+    f = x.shape[-1]
+    block_m, block_n, num_warps = tiles
+    grid = (cdiv(n_rows, block_m), cdiv(f, block_n))
+    wrap_triton(_bias_gelu_fwd_kernel)[grid](x, bias, y, n_rows, f, stride_x, f,
+                                             HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
+                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, launch, wrap_triton):
+    """dbias fp32 [f] (None without a bias); dx (contiguous, x's last dim) is written."""
+    f = x.shape[-1]
+    programs, col_blocks, block_m, block_n, num_warps = launch
+    db_part = None if bias is None else x.new_empty((programs, f), dtype=torch.float32)
+    wrap_triton(_bias_gelu_bwd_kernel)[(programs, col_blocks)](
+        x, bias, dy, dx, db_part, n_rows, f, stride_x, stride_dy, f,
+        HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps)
+    return None if bias is None else db_part.sum(0)
+
+
 @kernel_op("swiglu_forward", lambda x2d: _like_rows(x2d, x2d.shape[1] // 2))
 def swiglu_forward(x2d: torch.Tensor) -> torch.Tensor:
     """x2d [N, 2f] (unit stride along the last dim) -> silu(gate) * up [N, f]."""
     n_rows, f = x2d.shape[0], x2d.shape[1] // 2
-    y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
-    block_m, block_n, num_warps = _tiles(n_rows, f)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    wrap_triton(_swiglu_fwd_kernel)[grid](x2d, y, n_rows, f, x2d.stride(0), y.stride(0),
-                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return y
+    return _swiglu_forward(x2d, n_rows, x2d.stride(0), _like_rows(x2d, f), _tiles(n_rows, f), op_wrap_triton)
 
 
 @kernel_op("swiglu_backward", lambda dy2d, x2d: _like_rows(x2d, x2d.shape[1]))
 def swiglu_backward(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     """dy2d [N, f], x2d [N, 2f] -> dx [N, 2f] = [dgate | dup]."""
     n_rows, f = dy2d.shape
-    dx = torch.empty((n_rows, 2 * f), dtype=x2d.dtype, device=x2d.device)
-    block_m, block_n, num_warps = _tiles(n_rows, f)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    wrap_triton(_swiglu_bwd_kernel)[grid](x2d, dy2d, dx, n_rows, f, x2d.stride(0), dy2d.stride(0), dx.stride(0),
-                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return dx
+    return _swiglu_backward(dy2d, dy2d.stride(0), x2d, n_rows, x2d.stride(0), _like_rows(x2d, 2 * f),
+                            _tiles(n_rows, f), op_wrap_triton)
 
 
 @kernel_op("bias_gelu_forward", lambda x2d, bias, approximate_tanh: _like_rows(x2d, x2d.shape[1]))
 def bias_gelu_forward(x2d: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool) -> torch.Tensor:
     """x2d [N, f] (unit stride along f), bias [f] or None -> gelu(x + bias) [N, f]."""
     n_rows, f = x2d.shape
-    y = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
-    block_m, block_n, num_warps = _tiles(n_rows, f)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(f, block_n))
-    wrap_triton(_bias_gelu_fwd_kernel)[grid](x2d, bias, y, n_rows, f, x2d.stride(0), y.stride(0),
-                                HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
-                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return y
-
-
-def bias_gelu_backward_launch(device: torch.device, n_rows: int, f: int, has_bias: bool):
-    """(programs per column block, column blocks, BLOCK_M, BLOCK_N, num_warps) of the backward.
-    With a bias each program loops over row blocks pid, pid + programs, ..., summing its dbias
-    partials; without one there is one program per row block."""
-    block_m, block_n, num_warps = _tiles(n_rows, f)
-    col_blocks = triton.cdiv(f, block_n)
-    row_blocks = triton.cdiv(n_rows, block_m)
-    programs = max(1, persistent_programs(device, row_blocks, num_warps) // col_blocks) if has_bias else row_blocks
-    return programs, col_blocks, block_m, block_n, num_warps
+    return _bias_gelu_forward(x2d, n_rows, x2d.stride(0), bias, approximate_tanh, _like_rows(x2d, f),
+                              _tiles(n_rows, f), op_wrap_triton)
 
 
 def _bias_gelu_backward_fake(dy2d, x2d, bias, approximate_tanh):
@@ -166,15 +206,11 @@ def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor
                        approximate_tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx [N, f] in x's dtype, dbias fp32 [f] (empty without a bias))."""
     n_rows, f = x2d.shape
-    dx = torch.empty((n_rows, f), dtype=x2d.dtype, device=x2d.device)
-    programs, col_blocks, block_m, block_n, num_warps = bias_gelu_backward_launch(x2d.device, n_rows, f,
-                                                                                  bias is not None)
-    db_part = torch.empty((programs if bias is not None else 0, f), dtype=torch.float32, device=x2d.device)
-    wrap_triton(_bias_gelu_bwd_kernel)[(programs, col_blocks)](
-        x2d, bias, dy2d, dx, db_part if bias is not None else None, n_rows, f, x2d.stride(0), dy2d.stride(0),
-        dx.stride(0), HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return dx, db_part.sum(0)
+    launch = bias_gelu_backward_launch(n_rows, f, bias is not None, sm_count(x2d.device))
+    dx = _like_rows(x2d, f)
+    dbias = _bias_gelu_backward(dy2d, dy2d.stride(0), x2d, n_rows, x2d.stride(0), bias, approximate_tanh, dx, launch,
+                                op_wrap_triton)
+    return dx, x2d.new_empty(0, dtype=torch.float32) if dbias is None else dbias
 
 
 def _setup_swiglu(ctx, inputs, output):
@@ -202,3 +238,86 @@ def _bias_gelu_grad(ctx, dy2d):
 
 
 bias_gelu_forward.register_autograd(_bias_gelu_grad, setup_context=_setup_bias_gelu)
+
+
+def _eager_swiglu(x):
+    rows, n_rows, stride_x = rows_of(x)
+    f = x.shape[-1] // 2
+    y = x.new_empty((*x.shape[:-1], f))
+    return _swiglu_forward(rows, n_rows, stride_x, y, _cached_tiles(n_rows, f), direct), rows, n_rows, stride_x
+
+
+def _eager_bias_gelu(x, bias, approximate_tanh):
+    rows, n_rows, stride_x = rows_of(x)
+    y = torch.empty_like(x) if rows is x else x.new_empty(x.shape)
+    y = _bias_gelu_forward(rows, n_rows, stride_x, bias, approximate_tanh, y, _cached_tiles(n_rows, x.shape[-1]),
+                           direct)
+    return y, rows, n_rows, stride_x
+
+
+def _grad_like(saved, shape):
+    """A contiguous tensor of `shape` for the gradient of the input saved as `saved`."""
+    return torch.empty_like(saved) if saved.shape == shape else saved.new_empty(shape)
+
+
+class SwigluFunction(torch.autograd.Function):
+    """The eager path of swiglu_forward / swiglu_backward (triton_common.eager_path says when)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y, rows, n_rows, stride_x = _eager_swiglu(x)
+        ctx.save_for_backward(rows)
+        ctx.meta = (n_rows, stride_x, x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        n_rows, stride_x, shape = ctx.meta
+        dy, _, stride_dy = rows_of(dy)
+        return _swiglu_backward(dy, stride_dy, x, n_rows, stride_x, _grad_like(x, shape),
+                                _cached_tiles(n_rows, dy.shape[-1]), direct)
+
+
+class BiasGeluFunction(torch.autograd.Function):
+    """The eager path of bias_gelu_forward / bias_gelu_backward (triton_common.eager_path says when)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, approximate_tanh):
+        y, rows, n_rows, stride_x = _eager_bias_gelu(x, bias, approximate_tanh)
+        ctx.save_for_backward(rows, bias)
+        ctx.meta = (approximate_tanh, n_rows, stride_x, x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        approximate_tanh, n_rows, stride_x, shape = ctx.meta
+        dy, _, stride_dy = rows_of(dy)
+        launch = _cached_bias_gelu_backward_launch(n_rows, x.shape[-1], bias is not None, cached_sm_count(x.device))
+        dx = _grad_like(x, shape)
+        dbias = _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, launch, direct)
+        return dx, dbias.to(bias.dtype) if dbias is not None and ctx.needs_input_grad[1] else None, None
+
+
+_apply_swiglu = super(torch.autograd.Function, SwigluFunction).apply
+_apply_bias_gelu = super(torch.autograd.Function, BiasGeluFunction).apply
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [..., f] of x [..., 2f]: the eager path where triton_common.eager_path allows,
+    else the operator."""
+    grad = eager_path(x)
+    if grad is None:
+        return swiglu_forward(as_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)
+    return apply(SwigluFunction, _apply_swiglu, x) if grad else _eager_swiglu(x)[0]
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate_tanh: bool) -> torch.Tensor:
+    """gelu(x + bias) [..., f]: the eager path where triton_common.eager_path allows, else the operator."""
+    grad = eager_path(x, bias)
+    if grad is None:
+        return bias_gelu_forward(as_rows(x), bias, approximate_tanh).view(x.shape)
+    if grad:
+        return apply(BiasGeluFunction, _apply_bias_gelu, x, bias, approximate_tanh)
+    return _eager_bias_gelu(x, bias, approximate_tanh)[0]

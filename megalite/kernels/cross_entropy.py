@@ -32,12 +32,19 @@ def _global_statistics(logits2d, local_target, valid_vocab: int, group, label_sm
     if triton:
         from megalite.kernels import cross_entropy_triton
 
-        stats_fn = cross_entropy_triton.local_stats
+        stats_fn = cross_entropy_triton.statistics
     else:
         stats_fn = torch_local_stats
     need_sum = label_smoothing > 0
     stats = stats_fn(logits2d, local_target, valid_vocab, need_sum)
     row_max, sum_exp, z_target = stats[0], stats[1], stats[2]
+    if group is None or dist.get_world_size(group) == 1:
+        # Nothing to reduce (the statistics are already global): a few torch ops fewer per call.
+        if not need_sum:
+            return row_max, torch.log(sum_exp), z_target, None, torch.zeros(1, dtype=torch.float32,
+                                                                             device=logits2d.device)
+        return (row_max, torch.log(sum_exp), z_target, stats[3] / valid_vocab,
+                sum_exp.new_full((1,), label_smoothing / valid_vocab))
 
     global_max = _all_reduce(row_max.clone(), dist.ReduceOp.MAX, group)
     pieces = [sum_exp * torch.exp(row_max - global_max), z_target]
@@ -92,7 +99,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: in
     if use:
         from megalite.kernels import cross_entropy_triton
 
-        loss = cross_entropy_triton.loss_from_statistics(*args)
+        loss = cross_entropy_triton.loss(*args)
     else:
         loss = TorchLoss.apply(*args)
     return loss.view(target.shape)

@@ -5,8 +5,11 @@ per-lane running max and rescaled sum of exponentials (online softmax with one e
 element), the sum of logits, and reads the target's logit. Nothing but per-row fp32 scalars
 is written. Gradient: one program per (row, column block), written in the logits dtype, in
 place into the logits buffer when asked. Each launcher is an operator megalite_kernels::ce_*
-(triton_common.kernel_op); the loss's autograd is registered in cross_entropy.py.
+(triton_common.kernel_op), with the loss's autograd registered on megalite_kernels::cross_entropy_loss;
+on the eager path (triton_common.eager_path) `statistics` and TritonLoss launch the same kernels directly.
 """
+
+import functools
 
 import torch
 import triton
@@ -14,7 +17,8 @@ import triton.language as tl
 
 from megalite.kernels.cross_entropy_torch import NO_GRAD_BUT_LOGITS, grad_logits_args, setup_loss
 from megalite.kernels.cross_entropy_torch import loss_from_statistics as _loss_from_statistics
-from megalite.kernels.triton_common import kernel_op, reduce_max, reduce_sum, to_dtype, wrap_triton
+from megalite.kernels.triton_common import (apply, cdiv, direct, eager_path, kernel_op, op_wrap_triton, reduce_max,
+                                            reduce_sum, to_dtype)
 
 
 @triton.jit
@@ -69,17 +73,13 @@ def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, s
     tl.store(GRAD + row * stride_grad + cols, to_dtype(grad, GRAD.dtype.element_ty), mask=in_row)
 
 
+@functools.lru_cache(maxsize=256)
 def _block_v(n: int) -> tuple[int, int]:
     block = min(4096, triton.next_power_of_2(max(n, 1)))
     return block, max(1, min(8, block // 256))
 
 
-@kernel_op("ce_local_stats", lambda logits2d, local_target, n_valid, need_sum:
-                logits2d.new_empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32))
-def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool) -> torch.Tensor:
-    """Per-row fp32 statistics over the first `n_valid` columns of logits2d [N, V_local], stacked
-    [max, sum exp(z - max), z_target, (sum z if need_sum)] -> [3 or 4, N]; local_target [N] int64
-    is -1 where the target is not in this shard (z_target is then 0)."""
+def _local_stats(logits2d, local_target, n_valid, need_sum, wrap_triton):
     n_rows = logits2d.shape[0]
     out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
     block_v, num_warps = _block_v(n_valid)
@@ -89,10 +89,20 @@ def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int
     return out
 
 
-def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth):
+@kernel_op("ce_local_stats", lambda logits2d, local_target, n_valid, need_sum:
+                logits2d.new_empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32))
+def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool) -> torch.Tensor:
+    """Per-row fp32 statistics over the first `n_valid` columns of logits2d [N, V_local], stacked
+    [max, sum exp(z - max), z_target, (sum z if need_sum)] -> [3 or 4, N]; local_target [N] int64
+    is -1 where the target is not in this shard (z_target is then 0)."""
+    return _local_stats(logits2d, local_target, n_valid, need_sum, op_wrap_triton)
+
+
+def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth,
+                 wrap_triton):
     n_rows, n_cols = logits2d.shape
     block_v, num_warps = _block_v(n_cols)
-    wrap_triton(_ce_grad_kernel)[(n_rows, triton.cdiv(n_cols, block_v))](
+    wrap_triton(_ce_grad_kernel)[(n_rows, cdiv(n_cols, block_v))](
         logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols,
         n_valid, 1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
 
@@ -103,7 +113,8 @@ def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: tor
     """Gradient of the loss w.r.t. logits2d [N, V_local], in its dtype, from the rows' global max
     and log sum exp(z - max); smooth is a 1-element fp32 tensor holding label_smoothing / V."""
     grad = torch.empty(logits2d.shape, dtype=logits2d.dtype, device=logits2d.device)
-    _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
+    _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth,
+                 op_wrap_triton)
     return grad
 
 
@@ -111,8 +122,8 @@ def grad_logits(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: tor
 def grad_logits_(logits2d: torch.Tensor, local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                  grad_loss: torch.Tensor, n_valid: int, label_smoothing: float, smooth: torch.Tensor) -> None:
     """grad_logits written into logits2d itself (each element is read before it is overwritten)."""
-    _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth)
-
+    _launch_grad(logits2d, logits2d, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth,
+                 op_wrap_triton)
 
 
 loss_from_statistics = torch.library.custom_op("megalite_kernels::cross_entropy_loss", _loss_from_statistics,
@@ -130,3 +141,39 @@ def _loss_grad(ctx, grad_loss):
 
 
 loss_from_statistics.register_autograd(_loss_grad, setup_context=setup_loss)
+
+
+class TritonLoss(torch.autograd.Function):
+    """The eager path of cross_entropy_loss: its gradient kernel launched directly."""
+
+    @staticmethod
+    def forward(ctx, *args):  # ctx first, no setup_context: Function.apply then skips binding the arguments
+        out = _loss_from_statistics(*args)
+        setup_loss(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        args = grad_logits_args(ctx, grad_loss)
+        logits2d = args[0]
+        grad = logits2d if ctx.inplace_backward else torch.empty(logits2d.shape, dtype=logits2d.dtype,
+                                                                 device=logits2d.device)
+        _launch_grad(logits2d, grad, *args[1:], direct)
+        return grad, *NO_GRAD_BUT_LOGITS
+
+
+_apply_loss = super(torch.autograd.Function, TritonLoss).apply
+
+
+def statistics(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int, need_sum: bool) -> torch.Tensor:
+    """local_stats: the kernel launched directly where triton_common.eager_path allows, else the operator."""
+    if eager_path(logits2d, local_target) is None:
+        return local_stats(logits2d, local_target, n_valid, need_sum)
+    return _local_stats(logits2d, local_target, n_valid, need_sum, direct)
+
+
+def loss(*args) -> torch.Tensor:
+    """loss_from_statistics(*args): TritonLoss where triton_common.eager_path allows, else the operator."""
+    if eager_path(*args[:7]) is None:
+        return loss_from_statistics(*args)
+    return apply(TritonLoss, _apply_loss, *args)

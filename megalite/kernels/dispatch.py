@@ -5,20 +5,27 @@ Every public op in megalite.kernels takes ``impl``:
 - ``"torch"``: the reference, plain torch, any device;
 - ``"triton"``: the Triton kernel; CUDA tensors, or CPU tensors when the process runs Triton's
   interpreter (TRITON_INTERPRET=1 set before megalite's Triton modules are first imported);
-- ``"auto"``: Triton when every tensor is on CUDA and triton imports, else torch.
+- ``"auto"``: Triton when every tensor is on CUDA and triton imports, unless the measured table
+  (speed_table.py) says the reference is faster for this GPU and shape; else torch.
 
 Nothing here imports triton at module import: the Triton modules are imported on first use.
+These checks run on every call of an op, so they are kept to a few attribute reads.
 """
 
 import importlib
+import sys
 
 import torch
+
+from megalite.kernels import speed_table
 
 IMPLS = ("auto", "triton", "torch")
 
 
 def triton_importable() -> bool:
     """True when `import triton` succeeds (after the first import, a sys.modules lookup)."""
+    if "triton.language" in sys.modules:
+        return sys.modules["triton.language"] is not None
     try:
         importlib.import_module("triton.language")
     except Exception:  # noqa: BLE001 - ImportError, or a broken install failing at import
@@ -27,11 +34,15 @@ def triton_importable() -> bool:
 
 
 def use_triton(op: str, impl: str, *tensors: torch.Tensor | None) -> bool:
-    """Resolve ``impl`` for op `op` on `tensors` (None entries ignored) to Triton (True) or torch."""
+    """Resolve ``impl`` for op `op` on `tensors` (None entries ignored; the first is the op's main
+    input, whose last dim is its shape class in the measured table) to Triton (True) or torch."""
     if impl == "torch":
         return False
     if impl == "auto":
-        if not all(t.is_cuda for t in tensors if t is not None):
+        for t in tensors:
+            if t is not None and not t.is_cuda:
+                return False
+        if speed_table.prefers_torch(op, tensors[0]):
             return False
     elif impl != "triton":
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
@@ -48,12 +59,13 @@ def use_triton(op: str, impl: str, *tensors: torch.Tensor | None) -> bool:
 
 def check_triton_device(op: str, *tensors: torch.Tensor | None) -> None:
     """Raise a clear error when a Triton kernel cannot run on these tensors."""
+    index = tensors[0].get_device()
+    if all(t is None or (t.is_cuda and t.get_device() == index) for t in tensors):
+        return  # the common case, in a few attribute reads
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
         raise ValueError(f"{op}: tensors on different devices {sorted(map(str, devices))}")
     device = devices.pop()
-    if device.type == "cuda":
-        return
     from megalite.kernels import triton_common
 
     if device.type == "cpu" and triton_common.INTERPRETED:
@@ -67,3 +79,13 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, last dim] with unit stride along the last dim (a view when possible)."""
     t2d = t.reshape(-1, t.shape[-1])
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(t or a [rows, h] copy of it, rows, row stride): t itself when contiguous (its rows then lie
+    h apart with unit stride along h, the kernels' layout, whatever its leading dims), else as_rows(t)."""
+    n_cols = t.shape[-1]
+    if t.is_contiguous():
+        return t, t.numel() // n_cols, n_cols
+    t2d = as_rows(t)
+    return t2d, t2d.shape[0], t2d.stride(0)

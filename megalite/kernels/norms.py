@@ -9,7 +9,7 @@ the parameters' dtypes.
 
 import torch
 
-from megalite.kernels.dispatch import as_rows, check_triton_device, use_triton
+from megalite.kernels.dispatch import check_triton_device, use_triton
 from megalite.kernels.reference import layer_norm_reference, rms_norm_reference
 
 MAX_TRITON_COLS = 16384  # wider rows would spill registers in the Triton backward; the torch path takes them
@@ -20,7 +20,7 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"{op}: x must have a hidden dim, got a 0-d tensor")
     h = x.shape[-1]
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (h,):
+        if p is not None and (p.dim() != 1 or p.shape[0] != h):
             raise ValueError(f"{op}: {name} must have shape ({h},) to match x {tuple(x.shape)}, got {tuple(p.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{op}: x must be floating point, got {x.dtype}")
@@ -40,7 +40,7 @@ def _triton_ok(op: str, impl: str, x, weight, bias) -> bool:
 def _norm_triton(x, weight, bias, eps: float, is_rms: bool) -> torch.Tensor:
     from megalite.kernels import norms_triton
 
-    return norms_triton.norm_forward(as_rows(x), weight, bias, eps, is_rms)[0].view(x.shape)
+    return norms_triton.norm(x, weight, bias, eps, is_rms)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: str = "auto") -> torch.Tensor:

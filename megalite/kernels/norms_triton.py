@@ -1,20 +1,26 @@
 """Triton RMSNorm / LayerNorm: one-pass row kernels with the row held in registers, registered
 as the operators megalite_kernels::norm_forward and ::norm_backward, the first differentiable
-through the second.
+through the second, and launched directly by NormFunction on the eager path.
 
-Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns, writing y and the
-per-row fp32 rstd (and mean for LayerNorm). Backward: a fixed number of programs (a few per SM)
-loop over row blocks, write dx and keep fp32 partial sums of dweight/dbias in registers; the
+Both are memory-bound: the row is read once into registers (loads of 16 bytes, with pointers
+and strides divisible by 16), reduced across the program's warps, and written once.
+Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns (about 4096 values
+a program, 16 a thread), writing y and the per-row fp32 rstd (and mean for LayerNorm).
+Backward: a fixed number of persistent programs (as many as fit on the GPU at once) loop over
+the rows, write dx and keep fp32 partial sums of dweight/dbias in registers; the
 [programs, h] partials are reduced by one small torch sum afterwards.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels.dispatch import as_rows
-from megalite.kernels.triton_common import (kernel_op, persistent_programs, reduce_sum, rows_per_program, to_dtype, warps_for,
-                                            wrap_triton)
+from megalite.kernels.dispatch import as_rows, rows_of
+from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, direct, eager_path, kernel_op,
+                                            op_wrap_triton, persistent_programs, reduce_sum, rows_per_program,
+                                            sm_count, to_dtype, warps_for)
 
 
 @triton.jit
@@ -55,7 +61,6 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
     db_acc = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
     for block in range(pid, (n_rows + BLOCK_M - 1) // BLOCK_M, tl.num_programs(0)):
@@ -65,20 +70,26 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        # The weight is re-read per block (from L1) rather than held: registers go to the sums.
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        # w * dy goes through a select before both of its uses: rounded once, the same value in
+        # the row sum and in the difference below (a fused multiply-add there would keep the
+        # exact product and leave its rounding error, times rstd, where the answer is 0).
+        wdy = tl.where(mask, w[None, :] * dy, 0.0)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wdy = w[None, :] * dy
         c1 = reduce_sum(xhat * wdy, axis=1) / n_cols
         if IS_RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
             # y = w * round(xhat): dweight sees the rounded xhat, dx passes straight through.
             dw_acc += reduce_sum(dy * to_dtype(xhat, DX.dtype.element_ty).to(tl.float32), axis=0)
         else:
+            # LayerNorm over one column: xhat = 0 and wdy - c2 = 0 exactly, so dx = 0 exactly.
             c2 = reduce_sum(wdy, axis=1) / n_cols
-            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx = ((wdy - c2[:, None]) - xhat * c1[:, None]) * rstd[:, None]
             dw_acc += reduce_sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db_acc += reduce_sum(dy, axis=0)
@@ -88,10 +99,46 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
         tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
 
 
-def _tiles(n_rows: int, n_cols: int, elems_per_thread: int) -> tuple[int, int, int]:
+def forward_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward: whole rows, 16 fp32 values per thread."""
     block_n = triton.next_power_of_2(n_cols)
     block_m = rows_per_program(block_n, n_rows)
-    return block_m, block_n, warps_for(block_m * block_n, elems_per_thread)
+    return block_m, block_n, warps_for(block_m * block_n, 16)
+
+
+def backward_launch(n_rows: int, n_cols: int, sms: int | None) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_M, BLOCK_N, num_warps) of the backward on a GPU of `sms` SMs (None: the
+    CPU): each program loops over rows pid, pid + programs, ..., one row at a time (several rows
+    a block would put the dweight/dbias sums in a layout shared across rows, which costs
+    registers and a layout change every block), accumulating its dweight/dbias partial sums.
+    It holds xhat, w * dy, w and the two sums per element: 8 elements per thread stays within 64
+    registers up to h = 8192 with no spills (checked by compiling for sm_90), so 32 warps of
+    programs fit on an SM at once, which persistent_programs assumes."""
+    block_n = triton.next_power_of_2(n_cols)
+    num_warps = warps_for(block_n, 8)
+    return persistent_programs(n_rows, num_warps, sms), 1, block_n, num_warps
+
+
+_cached_forward_tiles = functools.lru_cache(maxsize=256)(forward_tiles)
+_cached_backward_launch = functools.lru_cache(maxsize=256)(backward_launch)
+
+
+def _launch_forward(x, weight, bias, y, mean, rstd, eps, is_rms, rows, tiles, wrap_triton):
+    """rows: (n_rows, n_cols, row stride of x); y is contiguous."""
+    n_rows, n_cols, stride_x = rows
+    block_m, block_n, num_warps = tiles
+    wrap_triton(_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_x, n_cols, eps,
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def _launch_backward(dy, x, weight, dx, mean, rstd, dw_part, db_part, is_rms, rows, stride_dy, launch, wrap_triton):
+    """rows: (n_rows, n_cols, row stride of x); dx is contiguous."""
+    n_rows, n_cols, stride_x = rows
+    programs, block_m, block_n, num_warps = launch
+    wrap_triton(_norm_bwd_kernel)[(programs,)](
+        x, weight, dy, dx, mean, rstd, dw_part, db_part, n_rows, n_cols, stride_x, stride_dy, n_cols,
+        IS_RMS=is_rms, HAS_BIAS=db_part is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
 
 
 def _norm_forward_fake(x2d, weight, bias, eps, is_rms):
@@ -110,20 +157,9 @@ def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     mean = torch.empty(0 if is_rms else n_rows, dtype=torch.float32, device=x2d.device)
-    block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=16)
-    wrap_triton(_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
-        x2d, weight, bias, y, None if is_rms else mean, rstd, n_rows, n_cols, x2d.stride(0), y.stride(0), eps,
-        IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    _launch_forward(x2d, weight, bias, y, None if is_rms else mean, rstd, eps, is_rms, (n_rows, n_cols, x2d.stride(0)),
+                    forward_tiles(n_rows, n_cols), op_wrap_triton)
     return y, mean, rstd
-
-
-def backward_launch(device: torch.device, n_rows: int, n_cols: int) -> tuple[int, int, int, int]:
-    """(programs, BLOCK_M, BLOCK_N, num_warps) of the backward: each program loops over row
-    blocks pid, pid + programs, ..., accumulating its dweight/dbias partial sums."""
-    # The backward holds x, dy, w and the dweight/dbias sums per element: 8 elements per thread
-    # keeps h = 4096 at 64 registers (two 16-warp programs per SM) with no spills.
-    block_m, block_n, num_warps = _tiles(n_rows, n_cols, elems_per_thread=8)
-    return persistent_programs(device, triton.cdiv(n_rows, block_m), num_warps), block_m, block_n, num_warps
 
 
 def _norm_backward_fake(dy2d, x2d, weight, has_bias, mean, rstd, is_rms):
@@ -137,14 +173,12 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, h
                   rstd: torch.Tensor, is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx [N, h] in x's dtype, dweight fp32 [h], dbias fp32 [h] (empty without a bias))."""
     n_rows, n_cols = x2d.shape
+    launch = backward_launch(n_rows, n_cols, sm_count(x2d.device))
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    programs, block_m, block_n, num_warps = backward_launch(x2d.device, n_rows, n_cols)
-    dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
-    db_part = torch.empty((programs if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
-    wrap_triton(_norm_bwd_kernel)[(programs,)](
-        x2d, weight, dy2d, dx, None if is_rms else mean, rstd, dw_part, db_part if has_bias else None,
-        n_rows, n_cols, x2d.stride(0), dy2d.stride(0), dx.stride(0),
-        IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    dw_part = torch.empty((launch[0], n_cols), dtype=torch.float32, device=x2d.device)
+    db_part = torch.empty((launch[0] if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
+    _launch_backward(dy2d, x2d, weight, dx, None if is_rms else mean, rstd, dw_part, db_part if has_bias else None,
+                     is_rms, (n_rows, n_cols, x2d.stride(0)), dy2d.stride(0), launch, op_wrap_triton)
     return dx, dw_part.sum(0), db_part.sum(0)
 
 
@@ -166,3 +200,58 @@ def _norm_grad(ctx, dy, _dmean, _drstd):
 
 
 norm_forward.register_autograd(_norm_grad, setup_context=_setup_norm)
+
+
+def _eager_forward(x, weight, bias, eps, is_rms):
+    """(y in x's shape, (x or its [rows, h] copy, rows, row stride), mean or None, rstd)."""
+    rows, n_rows, stride_x = rows_of(x)
+    n_cols = x.shape[-1]
+    y = torch.empty_like(rows) if rows is x else rows.new_empty(x.shape)
+    rstd = x.new_empty(n_rows, dtype=torch.float32)
+    mean = None if is_rms else x.new_empty(n_rows, dtype=torch.float32)
+    _launch_forward(rows, weight, bias, y, mean, rstd, eps, is_rms, (n_rows, n_cols, stride_x),
+                    _cached_forward_tiles(n_rows, n_cols), direct)
+    return y, (rows, n_rows, stride_x), mean, rstd
+
+
+class NormFunction(torch.autograd.Function):
+    """The eager path of norm_forward / norm_backward: the same kernels launched directly, without
+    the operator dispatch and its autograd wrapper (triton_common.eager_path says when)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms):
+        y, (x_rows, n_rows, stride_x), mean, rstd = _eager_forward(x, weight, bias, eps, is_rms)
+        ctx.save_for_backward(x_rows, weight, mean, rstd)
+        ctx.meta = (is_rms, None if bias is None else bias.dtype, n_rows, stride_x, x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        is_rms, bias_dtype, n_rows, stride_x, shape = ctx.meta
+        dy, _, stride_dy = rows_of(dy)
+        n_cols = x.shape[-1]
+        launch = _cached_backward_launch(n_rows, n_cols, cached_sm_count(x.device))
+        dx = torch.empty_like(x) if x.shape == shape else x.new_empty(shape)  # contiguous either way
+        dw_part = x.new_empty((launch[0], n_cols), dtype=torch.float32)
+        db_part = None if bias_dtype is None else x.new_empty((launch[0], n_cols), dtype=torch.float32)
+        _launch_backward(dy, x, weight, dx, mean, rstd, dw_part, db_part, is_rms, (n_rows, n_cols, stride_x),
+                         stride_dy, launch, direct)
+        needs = ctx.needs_input_grad
+        dw = dw_part.sum(0).to(weight.dtype) if needs[1] else None
+        db = db_part.sum(0).to(bias_dtype) if db_part is not None and needs[2] else None
+        return dx, dw, db, None, None
+
+
+_apply_norm = super(torch.autograd.Function, NormFunction).apply
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
+    """The norm of x [..., h] over its last dim: the eager path where triton_common.eager_path allows,
+    else the operator."""
+    grad = eager_path(x, weight, bias)
+    if grad is None:
+        return norm_forward(as_rows(x), weight, bias, eps, is_rms)[0].view(x.shape)
+    if grad:
+        return apply(NormFunction, _apply_norm, x, weight, bias, eps, is_rms)
+    return _eager_forward(x, weight, bias, eps, is_rms)[0]

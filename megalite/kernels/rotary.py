@@ -36,5 +36,5 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         from megalite.kernels import rotary_triton
 
-        return rotary_triton.rotary(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, False)
+        return rotary_triton.apply_rotary(x if x.stride(-1) == 1 else x.contiguous(), cos, sin)
     return apply_rotary_reference(x, cos, sin)

@@ -6,8 +6,16 @@ and a plain ``.to(tl.bfloat16)`` rounds toward zero. The kernels therefore conve
 fp32 right away (``.to(tl.float32)``, an exact widening) and convert results with ``to_dtype``,
 which rounds to nearest-even by hand under the interpreter and is a plain ``.to`` when compiled
 (where fp32 -> bf16 is round-to-nearest-even already).
+
+Inductor note (torch.compile): Inductor compiles a kernel launched inside a triton_op from a
+copy of its source, with the source of every @jit function it calls pasted beside it under the
+name it is called by, plus module-level int/str/bool/constexpr values; nothing else of the
+module comes along (torch._inductor.codegen.wrapper.user_defined_triton_kernel_transitive_closure_source_code).
+So a compiled-mode kernel or helper may refer only to `tl`, builtins, and @jit functions by their
+own names; tests/kernels/test_compile_sm90.py compiles every kernel from that copy.
 """
 
+import functools
 import os
 from typing import Callable
 
@@ -38,51 +46,57 @@ if INTERPRETED:
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return x.to(dtype)
+
+    # Under the interpreter, reductions are written on Triton builtins only. triton.language's own
+    # tl.sum and tl.max are @jit functions decorated when triton.language is first imported: if
+    # anything in the process (megatron.core, torch._dynamo) imported it before TRITON_INTERPRET=1
+    # was set, they are compiled-mode functions the interpreter cannot call. The combine
+    # functions are tl.sum's and tl.max's own: the interpreter recognises them and reduces with
+    # numpy (any other combine function it applies element by element, hundreds of times
+    # slower), and never runs them as kernels, so the mode they were decorated in does not matter.
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _maximum(a, b):
+        return tl.maximum(a, b)
+
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or _add
+    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or _maximum
+
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _SUM_COMBINE)
+
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _MAX_COMBINE)
 else:
     @triton.jit
     def to_dtype(x, dtype: tl.constexpr):
         """Round fp32 `x` to `dtype` (round to nearest even)."""
         return x.to(dtype)
 
+    # Compiled: tl.sum / tl.max themselves (the interpreter's combine functions above are the
+    # same tl.reduce), referred to through `tl`, which Inductor's copy of the source imports.
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis)
 
-# Reductions and sigmoid written on Triton builtins only. triton.language's own tl.sum, tl.max,
-# tl.sigmoid, tl.zeros and tl.cdiv are @jit functions decorated when triton.language is first
-# imported: if anything in the process (megatron.core, torch._dynamo) imported it before
-# TRITON_INTERPRET=1 was set, they are compiled-mode functions the interpreter cannot call. Ours
-# are decorated lazily with megalite's kernels, so the CPU tests work in a shared process.
-#
-# The combine functions are tl.sum's and tl.max's own (compiled, tl.reduce with them is exactly
-# tl.sum / tl.max): the interpreter recognises them and reduces with numpy, where any other
-# combine function is applied element by element in Python, hundreds of times slower. The
-# interpreter never runs them as kernels (at most their plain Python body), so it does not
-# matter in which mode triton.language decorated them. Ours stand in if a Triton lacks them.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-_SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or _add
-_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or _maximum
-
-
-@triton.jit
-def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _SUM_COMBINE)
-
-
-@triton.jit
-def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _MAX_COMBINE)
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.max(x, axis)
 
 
 @triton.jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (and SymInts): triton.cdiv's arithmetic without its per-call overhead."""
+    return -(-a // b)
 
 
 def rows_per_program(n_cols_block: int, n_rows: int, target_elems: int = 4096) -> int:
@@ -97,20 +111,138 @@ def warps_for(tile_elems: int, elems_per_thread: int = 16) -> int:
     return max(1, min(32, tile_elems // (32 * elems_per_thread)))
 
 
-def persistent_programs(device: torch.device, n_blocks: int, num_warps: int) -> int:
-    """Programs for a loop-over-rows kernel: as many as fit on the GPU at once (about 32 warps per
-    SM), at most one per block of rows; a handful under the interpreter. On a fake CUDA device (a
-    dry run) the SM count is the modelled GPU's, which the dry run answers through the same call."""
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device, asked now (a dry run's fake CUDA device answers
+    its modelled GPU's through the same call); None for the CPU (the interpreter)."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
-    return max(1, min(n_blocks, 4))
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_sm_count(device_type: str, index: int | None) -> int | None:
+    return sm_count(torch.device(device_type, index))
+
+
+def cached_sm_count(device: torch.device) -> int | None:
+    """sm_count, asked once per device: the eager path's per-call lookup."""
+    return _cached_sm_count(device.type, device.index)
+
+
+def persistent_programs(n_blocks: int, num_warps: int, sms: int | None) -> int:
+    """Programs for a loop-over-rows kernel: as many as fit on the GPU at once (32 warps per SM,
+    which the sm_90 compile test checks the registers allow), at most one per block of rows; a
+    handful on the CPU (sms None)."""
+    if sms is None:
+        return max(1, min(n_blocks, 4))
+    return max(1, min(n_blocks, sms * max(1, 32 // num_warps)))
+
+
+class DirectLauncher:
+    """`kernel[grid](*args, **constexprs)` for the eager path, with less host time than
+    JITFunction.run: its first launch at each specialisation goes through JITFunction.run (which
+    compiles, launches and returns the CompiledKernel); later launches with the same
+    specialisation launch that CompiledKernel directly (CompiledKernel[grid]), skipping run()'s
+    option parsing, argument binding and cache-key building.
+
+    The key holds all that Triton specialises a launch on, or more: the current device (whose
+    kernel cache run() uses), the constexpr and option keywords, each tensor's dtype and whether
+    its address is a multiple of 16, for each int whether it is 1 (Triton makes that a constant),
+    a multiple of 16, or wider than 32 bits, and Nones and floats by kind. Anything else among the
+    arguments (a bool passed positionally, a tensor subclass), or pre-run hooks on the kernel, and
+    the launch goes through run(). Triton 3.3 and later pass every argument, constexprs included,
+    to the compiled launcher, as here; before 3.4 (no triton.knobs) the eager path launches
+    through JITFunction.run (`direct` returns the kernel itself)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.names = kernel.arg_names
+        self.compiled = {}
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **kwargs):
+        device = _driver.active.get_current_device()
+        key = [device, *kwargs.values()]
+        append = key.append
+        for a in args:
+            kind = type(a)
+            if kind is int:
+                append(1 if a == 1 else (a & 15) == 0 if -2**31 <= a < 2**31 else ((a & 15) == 0, a >= 2**63))
+            elif kind in _PLAIN:
+                append(a.dtype)
+                append((a.data_ptr() & 15) == 0)
+            elif a is None:
+                append(None)
+            elif kind is float:
+                append(float)
+            else:  # a bool passed positionally, a tensor subclass: Triton's own launch path
+                return self.kernel[grid](*args, **kwargs)
+        key = tuple(key)
+        found = self.compiled.get(key)
+        if found is None or getattr(self.kernel, "pre_run_hooks", None):
+            compiled = self.kernel[grid](*args, **kwargs)
+            if isinstance(compiled, CompiledKernel):
+                self.compiled[key] = (compiled, tuple(kwargs[name] for name in self.names[len(args):]))
+            return
+        compiled, constexprs = found
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+
+
+if INTERPRETED or not hasattr(triton, "knobs"):
+    def direct(kernel):
+        """The eager path's stand-in for torch.library.wrap_triton: the kernel itself."""
+        return kernel
+else:
+    from triton.compiler import CompiledKernel
+    from triton.runtime.driver import driver as _driver
+
+    _LAUNCHERS: dict[int, DirectLauncher] = {}
+
+    def direct(kernel):
+        """The eager path's stand-in for torch.library.wrap_triton: the kernel's DirectLauncher
+        (one a kernel, kept for the process like the kernel itself)."""
+        launcher = _LAUNCHERS.get(id(kernel))
+        if launcher is None:
+            launcher = _LAUNCHERS[id(kernel)] = DirectLauncher(kernel)
+        return launcher
 
 
 _TRITON_OP = getattr(torch.library, "triton_op", None)
-wrap_triton = getattr(torch.library, "wrap_triton", None) or (lambda kernel: kernel)
-"""torch.library.wrap_triton: a kernel launched through it inside a triton_op is a node torch.compile
-and FakeTensorMode see (a no-op on fake tensors); an interpreted kernel it returns as it is."""
+op_wrap_triton = direct if INTERPRETED else (getattr(torch.library, "wrap_triton", None) or direct)
+"""How the operators launch: torch.library.wrap_triton for compiled kernels (a kernel launched
+through it inside a triton_op is a node torch.compile and FakeTensorMode see, and a no-op on fake
+tensors); interpreted kernels directly (torch before 2.13 rejects them in wrap_triton)."""
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_path(*tensors: torch.Tensor | None) -> bool | None:
+    """Whether an op takes its eager path (megalite's autograd.Function launching the kernels
+    directly) instead of its operator, and with autograd: None for the operator (inside
+    torch.compile, under a dispatch mode such as FakeTensorMode, a dry run, opcheck or selective
+    checkpointing, or for tensor subclasses, all of which must see the operator); else True when
+    autograd must record the op (grad mode on and an input requiring grad), False when not."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return None
+    grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) not in _PLAIN:
+                return None
+            grad = grad or t.requires_grad
+    return grad and torch.is_grad_enabled()
+
+
+def apply(function: type, raw_apply: Callable, *args):
+    """function.apply(*args), through `raw_apply` (super(torch.autograd.Function, function).apply,
+    the C++ entry) unless a functorch transform (vmap, grad) is active: Function.apply's Python
+    wrapper adds about 2 us a call to bind arguments and unwrap functorch wrappers, needed only there."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return raw_apply(*args)
 
 
 def kernel_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):

@@ -14,7 +14,12 @@ Inputs are of unit scale (randn-like), so absolute tolerances are meaningful.
   atol 2^-7 * max|expected| (one ulp of the largest entry, for reductions whose terms cancel),
   and never below the fp32 atol 1e-5. Gradients of fp32 parameters used with bf16 activations
   get these bf16 tolerances too: their precision is set by the bf16 activations.
+- fp32 sums over many rows (dweight, dbias of a backward over thousands of rows): the kernel adds
+  the rows' terms in another order than fp64 autograd; the tolerance is the bound on that
+  (assert_row_sum_close), not a looser constant.
 """
+
+import math
 
 import torch
 import triton
@@ -49,6 +54,57 @@ def assert_grad_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: tor
     else:
         tol = dict(rtol=BF16_ULP, atol=max(FP32_TOL["atol"], BF16_ULP * float(expected64.abs().max())))
     assert_close(actual, expected64, name=name, **tol)
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def summation_depth(block_m: int, n_blocks: int, programs: int) -> int:
+    """The most additions one row's term goes through in a backward kernel's sum over rows: a tree
+    over the BLOCK_M rows of a block (ceil(log2 BLOCK_M) levels), the program's running sum over
+    its row blocks (one per block), then torch's sum over the programs' partials, whose order is
+    torch's (at most programs - 1 additions, the longest any order can take)."""
+    return math.ceil(math.log2(block_m)) + triton.cdiv(n_blocks, programs) + programs - 1
+
+
+def assert_row_sum_close(actual: torch.Tensor, expected64: torch.Tensor, terms64: torch.Tensor, depth: int,
+                         name: str) -> None:
+    """`actual` [h]: a kernel's fp32 sum over rows of its terms, given in fp64 as `terms64` [n, h]
+    (the kernel's own fp32 values, or recomputed from its saved statistics, whose roundings the
+    caller adds to `depth`); `expected64` [h]: the exact (fp64 reference) sum.
+
+    Any order of adding the terms in which each passes through at most d additions errs by at
+    most gamma_d * sum|t_i|, gamma_d = d u / (1 - d u), u = 2^-24 (Higham, Accuracy and Stability
+    of Numerical Algorithms, 2nd ed., sec. 4.2: the computed sum is sum t_i (1 + theta_i),
+    |theta_i| <= gamma_d). So |actual - expected| <= |sum t_i - expected| (the terms' own error,
+    checked elementwise where they are outputs) + gamma_d * sum|t_i|, column by column."""
+    assert actual.dtype == torch.float32 and actual.shape == expected64.shape, f"{name}: {actual.dtype} {actual.shape}"
+    d = depth * FP32_UNIT_ROUNDOFF
+    allowed = (terms64.sum(0) - expected64).abs() + d / (1 - d) * terms64.abs().sum(0)
+    error = (actual.double() - expected64).abs()
+    worst = int((error - allowed).argmax())
+    assert bool((error <= allowed).all()), (f"{name}: column {worst} off by {float(error[worst]):.3g}, bound "
+                                            f"{float(allowed[worst]):.3g} (depth {depth})")
+
+
+def assert_partial_sums_close(partials: torch.Tensor, terms64: torch.Tensor, block_m: int, depth: int,
+                              name: str) -> None:
+    """partials [P, h]: the fp32 sums a persistent backward kernel's programs wrote, program p
+    having added the rows of blocks p, p + P, p + 2P, ... (BLOCK_M rows a block); terms64 [n, h]:
+    the kernel's terms in fp64. Each program's sum is held to gamma_d * sum|t| over its own rows
+    (the bound of assert_row_sum_close), d = `depth` (its tree over a block, its blocks, the
+    terms' own roundings): a row dropped or counted twice fails it at any grid size, where the
+    bound on torch's final sum over thousands of partials would not."""
+    programs = partials.shape[0]
+    owner = (torch.arange(terms64.shape[0]) // block_m) % programs
+    expected = torch.zeros(partials.shape, dtype=torch.float64).index_add_(0, owner, terms64)
+    magnitude = torch.zeros(partials.shape, dtype=torch.float64).index_add_(0, owner, terms64.abs())
+    d = depth * FP32_UNIT_ROUNDOFF
+    error = (partials.double().cpu() - expected).abs()
+    allowed = d / (1 - d) * magnitude
+    worst = divmod(int((error - allowed).argmax()), partials.shape[1])
+    assert bool((error <= allowed).all()), (f"{name}: program {worst[0]} column {worst[1]} off by "
+                                            f"{float(error[worst]):.3g}, bound {float(allowed[worst]):.3g}")
 
 
 def grads_fp64(fn, inputs: list[torch.Tensor | None], grad_out: torch.Tensor) -> list[torch.Tensor | None]:

@@ -22,9 +22,13 @@ import torch  # noqa: E402
 
 @pytest.fixture(scope="session")
 def device() -> str:
-    """Where impl='triton' runs: the CPU under the interpreter, else the GPU."""
-    if os.environ["TRITON_INTERPRET"] == "1":
-        return "cpu"
-    if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET is not 1 and there is no GPU: Triton kernels cannot run")
-    return "cuda"
+    """Where impl='triton' runs: the CPU under the interpreter, else the GPU. Every test that runs
+    a kernel builds its tensors here (test_devices.py checks that they take this fixture)."""
+    pytest.importorskip("triton")
+    from megalite.kernels.triton_common import interpreter_enabled
+    from tests.kernels.devices import kernel_device
+
+    found = kernel_device(interpreter_enabled(), torch.cuda.is_available())
+    if found is None:
+        pytest.skip("Triton kernels are compiled (TRITON_INTERPRET is not 1) and there is no GPU to run them")
+    return found

@@ -1,13 +1,21 @@
 """Compile every Triton kernel megalite launches, at realistic shapes, for an H100 (sm_90), on a
 machine without a GPU, and report registers and spills.
 
-    python -m tests.kernels.sm90_compile [bfloat16] [float32]   (TRITON_INTERPRET unset or 0)
+    python -m tests.kernels.sm90_compile [--inductor] [--planted] [bfloat16] [float32]
+    (TRITON_INTERPRET unset or 0)
 
 The launch wrappers are called with tensors on the "meta" device while JITFunction.run is
 replaced by a recorder, so the exact arguments, constexprs and num_warps the wrappers choose are
 compiled (through Triton's full pipeline down to a cubin, with the ptxas bundled in the triton
 wheel). Prints one JSON line per distinct compilation: kernel, constexprs, num_warps, registers,
-spill bytes (stack), shared memory.
+spill bytes (stack), shared memory, and whether global loads are 16 bytes wide (vector_loads).
+
+--inductor compiles each kernel a second time from the copy of its source torch.compile's
+Inductor makes (inductor_copy.py), once per code path (constexprs other than block sizes), and
+adds "inductor": "ok" or the error to that line, then prints {"op_kernels": ...}: the kernels
+torch found in each triton_op (it hashes their source into its compile caches). The exit
+status is 1 if any copy fails. --planted compiles tests/kernels/planted_kernels.py's kernel
+instead of megalite's (its copy must fail).
 """
 
 import json
@@ -77,23 +85,31 @@ def _record_launches(dtypes):
 
 
 def _signature(kernel, args, kwargs):
+    """(signature, constexprs, attrs) as JITFunction.run specialises the launch: bools, Nones and
+    keyword (constexpr) arguments fixed, and pointers whose address and integers whose value are
+    multiples of 16 marked divisible by 16 (tt.divisibility), which lets Triton vectorise loads."""
     names = kernel.arg_names
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
-    signature, constexprs = {}, {}
-    for name in names:
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(names):
         value = values[name]
         if value is None or isinstance(value, bool) or name in kwargs:
             signature[name], constexprs[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, torch.Tensor):
             signature[name] = pointer[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
         elif isinstance(value, int):
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[name], divisible = "fp32", False
         else:
             raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
-    return signature, constexprs
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
 
 
 def _resources(cubin: bytes) -> dict:
@@ -110,31 +126,71 @@ def _resources(cubin: bytes) -> dict:
     return dict(zip(("registers", "stack", "shared"), map(int, found.groups())))
 
 
+def _planted_launch():
+    from tests.kernels import planted_kernels
+
+    x = torch.empty(64, dtype=torch.float32, device="meta")
+    return [(planted_kernels._planted_kernel, (x, x), {"BLOCK": 64})]
+
+
 def main(argv: list[str]) -> int:
-    """argv: optional dtype names (default: bfloat16 float32)."""
+    """argv: --inductor, --planted, dtype names (default: bfloat16 float32)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("sm90_compile: unset TRITON_INTERPRET (kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
-    dtypes = [getattr(torch, name) for name in (argv or ["bfloat16", "float32"])]
+    flags = {a for a in argv if a.startswith("--")}
+    dtypes = [getattr(torch, name) for name in ([a for a in argv if a not in flags] or ["bfloat16", "float32"])]
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tests.kernels.inductor_copy import inductor_copy, names_inductor_drops
+
     target = GPUTarget("cuda", 90, 32)
-    seen = set()
-    for kernel, args, kwargs in _record_launches(dtypes):
-        signature, constexprs = _signature(kernel, args, kwargs)
-        num_warps = kwargs.get("num_warps", 4)
-        key = (kernel.__name__, json.dumps(signature, sort_keys=True), json.dumps(constexprs, sort_keys=True), num_warps)
-        if key in seen:
-            continue
-        seen.add(key)
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                                  options={"num_warps": num_warps})
-        dtypes = sorted({t for t in signature.values() if t.startswith("*")})
-        print(json.dumps(dict(kernel=kernel.__name__, constexprs=constexprs, num_warps=num_warps, pointers=dtypes,
-                              **_resources(compiled.asm["cubin"]))), flush=True)
-    return 0
+    seen, copied, failed = set(), set(), False
+    launches = _planted_launch() if "--planted" in flags else _record_launches(dtypes)
+    with tempfile.TemporaryDirectory() as copies:
+        for kernel, args, kwargs in launches:
+            signature, constexprs, attrs = _signature(kernel, args, kwargs)
+            num_warps = kwargs.get("num_warps", 4)
+            key = (kernel.__name__, json.dumps(signature, sort_keys=True), json.dumps(constexprs, sort_keys=True),
+                   num_warps)
+            if key in seen:
+                continue
+            seen.add(key)
+            options = {"num_warps": num_warps}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                      target=target, options=options)
+            pointers = sorted({t for t in signature.values() if t.startswith("*")})
+            line = dict(kernel=kernel.__name__, constexprs=constexprs, num_warps=num_warps, pointers=pointers,
+                        **_resources(compiled.asm["cubin"]),
+                        vector_loads="ld.global.v4" in compiled.asm["ptx"])  # 16-byte loads
+            path = (kernel.__name__, json.dumps(signature, sort_keys=True),
+                    json.dumps({k: v for k, v in constexprs.items() if not k.startswith("BLOCK")}, sort_keys=True))
+            if "--inductor" in flags and path not in copied:
+                copied.add(path)
+                try:
+                    copy = inductor_copy(kernel, copies)
+                    triton.compile(ASTSource(fn=copy, signature=signature, constexprs=constexprs, attrs=attrs),
+                                   target=target, options=options)
+                    line["inductor"] = "ok"
+                except Exception as error:  # noqa: BLE001 - reported, and the exit status says so
+                    failed = True
+                    chain = [error]
+                    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+                        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+                    line["inductor"] = " <- ".join(f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}"
+                                                   for e in reversed(chain))[:500]
+                line["inductor_drops"] = names_inductor_drops(kernel)
+                failed |= bool(line["inductor_drops"])
+            print(json.dumps(line), flush=True)
+    if "--inductor" in flags and "--planted" not in flags:
+        from torch._library.custom_ops import OPDEFS
+        from torch._library.triton import get_triton_kernels_for_op
+
+        print(json.dumps({"op_kernels": {name: sorted(k.__name__ for k in get_triton_kernels_for_op(name))
+                                         for name in OPDEFS if name.startswith("megalite_kernels::")}}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

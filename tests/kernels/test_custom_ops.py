@@ -1,40 +1,44 @@
 """The Triton launchers are PyTorch operators (torch.library): torch.library.opcheck checks each
 one's schema, its fake implementation against the real kernel's outputs (shapes, dtypes,
-strides), its autograd registration and its trace through AOTAutograd; and the autograd graph of
-every public op on the Triton path is the operators' registered autograd, with no
-torch.autograd.Function of megalite's in it. The numbers of forward and backward against the
-references are in test_norms.py, test_activations.py, test_rotary.py, test_cross_entropy.py.
-Under TRITON_INTERPRET=1 (conftest.py) the operators are custom_ops with explicit fake
-implementations; compiled Triton makes them triton_ops (tests/dryrun/test_fake_cuda.py)."""
+strides), its autograd registration and its trace through AOTAutograd. Every public op has two
+paths to the same kernels: on plain tensors in eager mode a torch.autograd.Function of megalite's
+launches them directly (the operator dispatch costs more host time than the kernel at small
+sizes); under torch.compile, FakeTensorMode or any dispatch mode the operators run, with their
+registered autograd. Both paths give the same numbers bit for bit. The numbers of forward and
+backward against the references are in test_norms.py, test_activations.py, test_rotary.py,
+test_cross_entropy.py. Under TRITON_INTERPRET=1 (conftest.py) the operators are custom_ops with
+explicit fake implementations; compiled Triton makes them triton_ops (tests/dryrun/test_fake_cuda.py)."""
 
 import pytest
 import torch
 
 from megalite.kernels import apply_rotary, bias_gelu, cross_entropy, layer_norm, rms_norm, swiglu
+from tests.kernels.test_fake_tensors import OpLog
 
 pytest.importorskip("triton")
 
 
-def _tensors(dtype, requires_grad):
+def _tensors(dtype, requires_grad, device):
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape, grad=requires_grad):
-        return torch.randn(shape, generator=g).to(dtype).requires_grad_(grad)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
     return randn
 
 
-def _op_cases(dtype):
+def _op_cases(dtype, device):
     from megalite.kernels import activations_triton as act, cross_entropy_triton as ce, norms_triton as norms, \
         rotary_triton as rot
 
-    randn = _tensors(dtype, requires_grad=True)
-    const = _tensors(dtype, requires_grad=False)
+    randn = _tensors(dtype, True, device)
+    const = _tensors(dtype, False, device)
     x, w, b = randn(6, 16), randn(16), randn(16)
     dy, x2 = const(6, 16), const(6, 32)
-    stats = torch.rand(6) + 0.5
-    target = torch.tensor([0, 3, -1, 15, 7, 2])
+    stats = torch.rand(6, device=device) + 0.5
+    target = torch.tensor([0, 3, -1, 15, 7, 2], device=device)
     logits = const(6, 16)
-    fp32 = _tensors(torch.float32, requires_grad=False)
+    fp32 = _tensors(torch.float32, False, device)
+    smooth = torch.full((1,), 0.01, device=device)
     return [
         (norms.norm_forward, (x, w, b, 1e-5, False)), (norms.norm_forward, (x, w, None, 1e-5, True)),
         (norms.norm_backward, (dy, x.detach(), w.detach(), True, stats, stats, False)),
@@ -43,16 +47,15 @@ def _op_cases(dtype):
         (act.bias_gelu_backward, (dy, x.detach(), b.detach(), False)),
         (rot.rotary, (randn(4, 2, 2, 8), fp32(4, 1, 6), fp32(4, 1, 6), False)),
         (ce.local_stats, (logits, target, 14, True)),
-        (ce.grad_logits, (logits, target, stats, stats, stats, 14, 0.1, torch.full((1,), 0.01))),
-        (ce.grad_logits_, (logits.clone(), target, stats, stats, stats, 14, 0.1, torch.full((1,), 0.01))),
-        (ce.loss_from_statistics, (randn(6, 16), target, stats, stats, stats, stats, torch.full((1,), 0.01), 14, 0.1,
-                                   False)),
+        (ce.grad_logits, (logits, target, stats, stats, stats, 14, 0.1, smooth)),
+        (ce.grad_logits_, (logits.clone(), target, stats, stats, stats, 14, 0.1, smooth)),
+        (ce.loss_from_statistics, (randn(6, 16), target, stats, stats, stats, stats, smooth, 14, 0.1, False)),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_every_kernel_operator(dtype):
-    cases = _op_cases(dtype)
+def test_opcheck_every_kernel_operator(dtype, device):
+    cases = _op_cases(dtype, device)
     from torch._library.custom_ops import OPDEFS
 
     registered = {name for name in OPDEFS if name.startswith("megalite_kernels::")}
@@ -72,20 +75,47 @@ def _autograd_nodes(t: torch.Tensor) -> list:
     return seen
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "swiglu", "bias_gelu", "apply_rotary", "cross_entropy"])
-def test_triton_path_differentiates_through_the_registered_autograd(name):
-    randn = _tensors(torch.float32, requires_grad=True)
+_CALLS = {  # public op -> (call on x [4, 2, 16], w, b, cos, sin, its operator, the eager path's Function)
+    "rms_norm": (lambda x, w, b, cos, sin: rms_norm(x, w, impl="triton"), "norm_forward", "NormFunction"),
+    "layer_norm": (lambda x, w, b, cos, sin: layer_norm(x, w, b, impl="triton"), "norm_forward", "NormFunction"),
+    "swiglu": (lambda x, w, b, cos, sin: swiglu(x, impl="triton"), "swiglu_forward", "SwigluFunction"),
+    "bias_gelu": (lambda x, w, b, cos, sin: bias_gelu(x, b, impl="triton"), "bias_gelu_forward", "BiasGeluFunction"),
+    "apply_rotary": (lambda x, w, b, cos, sin: apply_rotary(x.view(4, 2, 2, 8), cos, sin, impl="triton"), "rotary",
+                     "RotaryFunction"),
+    "cross_entropy": (lambda x, w, b, cos, sin: cross_entropy(x, torch.zeros(4, 2, dtype=torch.long, device=x.device),
+                                                              label_smoothing=0.1, impl="triton"),
+                      "cross_entropy_loss", "TritonLoss"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CALLS))
+def test_eager_path_and_operator_path_agree(name, device):
+    """Eagerly, the op differentiates through megalite's Function, not an operator's autograd;
+    under a dispatch mode (as under FakeTensorMode or torch.compile) through
+    the operator's registered autograd. Same values and gradients, bit for bit."""
+    randn = _tensors(torch.float32, True, device)
     x, w, b = randn(4, 2, 16), randn(16), randn(16)
-    cos, sin = (_tensors(torch.float32, False)(4, 1, 8) for _ in range(2))
-    calls = {"rms_norm": (lambda: rms_norm(x, w, impl="triton"), "norm_forward"),
-             "layer_norm": (lambda: layer_norm(x, w, b, impl="triton"), "norm_forward"),
-             "swiglu": (lambda: swiglu(x, impl="triton"), "swiglu_forward"),
-             "bias_gelu": (lambda: bias_gelu(x, b, impl="triton"), "bias_gelu_forward"),
-             "apply_rotary": (lambda: apply_rotary(x.view(4, 2, 2, 8), cos, sin, impl="triton"), "rotary"),
-             "cross_entropy": (lambda: cross_entropy(x, torch.zeros(4, 2, dtype=torch.long), impl="triton"),
-                               "cross_entropy_loss")}
-    call, op = calls[name]
-    names = [type(node).__name__ for node in _autograd_nodes(call())]
-    assert f"GeneratedBackwardFor_megalite_kernels_{op}_defaultBackward" in names, names
-    ours = [type(n).__qualname__ for n in _autograd_nodes(call()) if type(n).__module__.startswith("megalite")]
-    assert not ours, f"{name}: autograd.Functions of megalite in the graph: {ours}"
+    cos, sin = (_tensors(torch.float32, False, device)(4, 1, 8) for _ in range(2))
+    call, op, function = _CALLS[name]
+    results = {}
+    for path in ("eager", "operator"):
+        log = OpLog()
+        if path == "operator":
+            with log:
+                y = call(x, w, b, cos, sin)
+                grads = torch.autograd.grad(y.sum(), [x, w, b], allow_unused=True)
+        else:
+            y = call(x, w, b, cos, sin)
+            grads = torch.autograd.grad(y.sum(), [x, w, b], allow_unused=True)
+        nodes = [type(n).__name__ for n in _autograd_nodes(y)]
+        ours = {n.split(".")[1] for n in log.names if n.startswith("megalite_kernels.")}
+        if path == "operator":
+            assert f"GeneratedBackwardFor_megalite_kernels_{op}_defaultBackward" in nodes, nodes
+            assert op in ours, ours
+        else:
+            assert f"{function}Backward" in nodes and not any(n.startswith("GeneratedBackwardFor") for n in nodes), nodes
+        results[path] = (y, grads)
+    (y_eager, g_eager), (y_op, g_op) = results["eager"], results["operator"]
+    assert torch.equal(y_eager, y_op)
+    for got, want in zip(g_eager, g_op):
+        assert (got is None and want is None) or torch.equal(got, want)

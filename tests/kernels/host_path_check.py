@@ -1,0 +1,60 @@
+"""Run by test_host_path.py in a process with compiled Triton: megalite's eager path for RMSNorm,
+forward and backward, on the GPU if there is one, else on CPU tensors through
+bench_host_overhead's HostOnlyDriver (kernels compiled for sm_90, launches not made). Prints
+JSON: how the calls went."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "benchmarks"))
+
+from bench_host_overhead import install_host_only_driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    install_host_only_driver()
+
+from megalite import kernels  # noqa: E402
+from megalite.kernels import norms_triton, triton_common  # noqa: E402
+
+runs, launches = [], []
+original_run, original_launch = JITFunction.run, triton_common.DirectLauncher.launch
+
+
+def counting_run(self, *args, **kwargs):
+    runs.append(self.__name__)
+    return original_run(self, *args, **kwargs)
+
+
+def counting_launch(self, *args, **kwargs):
+    launches.append(self.kernel.__name__)
+    return original_launch(self, *args, **kwargs)
+
+
+def no_operator(*args, **kwargs):
+    raise AssertionError("the eager path called the operator")
+
+
+JITFunction.run = counting_run
+triton_common.DirectLauncher.launch = counting_launch
+norms_triton.norm_forward = norms_triton.norm_backward = no_operator
+x = torch.randn(8, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+w = torch.randn(64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+dy = torch.randn(8, 64, dtype=torch.bfloat16, device=DEVICE)
+calls = []
+for _ in range(5):
+    before = (len(runs), len(launches))
+    torch.autograd.grad(kernels.rms_norm(x, w, impl="triton"), [x, w], dy)
+    calls.append([len(runs) - before[0], len(launches) - before[1]])
+# A view whose address is not a multiple of 16 (Triton specialises on that): a new launch through run().
+offset = torch.randn(8 * 64 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(8, 64)
+before = len(runs)
+kernels.rms_norm(offset, w.detach(), impl="triton")
+misaligned_runs = len(runs) - before
+launcher = triton_common.direct(norms_triton._norm_fwd_kernel)
+json.dump({"calls": calls, "misaligned_runs": misaligned_runs, "specialisations": len(launcher.compiled),
+           "launcher": type(launcher).__name__}, sys.stdout)
