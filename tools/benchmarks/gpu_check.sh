@@ -12,22 +12,26 @@
 #            run (--dry-run on fake CUDA: its peak against the run's torch.cuda.max_memory_allocated)
 #            and planner prediction (tools/plan.py, --cluster h200 or h100 by the GPU's name,
 #            --num-gpus 1, restricted to the run's own layout)
-#   kernels  tools/benchmarks/bench_kernels.py --quick
+#   kernels  tools/benchmarks/bench_kernels.py --quick, and tools/benchmarks/bench_host_overhead.py
+#            (each operator's host time per call beside a trivial Triton launch)
 #   drivers  the three runs issue 23 measured (python -m megalite.pretrain_gpt ... --mock-data,
 #            8 iterations, --log-interval 1, --metrics-file): a 1.1B Llama; Llama-3-8B layer
 #            shapes, 4 layers, s=8192, --use-distributed-optimizer; the 1.1B with full recompute.
 #            ms/step is the median over iterations 3-8 but the profiled one; the first run
 #            profiles its 7th iteration (torch.profiler), whose kernel times by class become
 #            kernel_rates.json beside the output file (plan.py --kernel-rates reads it), and the
-#            planner predicts the three again with those rates
+#            planner predicts the three again with those rates; then the 1.1B with --torch-compile
+#            --cross-entropy-loss-fusion, and that with --cuda-graph-impl local (dropout 0)
 #   model    tools/benchmarks/bench_model.py --quick --skip-kernels (all rows, both models) with
 #            --time-limit set to the time left: rows that do not fit say "not measured"
 # Each step runs under `timeout` with its budget (a step that fails or times out is reported and
 # the script goes on); the table ends the output and goes to --out (default $OUT/gpu_check.md
 # when $OUT is set, else ./gpu_check.md), the logs to gpu_check_logs/ beside it. Budgets in
 # seconds, overridable: BUDGET_TESTS=150 BUDGET_KERNELS=60 BUDGET_RUN=60 (each driver run;
-# BUDGET_RUN_1B=90 for the profiled one) BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
-# bench_model gets what is left of --budget (480): --only model gives it the whole budget.
+# BUDGET_RUN_1B=90 for the profiled one, BUDGET_RUN_FAST=75 for the compiled ones)
+# BUDGET_HOST=30 BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
+# bench_model gets what is left of --budget (480): --only model gives it the whole budget. With
+# --cpu-smoke the budget is 1200 and each step's 2-4 times the above.
 # Without a GPU it says so and exits 0. Runs from any directory; python is $PYTHON or python3.
 set -uo pipefail
 
@@ -38,7 +42,7 @@ PY="${PYTHON:-python3}"
 MODE=gpu
 OUT_FILE=""
 ONLY="tests,kernels,drivers,model"
-TOTAL=480
+TOTAL=""
 COMMAND="bash tools/benchmarks/gpu_check.sh $*"
 
 while [ $# -gt 0 ]; do
@@ -47,7 +51,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_FILE="${2:?--out needs a file}"; shift ;;
     --budget) TOTAL="${2:?--budget needs seconds}"; shift ;;
     --only) ONLY="${2:?--only needs steps}"; shift ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -55,7 +59,16 @@ done
 for step in ${ONLY//,/ }; do
   case "$step" in tests|kernels|drivers|model) ;; *) echo "gpu_check.sh: --only: unknown step $step" >&2; exit 2 ;; esac
 done
-case "$TOTAL" in ''|*[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $TOTAL" >&2; exit 2 ;; esac
+# a CPU smoke run is no measurement: the budgets only keep it bounded, on a slow shared CPU
+if [ "$MODE" = smoke ]; then
+  TOTAL=${TOTAL:-1200}
+  for b in TESTS:300 KERNELS:120 HOST:120 RUN:180 RUN_1B:180 RUN_FAST:180 DRY:240 PLAN:120; do
+    var=BUDGET_${b%%:*}; [ -n "${!var:-}" ] || export "$var=${b#*:}"
+  done
+else
+  TOTAL=${TOTAL:-480}
+fi
+case "$TOTAL" in *[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $TOTAL" >&2; exit 2 ;; esac
 
 if [ "$MODE" = gpu ]; then
   GPU_NAME="$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null)"
@@ -160,6 +173,8 @@ if [ -n "${PREDICTING:-}" ]; then wait "$PREDICTING"; fi  # the driver runs are 
 if wants kernels; then
   step bench-kernels "$(budget "${BUDGET_KERNELS:-60}")" "$PY" tools/benchmarks/bench_kernels.py \
     $([ "$MODE" = gpu ] && echo --quick || echo --cpu-smoke)
+  step bench-host-overhead "$(budget "${BUDGET_HOST:-30}")" "$PY" tools/benchmarks/bench_host_overhead.py \
+    $([ "$MODE" = gpu ] || echo --ops rms_norm)
 fi
 if wants drivers; then
   for name in "${RUNS[@]}"; do
@@ -186,6 +201,17 @@ if wants drivers; then
       --bench-kernels "$LOGS/bench-kernels.log" --cluster "$CLUSTER" --summary "$LOGS/profile.json" \
       --out "$RATES" -- ${MODEL[1b]} ${LAYOUT[1b]}
   fi
+  # the 1.1B as fast as megalite runs it (issue 23: >= 55% MFU): compiled regions with the fused
+  # cross-entropy, then with per-layer CUDA graphs too (no dropout: a graph cannot swap RNG streams)
+  for name in 1b-compile 1b-compile-graphs; do
+    fast=(--torch-compile --cross-entropy-loss-fusion)
+    [ "$name" = 1b-compile-graphs ] && fast+=(--cuda-graph-impl local --attention-dropout 0 --hidden-dropout 0)
+    [ "$MODE" = gpu ] || fast=(--cross-entropy-loss-fusion)  # the CPU smoke run checks the plumbing only
+    # shellcheck disable=SC2086
+    step "run-$name" "$(budget "${BUDGET_RUN_FAST:-75}")" "$PY" -m megalite.pretrain_gpt ${MODEL[1b]} ${LAYOUT[1b]} \
+      --mock-data --lr 1e-4 --train-iters "$ITERS" --log-interval 1 --eval-iters 0 \
+      --metrics-file "$LOGS/run-$name.jsonl" "${fast[@]}"
+  done
   if [ -f "$RATES" ]; then
     for name in "${RUNS[@]}"; do
       # shellcheck disable=SC2086

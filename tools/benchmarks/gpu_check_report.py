@@ -245,7 +245,17 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def host_summary(path: Path) -> str:
+    """Each op's host time added per forward and backward call (bench_host_overhead.py's table)."""
+    if not path.exists():
+        return "no log"
+    rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if line.startswith("| ")]
+    rows = [[cell.strip() for cell in row] for row in rows if len(row) == 8 and row[0].strip() not in ("op", "---")]
+    return "; ".join(f"{r[0]} {r[1]}: +{r[4]} us fwd, +{r[7]} us bwd" for r in rows) or "no table in the log"
+
+
 SUMMARIES = {"tests-kernels": lambda logs: junit_summary(logs / "tests-kernels.xml"),
+             "bench-host-overhead": lambda logs: host_summary(logs / "bench-host-overhead.log"),
              "tests-tp-cuda": lambda logs: junit_summary(logs / "tests-tp-cuda.xml"),
              "bench-kernels": lambda logs: kernels_summary(logs / "bench-kernels.log"),
              "bench-model": lambda logs: model_summary(logs / "bench-model.md"),
