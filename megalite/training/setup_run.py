@@ -120,7 +120,7 @@ def build_run(args) -> Run:
     """The run `args` describe: the options typed (megalite.config.run_config), then built."""
     checkpoint_notes = []
     if args.use_checkpoint_args and args.load:  # before validation, as Megatron applies them
-        checkpoint_notes = apply_checkpoint_args(args, checkpoint_args_of(args.load), args.load)
+        checkpoint_notes = apply_checkpoint_args(args, checkpoint_args_of(args.load))
     cfg = run_config(args, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.training.deterministic_mode:
         apply_deterministic_mode()
@@ -144,7 +144,7 @@ def build_run(args) -> Run:
     ckpt = cfg.checkpoint
     common = None
     if ckpt.load or ckpt.pretrained_checkpoint:
-        common = load_for_run(ckpt, cfg.optimizer, models, pstate, tracker)
+        common = load_for_run(ckpt, models, pstate, tracker)
         if common is None and pstate.rank == 0:
             log.warning("no checkpoint under --load %s: starting from scratch", ckpt.load)
     chunks = wrap_chunks(models, parallel, pstate)
@@ -173,7 +173,7 @@ def build_run(args) -> Run:
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
             if not ckpt.no_load_optim and optimizer is not None:
-                resume_optimizer(common, ckpt, cfg.optimizer, chunks=models, optimizer=optimizer,
+                resume_optimizer(common, ckpt, chunks=models, optimizer=optimizer,
                                  scheduler=scheduler, pstate=pstate)
     info, line = memory_report(chunks, optimizer, pstate)
     if pstate.dp_rank == 0:
