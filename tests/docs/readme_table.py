@@ -40,6 +40,11 @@ def _pip_install(command: str):
     assert pin is None or torch.__version__.split("+")[0] == pin[1], (command, torch.__version__)
 
 
+# GPT-3 175B on 1024 GPUs, as the planner commands give it, at toy size on 2
+GPT3_AT_TOY_SIZE = (("--num-gpus 1024", "--num-gpus 2"), ("--num-layers 96", "--num-layers 4"),
+                    ("--hidden-size 12288", "--hidden-size 64"),
+                    ("--num-attention-heads 96", "--num-attention-heads 4"),
+                    ("--global-batch-size 1536", "--global-batch-size 8"), ("--vocab-size 51199", "--vocab-size 511"))
 PIP = Checked("installs into this environment from the network", _pip_install)
 
 README = {
@@ -147,11 +152,7 @@ README = {
     "python tools/plan.py --cluster a100 --num-gpus 1024 -- --num-layers 96 --hidden-size 12288 "
     "--num-attention-heads 96 --seq-length 2048 --global-batch-size 1536 --bf16 --tokenizer-type NullTokenizer "
     "--vocab-size 51199":
-        Run("readme-plan-a100", replace=(
-            ("--num-gpus 1024", "--num-gpus 2"), ("--num-layers 96", "--num-layers 4"),
-            ("--hidden-size 12288", "--hidden-size 64"), ("--num-attention-heads 96", "--num-attention-heads 4"),
-            ("--seq-length 2048", "--seq-length 64"), ("--global-batch-size 1536", "--global-batch-size 8"),
-            ("--vocab-size 51199", "--vocab-size 511")),
+        Run("readme-plan-a100", replace=GPT3_AT_TOY_SIZE + (("--seq-length 2048", "--seq-length 64"),),
             check=checks.printed(r"^#1 .*predicted step", r"^   NPROC_PER_NODE=2 bash scripts/pretrain_gpt.sh ")),
     "python tools/plan.py --cluster h100 --num-gpus 64 --hf-config llama3-8b/config.json --seq-length 8192 "
     "--global-batch-size 512 --recompute full --distributed-optimizer off --verify":

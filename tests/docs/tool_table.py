@@ -6,6 +6,7 @@ workspace's files and one of the choices."""
 import os
 
 from tests.docs import checks
+from tests.docs.readme_table import GPT3_AT_TOY_SIZE
 from tests.docs.workspace import CannotRun, Elsewhere, Run, SameAs
 
 GPU = "measures on a GPU (no GPU here); without one it says so and exits 0"
@@ -133,15 +134,11 @@ BENCHMARKS = {
         ("run:doc-bench-plan",), "the docstring's --world-sizes/--json entry runs the benchmark at one world size "
         "and 2 iterations"),
     "python tools/plan.py --cluster a100-megatron2021 --num-gpus 1024 --recompute full --sequence-parallel off "
-    "--distributed-optimizer off --simulate 30 --top 25 -- --num-layers 96 --hidden-size 12288 "
-    "--num-attention-heads 96 "
-    "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 1536 --fp16 --tokenizer-type NullTokenizer "
-    "--vocab-size 51199 --attention-backend unfused":
-        Run("readme-plan-gpt3-paper", replace=(
-            ("--num-gpus 1024", "--num-gpus 2"), ("--num-layers 96", "--num-layers 4"),
-            ("--hidden-size 12288", "--hidden-size 64"), ("--num-attention-heads 96", "--num-attention-heads 4"),
-            ("--seq-length 2048 --max-position-embeddings 2048", "--seq-length 64 --max-position-embeddings 64"),
-            ("--global-batch-size 1536", "--global-batch-size 8"), ("--vocab-size 51199", "--vocab-size 511")),
+    "--distributed-optimizer off --simulate 30 --top 25 -- --num-layers 96 --hidden-size 12288 --num-attention-heads "
+    "96 --seq-length 2048 --max-position-embeddings 2048 --global-batch-size 1536 --fp16 --tokenizer-type "
+    "NullTokenizer --vocab-size 51199 --attention-backend unfused":
+        Run("readme-plan-gpt3-paper", replace=GPT3_AT_TOY_SIZE + (
+            ("--seq-length 2048 --max-position-embeddings 2048", "--seq-length 64 --max-position-embeddings 64"),),
             slow=True, check=checks.printed(r"^   NPROC_PER_NODE=2 bash .* --recompute-granularity full")),
     "python -m pytest tests -m slow": CannotRun("the slow suite, which holds this test's slow entries: run from "
                                                 "here it would run this test again"),
