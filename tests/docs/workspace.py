@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -120,11 +121,17 @@ class Workspace:
         return env
 
     def shell(self, text: str, env=(), timeout=300) -> subprocess.CompletedProcess:
+        """`bash -c text` in the workspace; past `timeout` its whole process group is killed
+        (torchrun's workers too) and the test fails."""
+        proc = subprocess.Popen(["bash", "-c", text], cwd=self.root, env=self.env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            return subprocess.run(["bash", "-c", text], cwd=self.root, env=self.env(env), capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise AssertionError(f"still running after {timeout} s: {text}\n{e.stdout}\n{e.stderr}") from None
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"still running after {timeout} s: {text}\n{out[-3000:]}\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def ensure(self, name: str):
         """Build input `name` or run entry `name` (and what it needs) once."""
