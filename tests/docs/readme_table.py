@@ -10,8 +10,8 @@ processes than a 2-core machine runs in a test (each such change is in the entry
 from tests.docs import checks
 from tests.docs.workspace import CannotRun, Checked, Elsewhere, Prose, Run
 
-SLURM = ("the real-Slurm test (issue 22 item 6) submits it with sbatch to a one-node cluster; here the "
-         "script runs as Slurm would run it")
+SLURM = ("real sbatch on a one-node cluster: the real-Slurm test (issue 22 item 6, "
+         "tests/slurm/test_slurm_cluster.py); here the script runs as Slurm runs it")
 DEMO = "tests/training/test_demo_run.py::test_embedded_default_run"
 LAUNCH = "tests/training/test_launch_script.py::"
 SIZES = "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --lr-warmup-iters 1"
@@ -71,6 +71,8 @@ README = {
     "--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --append-eod --workers 16":
         Run("readme-preprocess", needs=("shards", "readme-train-tokenizer", "readme-mkdir-data"),
             check=checks.tokenised_corpus("data/corpus_text_document", "tokenizer.model")),
+    # sbatch: the workspace's stand-in, which runs the array's tasks under bash (see workspace.py);
+    # real sbatch: tests/slurm/test_slurm_cluster.py
     "INPUT='/data/fineweb/*.parquet' OUTPUT_PREFIX=/data/tok/fineweb TOKENIZER_MODEL=tok.model "
     "sbatch --array=0-63 scripts/slurm/preprocess_data.sbatch":
         Run("readme-sbatch-preprocess", replace=(("/data/", "cluster/"), ("--array=0-63", "--array=0-3")),

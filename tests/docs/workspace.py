@@ -28,7 +28,8 @@ LINKED = ("tools", "scripts", "examples", "megalite")
 CORPUS_MB = 0.3
 
 # A stand-in for Slurm's sbatch: an --array job's tasks run one after another under bash, with
-# the variables Slurm gives an array task. Real sbatch: the real-Slurm test (issue 22, item 6).
+# the variables Slurm gives an array task (not modelled: Slurm opening #SBATCH --output first).
+# Real sbatch: the real-Slurm test (issue 22 item 6, tests/slurm/test_slurm_cluster.py).
 FAKE_SBATCH = """#!/usr/bin/env bash
 set -euo pipefail
 array=""; args=()
