@@ -122,7 +122,7 @@ def build_run(args) -> Run:
     """The run `args` describe: the options typed (megalite.config.run_config), then built."""
     checkpoint_notes = []
     if args.use_checkpoint_args and args.load:  # before validation, as Megatron applies them
-        checkpoint_notes = apply_checkpoint_args(args, checkpoint_args_of(args.load), args.load)
+        checkpoint_notes = apply_checkpoint_args(args, checkpoint_args_of(args.load))
     cfg = run_config(args, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.training.deterministic_mode:
         apply_deterministic_mode()
