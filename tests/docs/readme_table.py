@@ -60,6 +60,7 @@ README = {
     "python -m megalite.pretrain_gpt": Prose("names the driver; its runs are the commands below"),
     "python -m megalite.pretrain_gpt --dry-run": Prose("names the dry-run mode; run:readme-dry-run-405b runs it"),
     "srun": Prose("names Slurm's launcher"),
+    "sbatch": Prose("names Slurm's submit command; the sbatch lines below run"),
     "NPROC_PER_NODE=8 NNODES=... bash scripts/pretrain_gpt.sh <flags>": Prose(
         "the form of plan.py's printed launch lines, which test_plan_finalists_run runs"),
     # Usage: prepare data
@@ -67,6 +68,7 @@ README = {
         Run("readme-train-tokenizer", replace=(("--vocab-size 32000", "--vocab-size 500"),), needs=("corpus",),
             check=checks.sentencepiece(500, "tokenizer.model")),
     "mkdir -p data": Run("readme-mkdir-data", check=lambda ws, proc: ws.path("data").is_dir()),
+    "mkdir -p logs": Run("readme-mkdir-logs", check=lambda ws, proc: ws.path("logs").is_dir()),
     "python tools/preprocess_data.py --input 'shards/*.jsonl.gz' --json-keys text --output-prefix data/corpus "
     "--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --append-eod --workers 16":
         Run("readme-preprocess", needs=("shards", "readme-train-tokenizer", "readme-mkdir-data"),
@@ -91,8 +93,9 @@ README = {
             check=checks.inspected("cluster/tok/fineweb_text_document")),
     # Usage: train
     "bash scripts/pretrain_gpt.sh --config examples/gpt2_124m.yaml --data-path data/corpus_text_document "
-    "--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --save checkpoints/gpt2 --load checkpoints/gpt2":
-        Run("readme-train-gpt2", append=TINY_GPT2, needs=("readme-preprocess", "bpe"),
+    "--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --save checkpoints/gpt2 "
+    "--load checkpoints/gpt2":
+        Run("readme-train-gpt2", append=TINY_GPT2, needs=("readme-preprocess",),
             check=checks.trained("checkpoints/gpt2", 2, "checkpoints/gpt2_124m/metrics.jsonl")),
     # Usage: coming from Megatron-LM (a TP=1 Megatron `torch` checkpoint of 2 layers, hidden 16)
     "torchrun --nproc-per-node 2 -m megalite.pretrain_gpt --load /megatron/ckpt --auto-detect-ckpt-format "
@@ -189,14 +192,14 @@ EXAMPLES = {
         Run("examples-gpt2-124m", replace=(("data/openwebtext_text_document", "data/corpus_text_document"),),
             append=TINY_GPT2, needs=("readme-preprocess", "bpe"), slow=True,
             check=checks.trained("checkpoints/gpt2_124m", 2)),
-    # its own --save/--load: the file's checkpoints/gpt2_124m holds the entry above's 2-iteration run,
-    # whose schedule a run of another length refuses to resume (one line saying so)
-    "... --config examples/gpt2_124m.yaml --train-iters 200 --log-interval 1":
+    # the trial has its own --save/--load (the file's checkpoints/gpt2_124m holds the entry above's 2-iteration run,
+    # whose schedule a run of another length refuses to resume, one line saying so)
+    "... --config examples/gpt2_124m.yaml --train-iters 200 --log-interval 1 --save checkpoints/trial "
+    "--load checkpoints/trial":
         Run("examples-gpt2-124m-trial", replace=(("... --config", "bash scripts/pretrain_gpt.sh --config"),
                                                  ("--train-iters 200", "--train-iters 3")),
             append="--data-path data/corpus_text_document --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt "
-                   f"{TINY_GPT2_MODEL} --eval-interval 3 --eval-iters 1 --save checkpoints/trial "
-                   "--load checkpoints/trial",
+                   f"{TINY_GPT2_MODEL} --eval-interval 3 --eval-iters 1",
             needs=("readme-preprocess", "bpe"), slow=True, check=checks.trained("checkpoints/trial", 3)),
     "bash scripts/pretrain_gpt.sh --config examples/gpt2_350m_tp_pp.yaml --data-path data/openwebtext_text_document "
     "--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt":

@@ -127,6 +127,22 @@ BENCHMARKS = {
                                                                                        "(hidden 16, 3 rounds)"),
     "python tools/benchmarks/bench_context_parallel.py --rounds 3": Elsewhere(CP_SMOKE, "the benchmark at sequence 64"),
     "python tools/benchmarks/bench_moe.py": Elsewhere(MOE_SMOKE, "the benchmark at its docstring's smoke size"),
+    "python tools/benchmarks/bench_host_overhead.py [--calls 300] [--ops rms_norm,swiglu] [--shape 8,2048]": Elsewhere(
+        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step", "tests/kernels/test_host_path.py"),
+        "gpu_check.sh's CPU smoke run runs it (--ops rms_norm); its host-only driver is the kernels' host-path test's"),
+    "python tools/benchmarks/gpu_check_report.py rates --trace TRACE.json --bench-kernels LOG --cluster h200 --out "
+    "kernel_rates.json -- PRETRAIN_GPT_FLAGS (the profiled run's model and layout)": Elsewhere(
+        ("tests/planner/test_gpu_check.py::test_profile_summary_classes_and_idle_time",
+         "tests/planner/test_gpu_check.py::test_rates_invert_the_traffic_model",
+         "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step"),
+        "gpu_check.sh runs it on its profiled step; the tests feed it made-up traces"),
+    "python tools/benchmarks/gpu_check_report.py table --logs DIR --out gpu_check.md --command \"...\" [--gpu NAME]":
+        Elsewhere(("tests/planner/test_gpu_check.py::test_logs_are_summarised",
+                   "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step"),
+                  "gpu_check.sh ends with it; the tests give it made-up logs"),
+    "python tools/plan.py --cluster h200 --kernel-rates kernel_rates.json -- ...": Elsewhere(
+        ("tests/planner/test_gpu_check.py::test_the_rates_file_feeds_the_planner",),
+        "the planner reading a rates file gpu_check_report.py wrote"),
     "python tools/benchmarks/dry_run_llama3.py": Elsewhere(
         ("run:doc-dry-run-llama3", "run:readme-dry-run-405b"), "all four models take minutes of CPU: one (8B, TP1) "
         "runs through the same runner, and the 405B layout as README writes it"),
