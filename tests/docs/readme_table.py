@@ -61,6 +61,9 @@ README = {
     "python -m megalite.pretrain_gpt --dry-run": Prose("names the dry-run mode; run:readme-dry-run-405b runs it"),
     "srun": Prose("names Slurm's launcher"),
     "sbatch": Prose("names Slurm's submit command; the sbatch lines below run"),
+    "python -m tests.docs.test_readme_commands": Elsewhere(
+        ("tests/docs/test_readme_commands.py::test_the_listing_the_readme_points_to_runs",),
+        "the listing of this table, run from the checkout"),
     "NPROC_PER_NODE=8 NNODES=... bash scripts/pretrain_gpt.sh <flags>": Prose(
         "the form of plan.py's printed launch lines, which test_plan_finalists_run runs"),
     # Usage: prepare data

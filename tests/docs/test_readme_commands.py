@@ -47,6 +47,19 @@ def test_every_documented_command_has_an_entry():
     assert not stale, "entries for commands no document prints any more:\n" + "\n".join(stale)
 
 
+def test_the_listing_the_readme_points_to_runs():
+    """`python -m tests.docs.test_readme_commands`, as README's Tests section gives it."""
+    import subprocess
+    import sys
+
+    from tests.docs.commands import REPO
+
+    done = subprocess.run([sys.executable, "-m", "tests.docs.test_readme_commands"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "runs in the default suite" in done.stdout and "cannot run here" in done.stdout
+
+
 def test_each_command_has_one_entry_and_each_run_its_own_name():
     keys = [k for table in TABLES.values() for k in table]
     assert sorted(k for k in set(keys) if keys.count(k) > 1) == []
