@@ -61,6 +61,8 @@ README = {
     "python -m megalite.pretrain_gpt --dry-run": Prose("names the dry-run mode; run:readme-dry-run-405b runs it"),
     "srun": Prose("names Slurm's launcher"),
     "sbatch": Prose("names Slurm's submit command; the sbatch lines below run"),
+    "python -m megalite.pretrain_gpt ... --mock-data": Prose(
+        "the form of the GPU driver runs, whose flags the README spells out; gpu_check.sh runs them"),
     "python -m tests.docs.test_readme_commands": Elsewhere(
         ("tests/docs/test_readme_commands.py::test_the_listing_the_readme_points_to_runs",),
         "the listing of this table, run from the checkout"),

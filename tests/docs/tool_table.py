@@ -140,6 +140,12 @@ BENCHMARKS = {
         Elsewhere(("tests/planner/test_gpu_check.py::test_logs_are_summarised",
                    "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step"),
                   "gpu_check.sh ends with it; the tests give it made-up logs"),
+    "bash tools/benchmarks/gpu_check.sh": CannotRun(GPU, (
+        "tests/planner/test_gpu_check.py::test_without_a_gpu_it_says_so_and_exits_0",
+        "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step")),
+    "python tools/benchmarks/bench_host_overhead.py": Elsewhere(
+        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step", "tests/kernels/test_host_path.py"),
+        "gpu_check.sh's CPU smoke run runs it (--ops rms_norm); every op takes minutes of CPU at 200 batches"),
     "python tools/plan.py --cluster h200 --kernel-rates kernel_rates.json -- ...": Elsewhere(
         ("tests/planner/test_gpu_check.py::test_the_rates_file_feeds_the_planner",),
         "the planner reading a rates file gpu_check_report.py wrote"),
