@@ -205,3 +205,24 @@ def test_two_ranks_with_async_save_into_a_full_filesystem(tmp_path):
             assert len(lines) == 1 and re.fullmatch("pretrain_gpt: error: " + full_disk_line(ckpt, 2, 1), lines[0]), \
                 ranks.output()
         assert_only_previous_checkpoint(ckpt, 1)
+
+
+def test_a_partial_directory_that_cannot_be_removed_is_named(tmp_path, monkeypatch):
+    state = ParallelState.single()
+    chunks = _model(state)
+    save_checkpoint(tmp_path, 1, chunks=chunks, optimizer=None, pstate=state, common={})
+    monkeypatch.setattr(dcp_checkpoint, "save_rng_state", lambda path, tracker: fill_the_disk())
+    monkeypatch.setattr(dcp_checkpoint.shutil, "rmtree", lambda path: fail_to_remove(path))
+    with pytest.raises(CheckpointError) as refused:
+        save_checkpoint(tmp_path, 2, chunks=chunks, optimizer=None, pstate=state, common={})
+    tmp = iteration_dir(tmp_path, 2).with_suffix(".tmp")
+    assert str(refused.value).endswith(f"; the partial {tmp} is left behind (Permission denied): remove it")
+    assert read_tracker(tmp_path) == 1 and tmp.is_dir()
+
+
+def fill_the_disk():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def fail_to_remove(path):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
