@@ -2,9 +2,12 @@
 
 Exit status: 0 when training finished or stopped on purpose (a signal, --exit-interval,
 --exit-duration-in-mins) after saving, or --skip-train evaluated; then --exit-reason-file
-says which. 2 for bad options or an unusable checkpoint (one line naming the flag, file or
-tensor); 1 for any other failure, including a peer rank that died (collectives time out after
---distributed-timeout-minutes instead of hanging).
+says which. 2 for bad options, an unusable checkpoint or a checkpoint that could not be
+written (a full disk): one line naming the flag, file, directory or tensor. 1 for any other
+failure. A peer rank that died or hung makes every other rank stop with status 1 and one line
+saying which rank it is and which collective failed (collectives time out after
+--distributed-timeout-minutes instead of hanging); the rank whose own code failed prints its
+traceback.
 """
 
 import time
@@ -13,6 +16,7 @@ PROCESS_START = time.time()  # the origin of --exit-duration-in-mins, before any
 
 import logging  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -21,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.config.arguments import parse_args  # noqa: E402
 from megalite.checkpoint.dcp_format import CheckpointError  # noqa: E402
+from megalite.checkpoint.dcp_storage import dcp_failure  # noqa: E402
 from megalite.training.rerun import RerunFault  # noqa: E402
 
 
@@ -31,6 +36,38 @@ def _die(status: int, message: str | None = None):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+# gloo's and NCCL's words for a peer that died, hung or closed its connection
+_LOST_PEER = re.compile(r"gloo/transport|[Cc]onnection (closed|reset|refused) by peer|Timed out waiting|[Ww]atchdog|"
+                        r"collective operation timeout|NCCL communicator was aborted")
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """What failed, in a few words, when `error` is a collective's failure caused by another
+    rank (it died, hung or closed its connection: torch.distributed's DistError, or gloo's and
+    NCCL's RuntimeErrors about connections and timeouts); None for any other error, whose
+    traceback is kept."""
+    error = dcp_failure(error)  # DCP gathers every rank's failure in a CheckpointException
+    text = str(error)
+    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and _LOST_PEER.search(text)):
+        return None
+    operation = next((f.name for f in reversed(traceback.extract_tb(error.__traceback__))
+                      if re.search(r"torch[/\\]distributed|megalite[/\\]parallel", f.filename)
+                      and not f.name.startswith("_") and f.name not in ("wrapper", "wait", "forward", "backward")), None)
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
+    reason = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)  # gloo's source location
+    reason = re.split(r"\.(\s|$)", reason)[0]
+    return f"{operation} failed ({reason})" if operation else reason
+
+
+def _failed(error: BaseException) -> None:
+    """Leave after an unexpected error: one line for a peer rank's failure, else the traceback."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    lost = peer_failure(error)
+    if lost is not None:
+        _die(1, f"pretrain_gpt: rank {rank}: lost a peer rank: {lost}; stopping")
+    _die(1, f"pretrain_gpt: rank {rank} failed:\n" + "".join(traceback.format_exception(error)))
 
 
 def main(argv=None) -> int:
@@ -59,6 +96,8 @@ def main(argv=None) -> int:
             trainer = Trainer(run)
         except (ValueError, CheckpointError, FileNotFoundError) as error:
             _die(2, f"pretrain_gpt: error: {error}")
+        except BaseException as error:  # noqa: BLE001 - report and leave without tearing down groups
+            _failed(error)
         training, save_interval = run.config.training, run.config.checkpoint.save_interval
         try:
             reason = "skip-train" if training.skip_train else trainer.train(signals, PROCESS_START)
@@ -79,9 +118,8 @@ def main(argv=None) -> int:
             _die(2, f"pretrain_gpt: error: {error}")
         except RerunFault as error:
             _die(1, f"pretrain_gpt: error: {error}")
-        except BaseException:  # noqa: BLE001 - report and leave without tearing down groups
-            _die(1, f"pretrain_gpt: rank {dist.get_rank() if dist.is_initialized() else 0} failed:\n"
-                    + traceback.format_exc())
+        except BaseException as error:  # noqa: BLE001 - report and leave without tearing down groups
+            _failed(error)
     dist.barrier()
     if args.exit_reason_file and dist.get_rank() == 0:
         from megalite.checkpoint.dcp_checkpoint import write_text_atomic

@@ -3,6 +3,9 @@
     module              format                                        direction
     dcp_format          megalite's DCP format: tensor chunks, safe    both
                         metadata unpickling, file digests
+    dcp_storage         megalite's DCP format on disk: DCP's reader   both
+                        and writer, failures named (an unsafe
+                        record, a full disk)
     dcp_checkpoint      a training run's megalite checkpoint          save and load (resharding)
     dcp_writer          megalite's DCP format, offline, one tensor    write
     megalite_reader     megalite's DCP format, one full tensor        read
@@ -20,6 +23,7 @@
     hf_weights          Hugging Face state dicts <-> a model chunk    both, in memory
     safetensors_io      safetensors files, one tensor at a time       both
     publish             atomic publication of an output directory     write
+    detect              which format a directory holds                read
 
 training/ (save, load, resume) and convert/ (the conversion command line) import this package;
 it imports neither.

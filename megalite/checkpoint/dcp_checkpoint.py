@@ -12,28 +12,36 @@ loadable and the tracker pointing at it. Saving an iteration that already exists
 the old directory to iter_XXXXXXX.old and deletes it only once the new one is published; until
 then a load finds it there. common.json holds the size and CRC32 of every other file (tensor
 data, metadata, RNG states) and a load refuses a file that does not match. Nothing is unpickled
-on load but DCP's metadata, through an allowlist (see checkpoint_format).
+on load but DCP's metadata, through an allowlist (dcp_format), and tensor records, through
+torch.load(weights_only=True) (dcp_storage: a record naming a global is refused, naming its
+file and tensor). A save that cannot be written (a full disk) raises the same CheckpointError,
+naming the directory, on every rank; the previous checkpoint and the tracker stay, and the
+partial iter_XXXXXXX.tmp is removed.
 
 Optimizer state is saved as each rank holds it: under the distributed optimizer (or FSDP2)
 every DP rank writes only its own slice of the fp32 main parameters and optimizer moments, and
 every rank reads only the elements its own layout needs.
 """
 
+import errno
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megalite.model.weights import source_name
-from megalite.parallel.expert.groups import tensor_split_of
 from megalite.checkpoint.dcp_format import (
-    CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
-    read_metadata_file, single_process_dcp, verify_files,
+    CheckpointError, all_problems, and_more, check_shapes, dcp_state_dict, file_digest, read_metadata_file,
+    single_process_dcp, tensor_entries, verify_files,
+)
+from megalite.checkpoint.dcp_storage import (
+    CheckedFileSystemWriter, SafeFileSystemReader, dcp_failure, first_sentence, os_error_in, record_failure,
 )
 from megalite.checkpoint.rng_state import layout_record, load_rng_state, rng_file_name, save_rng_state
 
@@ -60,22 +68,30 @@ def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _barrier(group=None):
-    if _distributed():
-        dist.barrier(group=group)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _agree(message: str | None, group=None) -> str | None:
+    """The first failure message any rank has (None when every rank succeeded); a barrier."""
+    if not _distributed():
+        return message
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, message, group=group)
+    return next((m for m in gathered if m), None)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_tracker(root) -> int | None:
@@ -88,36 +104,59 @@ def read_tracker(root) -> int | None:
     return int(text)
 
 
-def _tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
-    """(key, local tensor, like-parameter, name) for every tensor this rank saves or loads.
-    `opt_states` maps parameter names to their optimizer states in the parameter's layout."""
-    vocab = chunks[0].config.vocab_size
-    entries = []
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            src = source_name(chunk, name)
-            if src != name and not for_load:
-                continue  # a tied copy: its first-stage twin is saved
-            entries.append((f"model/{src}", param.data, param, src))
-            for state_name, tensor in opt_states.get(name, {}).items():
-                if src != name and not for_load:
-                    continue
-                entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
-    return entries, vocab
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
-def _dcp_state_dict(entries, pstate, vocab):
-    return {key: describe(local, like, name, pstate, vocab) for key, local, like, name in entries}
+def _save_failure(root: Path, iteration: int, error: BaseException) -> str | None:
+    """One line for a save that an OSError on some rank stopped (a full disk, a lost mount,
+    permissions), naming the directory and what is left; None for any other failure (a bug,
+    whose traceback is kept)."""
+    cause = os_error_in(dcp_failure(error))
+    if cause is None:
+        return None
+    if cause.errno == errno.ENOSPC:
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        what = f"no space left on device saving iteration {iteration} ({_size(free)} free)"
+    else:
+        what = f"cannot save iteration {iteration}: {cause.strerror or first_sentence(cause)}"
+        what += f" ({cause.filename})" if cause.filename else ""
+    try:
+        previous = read_tracker(root)
+    except (CheckpointError, OSError):
+        previous = None
+    kept = f"{TRACKER} still points at iteration {previous}" if previous is not None else "no checkpoint is published"
+    return f"{root}: {what}; {kept}"
+
+
+def _give_up(tmp: Path, message: str):
+    """Every rank, after a save failed on some rank: rank 0 removes the partial directory, and
+    every rank raises rank 0's line."""
+    line = None
+    if _rank() == 0:
+        try:
+            shutil.rmtree(tmp)
+            line = f"{message}; removed the partial {tmp.name}"
+        except FileNotFoundError:
+            line = message
+        except OSError as e:
+            line = f"{message}; the partial {tmp} is left behind ({e.strerror}): remove it"
+    raise CheckpointError(_agree(line))
 
 
 class PendingSave:
     """A checkpoint being written; `finalize()` (on every rank) waits for it and publishes it.
     Its own collectives run on the default group from the training thread; DCP's background
-    writes use the separate group given to save_checkpoint."""
+    writes use the separate group given to save_checkpoint. A write that fails on any rank
+    raises the same CheckpointError on every rank, with the previous checkpoint and the tracker
+    untouched and the partial directory removed."""
 
-    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None):
+    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None, error: str | None = None):
         self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
-        self.rng_file, self.future = rng_file, future
+        self.rng_file, self.future, self.error = rng_file, future, error
 
     def done(self) -> bool:
         """Whether every rank's write has finished (a collective when distributed)."""
@@ -128,31 +167,67 @@ class PendingSave:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def failed(self, error: BaseException):
+        """Every rank, when DCP's write failed (DCP reports a failure to every rank at once)."""
+        message = _save_failure(self.root, self.iteration, error)
+        if message is None:
+            raise error
+        _give_up(self.tmp, message)
+
     def finalize(self) -> Path:
         if self.future is not None:
-            self.future.result()
+            try:
+                self.future.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - sorted by failed()
+                self.failed(e)
         rank = _rank()
-        mine = {p.name: file_digest(p) for p in self.tmp.glob(f"__{rank}_*.distcp")}
-        mine[self.rng_file] = file_digest(self.tmp / self.rng_file)
+        mine = {"!error": self.error} if self.error else {}
+        if not self.error:
+            mine = {p.name: file_digest(p) for p in self.tmp.glob(f"__{rank}_*.distcp")}
+            mine[self.rng_file] = file_digest(self.tmp / self.rng_file)
         gathered = [mine]
         if _distributed():
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
+        errors = [part["!error"] for part in gathered if "!error" in part]
+        if errors:
+            _give_up(self.tmp, errors[0])
         final = iteration_dir(self.root, self.iteration)
+        failure = None
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
             files[".metadata"] = file_digest(self.tmp / ".metadata")
-            common = {**self.common, "files": files}
-            write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
-            aside = _aside_dir(final)
-            if final.exists():  # overwrite: keep the old one loadable until the new one is published
-                os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
-            os.replace(self.tmp, final)
-            write_text_atomic(self.root / TRACKER, str(self.iteration))
-            if aside.exists():
-                shutil.rmtree(aside)
-        _barrier()
+            try:
+                self._publish(final, {**self.common, "files": files})
+            except OSError as e:
+                failure = self._unpublish(final, e)
+        failure = _agree(failure)
+        if failure:
+            raise CheckpointError(failure)
         return final
+
+    def _publish(self, final: Path, common: dict) -> None:
+        write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
+        aside = _aside_dir(final)
+        if final.exists():  # overwrite: keep the old one loadable until the new one is published
+            os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
+        os.replace(self.tmp, final)
+        write_text_atomic(self.root / TRACKER, str(self.iteration))
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _unpublish(self, final: Path, error: OSError) -> str:
+        """Rank 0, when publishing failed: back to the previous checkpoint; the line to raise."""
+        message = _save_failure(self.root, self.iteration, error)
+        aside = _aside_dir(final)
+        try:
+            if final.exists() and not self.tmp.exists():
+                os.replace(final, self.tmp)  # renamed before the tracker could follow
+            if aside.exists():
+                os.replace(aside, final)
+            shutil.rmtree(self.tmp)
+            return f"{message}; removed the partial {self.tmp.name}"
+        except OSError as e:
+            return f"{message}; the partial {self.tmp} is left behind ({e.strerror}): remove it"
 
 
 def _finish_interrupted_overwrites(root: Path) -> None:
@@ -178,49 +253,50 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     background thread while training uses the default group. `fully_parallel`
     (--ckpt-fully-parallel-save) spreads the writing of replicated tensors over the ranks holding
     them; without it the lowest such rank writes each. `cache_plan`
-    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan."""
+    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan. A write that
+    fails (a full disk) raises CheckpointError on every rank (see PendingSave)."""
     root = Path(root)
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
+    failure = None
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _finish_interrupted_overwrites(root)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash during an earlier save
-        tmp.mkdir()
-    _barrier(group)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _finish_interrupted_overwrites(root)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a crash during an earlier save
+            tmp.mkdir()
+        except OSError as e:
+            failure = _save_failure(root, iteration, e)
+    failure = _agree(failure, group)
+    if failure:
+        raise CheckpointError(failure)
     optimizer_state = optimizer.sharded_state_dict() if optimizer is not None else {"params": {}}
-    entries, vocab = _tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
+    entries, vocab = tensor_entries(chunks, optimizer_state.pop("params"), pstate, for_load=False)
     with single_process_dcp():
-        state = _dcp_state_dict(entries, pstate, vocab)
+        state = dcp_state_dict(entries, pstate, vocab)
     rng_file = rng_file_name(pstate)
-    save_rng_state(tmp / rng_file, rng_tracker)
+    error = None
+    try:
+        save_rng_state(tmp / rng_file, rng_tracker)
+    except OSError as e:
+        error = _save_failure(root, iteration, e)  # reported to every rank by finalize
     common = {**common, "iteration": iteration, "optimizer": optimizer_state,
               "layout": layout_record(pstate)}
-    writer = dcp.FileSystemWriter(tmp, thread_count=1, sync_files=True)
+    writer = CheckedFileSystemWriter(tmp, thread_count=1, sync_files=True)
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=not fully_parallel, enable_plan_caching=cache_plan)
     no_dist = not _distributed()
+    pending = PendingSave(root, iteration, tmp, common, rng_file, error=error)
     with single_process_dcp():
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
-            future = getattr(future, "upload_completion", future)
-            return PendingSave(root, iteration, tmp, common, rng_file, future)
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
-    pending = PendingSave(root, iteration, tmp, common, rng_file)
+            pending.future = getattr(future, "upload_completion", future)
+            return pending
+        try:
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - sorted by failed()
+            pending.failed(e)
     pending.finalize()
     return pending
-
-
-def _check_shapes(metadata, entries, pstate, vocab, path: Path):
-    known = metadata.state_dict_metadata
-    for key, local, like, name in entries:
-        expected = global_shape_of(local, like, name, tensor_split_of(pstate, like)[1], vocab)
-        if key not in known:
-            hint = " (use --no-load-optim or --finetune to skip optimizer state)" if key.startswith("optimizer/") else ""
-            raise CheckpointError(f"{path}: checkpoint has no tensor {key} (expected shape {expected}){hint}")
-        stored = list(getattr(known[key], "size", []))
-        if stored != expected:
-            raise CheckpointError(f"{path}: tensor {key} has shape {stored} in the checkpoint but the "
-                                  f"model expects {expected}")
 
 
 def _read_common(path: Path) -> dict:
@@ -235,13 +311,18 @@ def _read_common(path: Path) -> dict:
 
 def _load_tensors(path: Path, metadata, entries, pstate, vocab) -> None:
     """Load `entries` from the checkpoint at `path`, whose .metadata the caller has read."""
-    _check_shapes(metadata, entries, pstate, vocab, path)
+    check_shapes(metadata, entries, pstate, vocab, path)
     try:
         with single_process_dcp():
-            state = _dcp_state_dict(entries, pstate, vocab)
+            state = dcp_state_dict(entries, pstate, vocab)
             dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
-    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
-        raise CheckpointError(f"{path}: failed to load ({str(e).splitlines()[0][:300]})") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure
+        failure = dcp_failure(e)
+        if isinstance(failure, CheckpointError):  # a refused or damaged record, named by the reader
+            raise CheckpointError(str(failure)) from None
+        if isinstance(failure, pickle.UnpicklingError):  # where DCP's reader did not say which record
+            raise CheckpointError(record_failure(path, "a record", failure)) from None
+        raise CheckpointError(f"{path}: failed to load ({first_sentence(failure)})") from e
 
 
 def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dict:
@@ -250,7 +331,7 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
     problems = all_problems(verify_files(path, common.get("files", {}), rank, world))
     if problems:
         raise CheckpointError(problems[0] + and_more(problems))
-    entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
+    entries, vocab = tensor_entries(chunks, {}, pstate, for_load=True)
     _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))
@@ -272,7 +353,7 @@ def load_optimizer_state(common: dict, *, chunks, optimizer, pstate) -> None:
     metadata = read_metadata_file(path / ".metadata")
     states = sorted({k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optimizer/")})
     buffers = optimizer.empty_sharded_state(states)  # only the elements this rank holds
-    entries, vocab = _tensor_entries(chunks, buffers, pstate, for_load=True)
+    entries, vocab = tensor_entries(chunks, buffers, pstate, for_load=True)
     _load_tensors(path, metadata, [e for e in entries if e[0].startswith("optimizer/")], pstate, vocab)
     try:
         optimizer.load_sharded_state_dict({**saved, "params": buffers})

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 
+from megalite.model.weights import source_name
 from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
 from megalite.parallel.expert.groups import holder_rank, reduction_index, tensor_split_of
 
@@ -202,6 +202,42 @@ def global_shape_of(local, like: torch.Tensor, name: str, tp_size: int, vocab_si
     return shape
 
 
+def tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
+    """(key, local tensor, like-parameter, name) for every tensor this rank saves or loads.
+    `opt_states` maps parameter names to their optimizer states in the parameter's layout."""
+    vocab = chunks[0].config.vocab_size
+    entries = []
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            src = source_name(chunk, name)
+            if src != name and not for_load:
+                continue  # a tied copy: its first-stage twin is saved
+            entries.append((f"model/{src}", param.data, param, src))
+            for state_name, tensor in opt_states.get(name, {}).items():
+                if src != name and not for_load:
+                    continue
+                entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
+    return entries, vocab
+
+
+def dcp_state_dict(entries, pstate, vocab):
+    """What DCP saves or loads for `entries` (see describe)."""
+    return {key: describe(local, like, name, pstate, vocab) for key, local, like, name in entries}
+
+
+def check_shapes(metadata, entries, pstate, vocab, path: Path):
+    known = metadata.state_dict_metadata
+    for key, local, like, name in entries:
+        expected = global_shape_of(local, like, name, tensor_split_of(pstate, like)[1], vocab)
+        if key not in known:
+            hint = " (use --no-load-optim or --finetune to skip optimizer state)" if key.startswith("optimizer/") else ""
+            raise CheckpointError(f"{path}: checkpoint has no tensor {key} (expected shape {expected}){hint}")
+        stored = list(getattr(known[key], "size", []))
+        if stored != expected:
+            raise CheckpointError(f"{path}: tensor {key} has shape {stored} in the checkpoint but the "
+                                  f"model expects {expected}")
+
+
 # --- safe reading -----------------------------------------------------------------------------
 
 def _allowed_globals() -> dict:
@@ -266,35 +302,7 @@ def read_metadata_file(path: Path):
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's FileSystemReader with the metadata read through an allowlist unpickler (tensor
-    data is already read with torch.load(weights_only=True) by DCP)."""
-
-    def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata_file(Path(self.path) / ".metadata")
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 # --- integrity --------------------------------------------------------------------------------
-
-def read_record(path: Path, info, what: str, error=CheckpointError) -> torch.Tensor:
-    """One DCP storage record (`info`: its _StorageInfo in .metadata) read from `path` and loaded
-    with weights_only; a short or unreadable record raises `error` naming the file and `what`."""
-    with open(path, "rb") as f:
-        f.seek(info.offset)
-        record = f.read(info.length)
-    if len(record) != info.length:
-        raise error(f"{path}: truncated ({what})")
-    try:
-        return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a record that does not load is damage
-        raise error(f"{path}: {what} unreadable ({str(e).splitlines()[0][:200]})") from None
-
 
 def file_digest(path: Path) -> dict:
     crc = 0

@@ -7,10 +7,12 @@ torch.load(weights_only=True, mmap=True), one shard at a time.
 """
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
 
+from megalite.checkpoint.dcp_storage import load_failure
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.safetensors_io import entry_spec, read_header, read_tensor
 from megalite.model.config import GPTConfig
@@ -99,8 +101,10 @@ class HFCheckpoint:
                 except RuntimeError:  # the legacy (non-zip) format cannot be mapped
                     state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any failure means an unusable weight file
-                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                raise ConversionError(f"{path}: cannot be read as PyTorch weights ({reason})") from None
+                if isinstance(e, pickle.UnpicklingError):
+                    raise ConversionError(f"{path}: refused as unsafe, not plain PyTorch weights ({load_failure(e)}); "
+                                          "nothing in it was run") from None
+                raise ConversionError(f"{path}: cannot be read as PyTorch weights ({load_failure(e)})") from None
             if not isinstance(state, dict):
                 raise ConversionError(f"{path}: expected a state dict, found {type(state).__name__}")
             self._bin_file, self._bin_state = path, state

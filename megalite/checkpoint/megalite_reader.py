@@ -10,14 +10,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.checkpoint.dcp_format import (
-    CheckpointError, SafeFileSystemReader, and_more, read_metadata_file, read_record, single_process_dcp,
-    verify_files,
+    CheckpointError, and_more, read_metadata_file, single_process_dcp, verify_files,
 )
+from megalite.checkpoint.dcp_storage import SafeFileSystemReader, dcp_failure, first_sentence, read_record
+from megalite.checkpoint.detect import checkpoint_kind, convert_first
 from megalite.checkpoint.dcp_checkpoint import TRACKER, published_iteration_dir, read_tracker
 
 
@@ -32,6 +34,9 @@ def _read_published(load_dir, iteration: int | None) -> tuple[dict, int, Path]:
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory")
+    kind = checkpoint_kind(root, iteration)
+    if kind not in (None, "megalite"):
+        raise CheckpointError(convert_first(root, kind))
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
@@ -95,7 +100,7 @@ class MegaliteCheckpoint:
         if any(info is None or getattr(info, "transform_descriptors", None) for info in infos):
             return self._get_through_dcp(key, tensor)  # compressed or unusual storage: DCP's reader
         for chunk, info in zip(chunks, infos):
-            piece = read_record(self.path / info.relative_path, info, f"tensor {key}", ConversionError)
+            piece = read_record(self.path / info.relative_path, info, f"the record of tensor {key}", ConversionError)
             region = tensor[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
             if tuple(piece.shape) != tuple(region.shape):
                 raise ConversionError(f"{self.path}: tensor {key} chunk at {list(chunk.offsets)} has shape "
@@ -107,8 +112,11 @@ class MegaliteCheckpoint:
         try:
             with single_process_dcp():
                 dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
-        except Exception as e:  # noqa: BLE001 - DCP wraps failures; name the checkpoint and tensor
-            raise ConversionError(f"{self.path}: cannot read tensor {key} ({str(e).splitlines()[0][:200]})") from None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - name the checkpoint and tensor
+            failure = dcp_failure(e)
+            if isinstance(failure, CheckpointError):
+                raise ConversionError(str(failure)) from None
+            raise ConversionError(f"{self.path}: cannot read tensor {key} ({first_sentence(failure)})") from None
         return tensor
 
     def get_model(self, name: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.dcp_format import _ALLOWED_GLOBALS, CheckpointError
+from megalite.checkpoint.dcp_storage import first_sentence, load_failure
 
 
 class MegatronObject:
@@ -112,11 +113,11 @@ def safe_torch_load(path, data: bytes | None = None) -> object:
                               mmap=data is None and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"class {found.group(1)}" if found else str(e).splitlines()[0][:200]
+        what = f"class {found.group(1)}" if found else f"a pickle weights_only refuses ({load_failure(e)})"
         raise CheckpointError(f"{path}: refusing to unpickle {what} (not on megalite's allowlist for Megatron "
                               "checkpoints; loading never runs code from a checkpoint)") from None
     except (RuntimeError, OSError, EOFError) as e:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0][:200]})") from None
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first_sentence(e)})") from None
 
 
 def _dcp_planner_globals() -> dict:

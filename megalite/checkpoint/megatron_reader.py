@@ -24,7 +24,8 @@ from megalite.checkpoint.megatron_names import (
 from megalite.checkpoint.megatron_pickle import read_dist_metadata, safe_torch_load
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.target_layout import sharding_by_pattern
-from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError, and_more, read_record
+from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError, and_more
+from megalite.checkpoint.dcp_storage import read_record
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")

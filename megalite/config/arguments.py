@@ -12,6 +12,7 @@ and contradictions raise ValueError with one line naming them.
 
 import argparse
 import difflib
+import re
 import sys
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -90,9 +91,22 @@ def _kind(name: str) -> tuple[str, type | None]:
     return "scalar", base
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*(\.[\d_]*)?|\.\d[\d_]*)([eE][-+]?\d+)?$")
+
+
+def accept_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let `parser` read negative numbers in every notation (-1e-3, -.5, -1_000) as values, as
+    it reads -0.001: argparse before Python 3.14 knows only -N and -N.N and takes `--lr -1e-3`
+    for two flags ("expected one argument"). Sets argparse's own (private) matcher, before any
+    option is added; Python 3.14's matches these already."""
+    parser._negative_number_matcher = NEGATIVE_NUMBER
+    return parser
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        accept_negative_numbers(self)
         self.given_flags = {}  # dest -> the option string that set it
 
     def error(self, message):

@@ -23,6 +23,7 @@ from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.safetensors_io import parse_size
 from megalite.checkpoint.target_layout import TargetLayout
 from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.detect import LOADERS, checkpoint_kind
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +61,10 @@ def _target(args, source_layout: dict | None) -> TargetLayout:
 
 def convert(args) -> list[str]:
     """Run the conversion `args` asks for; the lines to print."""
+    kind = checkpoint_kind(args.load_dir)
+    if kind is not None and LOADERS[kind] != args.loader:
+        raise ConversionError(f"--loader {args.loader}: {args.load_dir} is a {kind} checkpoint "
+                              f"(use --loader {LOADERS[kind]})")
     if args.loader == "hf" and args.saver == "hf":
         raise ConversionError("--loader hf --saver hf: nothing to convert (one side must be megalite)")
     if args.loader == "megatron" and args.iteration is not None:

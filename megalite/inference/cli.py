@@ -27,11 +27,16 @@ from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megalite.inference.generate import generate_tokens, load_model
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.config.arguments import accept_negative_numbers
 from megalite.config.arguments_megatron_model import tokenizer_options
 from megalite.checkpoint.dcp_format import CheckpointError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        accept_negative_numbers(self)
+
     def error(self, message):
         raise ValueError(message)
 

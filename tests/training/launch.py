@@ -54,10 +54,19 @@ class Ranks:
             p.wait()
 
     def output(self) -> str:
-        return "\n".join(f"--- rank {r} ---\n{Path(log).read_text()[-3000:]}" for r, log in enumerate(self.logs))
+        return "\n".join(f"--- rank {r} ---\n{Path(log).read_text()[-3000:]}{self.stderr(r)[-3000:]}"
+                         for r, log in enumerate(self.logs))
+
+    def stderr(self, rank: int) -> str:
+        """What rank `rank` wrote to stderr, when launched with separate_stderr (else '')."""
+        err = Path(self.logs[rank]).with_suffix(".err")
+        return err.read_text() if err.exists() else ""
 
 
-def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = None) -> Ranks:
+def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = None,
+           separate_stderr: bool = False) -> Ranks:
+    """Start the ranks; each writes stdout and stderr to log_dir/rank<R>.log, or with
+    `separate_stderr` its stderr alone to rank<R>.err."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
@@ -66,9 +75,9 @@ def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = N
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": str(REPO), **(env or {})}
         log = log_dir / f"rank{rank}.log"
-        with open(log, "w") as out:
+        with open(log, "w") as out, open(log.with_suffix(".err") if separate_stderr else os.devnull, "w") as err:
             procs.append(subprocess.Popen([sys.executable, "-m", "megalite.pretrain_gpt", *args], env=rank_env,
-                                          stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
+                                          stdout=out, stderr=err if separate_stderr else subprocess.STDOUT, cwd=REPO))
         logs.append(log)
     return Ranks(procs, logs)
 

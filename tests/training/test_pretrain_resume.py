@@ -4,6 +4,7 @@ resharding a TP=2 PP=2 checkpoint onto TP=1 DP=4 with the distributed optimizer 
 a dead rank makes the others exit instead of hang; bad options stop before any process group."""
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -90,15 +91,22 @@ def test_reshard_tp2_pp2_to_tp1_dp4_with_distributed_optimizer(tmp_path):
 
 
 def test_dead_rank_makes_the_others_exit(tmp_path):
+    """Each survivor exits with status 1 and one line on stderr: its rank, the collective that
+    failed and why (no traceback: the dead rank, not the survivor's code, is the cause)."""
     args = _args(tmp_path, "--distributed-timeout-minutes", "0.5")
     args[args.index("--train-iters") + 1] = "100000"
-    ranks = launch(args, 4, tmp_path / "logs")
+    ranks = launch(args, 4, tmp_path / "logs", separate_stderr=True)
     wait_for(lambda: len(train_losses(tmp_path / "metrics.jsonl")) >= 2, what="iteration 2", ranks=ranks)
     ranks.procs[2].kill()
     start = time.time()
     codes = ranks.wait(timeout=120)
     assert time.time() - start < 30 + 20, "survivors outlived --distributed-timeout-minutes"
-    assert all(code != 0 for code in codes), codes
+    assert codes == [1, 1, -signal.SIGKILL, 1], ranks.output()
+    for rank in (0, 1, 3):
+        lines = ranks.stderr(rank).splitlines()
+        assert len(lines) == 1 and re.fullmatch(rf"pretrain_gpt: rank {rank}: lost a peer rank: \w+ failed "
+                                                r"\(.*(Connection (closed|reset) by peer|Timed out).*\); stopping",
+                                                lines[0]), ranks.output()
 
 
 def test_impossible_layout_stops_every_rank_before_any_process_group(tmp_path):
