@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from megalite.config.arguments import accept_negative_numbers
 from megalite.planner.cluster import GIB, PRESETS, Cluster, KernelRates, preset
 from megalite.planner.layouts import RECOMPUTE, Space
 from megalite.planner.report import finalists, table
@@ -48,9 +49,26 @@ def _choices(flag, allowed, mapping=None):
     return parse
 
 
+def _positive(flag: str, most: float | None = None):
+    """A number > 0 (and <= `most`); negative ones reach this check (accept_negative_numbers)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0 or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{flag} must be > 0{f' and <= {most:g}' if most else ''}, got {text}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (`plan.py: error: ...`, exit status 2), not argparse's usage block."""
+
+    def error(self, message):
+        self.exit(2, f"plan.py: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plan.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = accept_negative_numbers(_Parser(prog="plan.py", description=__doc__.split("\n\n")[0],
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     model = parser.add_argument_group("model (else pretrain_gpt's flags after --)")
     model.add_argument("--hf-config", help="a Hugging Face config.json")
     model.add_argument("--seq-length", type=int, help="sequence length (overrides the model's flags)")
@@ -60,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--cluster", default="h100", help=f"a preset ({', '.join(PRESETS)}) or a --calibrate JSON")
     cluster.add_argument("--num-gpus", type=int, help="devices (default: the JSON's, or 8)")
     cluster.add_argument("--gpus-per-node", type=int)
-    cluster.add_argument("--gpu-memory-gib", type=float)
-    cluster.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per device")
-    cluster.add_argument("--intra-node-gbps", type=float, help="collective bus bandwidth in a node, GB/s per device")
-    cluster.add_argument("--inter-node-gbps", type=float, help="network bandwidth per device across nodes, GB/s")
+    cluster.add_argument("--gpu-memory-gib", type=_positive("--gpu-memory-gib"))
+    cluster.add_argument("--peak-tflops", type=_positive("--peak-tflops"), help="dense 16-bit peak per device")
+    cluster.add_argument("--intra-node-gbps", type=_positive("--intra-node-gbps"), help="collective bus bandwidth in a node, GB/s per device")
+    cluster.add_argument("--inter-node-gbps", type=_positive("--inter-node-gbps"), help="network bandwidth per device across nodes, GB/s")
     cluster.add_argument("--kernel-rates", metavar="FILE",
                          help="megalite's kernels as measured on the GPU: the kernel_rates.json gpu_check.sh writes")
     search = parser.add_argument_group("search space (comma-separated lists; default: every valid value)")
@@ -79,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--distributed-optimizer", type=_choices("--distributed-optimizer", onoff, onoff),
                         default=[False, True])
     search.add_argument("--schedules", type=_choices("--schedules", ("default", "zb_h1")), default=["default"])
-    search.add_argument("--memory-fraction", type=float, default=0.9,
+    search.add_argument("--memory-fraction", type=_positive("--memory-fraction", 1.0), default=0.9,
                         help="share of device memory a layout may fill (default 0.9)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts in the table (default 10)")

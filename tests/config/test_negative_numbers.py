@@ -47,3 +47,15 @@ def test_pretrain_gpt_checks_the_value_of_a_negative_lr():
 def test_generate_checks_the_value_of_a_negative_temperature(tmp_path, capsys):
     assert generate_main(["--load", str(tmp_path), "--prompt", "x", "--temperature", "-1e-3"]) == 2
     assert capsys.readouterr().err.splitlines() == ["generate: error: --temperature must be >= 0, got -0.001"]
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory-gib", "--peak-tflops", "--intra-node-gbps", "--memory-fraction"])
+def test_plan_checks_the_value_of_a_negative_number(flag, capsys):
+    from megalite.planner.cli import main as plan_main
+
+    with pytest.raises(SystemExit) as stopped:
+        plan_main([flag, "-1e-3", "--", "--num-layers", "2"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"plan.py: error: argument {flag}: {flag} must be > 0"
+                                                    + (" and <= 1" if flag == "--memory-fraction" else "")
+                                                    + ", got -1e-3"]
