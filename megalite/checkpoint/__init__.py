@@ -12,7 +12,8 @@
     rng_state           each rank's RNG states (JSON)                 both
     target_layout       megalite's DCP format at a target TP x PP     write (resharding plan)
     megatron_reader     Megatron-LM torch / torch_dist model weights  read
-    megatron_names      Megatron-Core names and args in megalite's    read
+    megatron_names      Megatron-Core names in megalite's             read
+    megatron_args       a Megatron-LM checkpoint's args -> GPTConfig  read (by Megatron-LM version)
     megatron_optimizer  Megatron-LM optimizer state                   read
     megatron_buckets    Megatron's distributed-optimizer buckets      read
     megatron_pickle     Megatron's pickles through an allowlist       read (the safe unpickler)

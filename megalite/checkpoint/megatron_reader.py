@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from megalite.checkpoint.megatron_names import (
-    config_from_megatron_args, megatron_candidates, model_names, tp_rule, vocab_size_of,
-)
+from megalite.checkpoint.megatron_args import config_from_megatron_args, megatron_args_notes, vocab_size_of
+from megalite.checkpoint.megatron_names import megatron_candidates, model_names, tp_rule
 from megalite.checkpoint.megatron_pickle import read_dist_metadata, safe_torch_load
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.target_layout import sharding_by_pattern
@@ -248,8 +247,9 @@ class _DistFiles:
 
 class MegatronCheckpoint:
     """The latest (or `release`) checkpoint under a Megatron --save directory. `vocab_size`: the
-    unpadded vocabulary (a run's tokenizer); default the checkpoint's args' vocab_size, else the
-    padded rows. `iteration`: that iteration's checkpoint instead of the tracker's."""
+    unpadded vocabulary (a run's tokenizer); default what the checkpoint's args and embedding say
+    (megatron_args.vocab_size_of). `iteration`: that iteration's checkpoint instead of the
+    tracker's. `notes`: arguments the checkpoint's model did not use, one line each."""
 
     def __init__(self, load_dir, vocab_size: int | None = None, iteration: int | None = None):
         self.root = Path(load_dir)
@@ -265,15 +265,20 @@ class MegatronCheckpoint:
         if "iteration" in self.state:
             self.iteration = int(self.state["iteration"])
         where = self.path if self.format == "torch_dist" else self.files.paths[(0, 0)]
-        embedding = self.files.read("embedding.word_embeddings.weight", (0, 1))
+        embedding = self.files.spec("embedding.word_embeddings.weight", (0, 1))
         if embedding is None:
-            raise CheckpointError(f"{where}: no embedding.word_embeddings.weight")
-        self.padded_vocab = embedding.shape[0]
+            legacy = " (Megatron's legacy GPT model: language_model.*; megalite reads Megatron-Core's)" if any(
+                n.split(".")[0] == "language_model" for n in self.files.names()) else ""
+            raise CheckpointError(f"{where}: no embedding.word_embeddings.weight{legacy}")
+        self.padded_vocab = embedding[0][0]
         vocab = vocab_size or vocab_size_of(self.args, self.padded_vocab)
         try:
             self.config = config_from_megatron_args(self.args, vocab, str(where))
+        except ConversionError:
+            raise  # names the file already
         except (ValueError, TypeError) as e:
             raise ConversionError(f"{where}: {e}") from None
+        self.notes = megatron_args_notes(self.args)
         if vocab > self.padded_vocab:
             raise CheckpointError(f"{where}: the vocabulary has {vocab} tokens but the checkpoint's embedding only "
                                   f"{self.padded_vocab} rows")

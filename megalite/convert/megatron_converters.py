@@ -41,9 +41,9 @@ def _tokenizer_entry(args) -> dict:
     return entry
 
 
-def _source_note(source: MegatronCheckpoint) -> str:
-    return (f"read Megatron {source.format} checkpoint {source.path} (iteration {source.iteration}); "
-            "its optimizer and RNG states are not converted")
+def _source_notes(source: MegatronCheckpoint) -> list[str]:
+    return [f"read Megatron {source.format} checkpoint {source.path} (iteration {source.iteration}); "
+            "its optimizer and RNG states are not converted", *source.notes]
 
 
 def megatron_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
@@ -69,7 +69,7 @@ def megatron_to_megalite(load_dir, save_dir, layout: TargetLayout) -> Summary:
                                      "iteration": source.iteration}}
         _publish_checkpoint(staging, source.iteration, files, common)
     summary.config, summary.flags, summary.tokenizer = config, flags, tokenizer
-    summary.notes.append(_source_note(source))
+    summary.notes += _source_notes(source)
     return summary
 
 
@@ -88,5 +88,5 @@ def megatron_to_hf(load_dir, save_dir, max_shard_bytes: int = 5 * 10**9) -> Summ
     with staged_output(final) as staging:
         write_hf_weights(staging, specs, hf_mapping.megalite_to_hf(source.get, config), max_shard_bytes, summary)
         (staging / "config.json").write_text(json.dumps(_hf_config(config, summary.dtype, None), indent=1))
-    summary.notes.append(_source_note(source))
+    summary.notes += _source_notes(source)
     return summary

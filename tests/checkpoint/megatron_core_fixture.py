@@ -48,7 +48,10 @@ def tokens() -> torch.Tensor:
 
 
 def megatron_args(family: str, **overrides) -> argparse.Namespace:
-    """The Namespace Megatron stores under 'args' (the fields a loader reads, and a few enums)."""
+    """The Namespace Megatron stores under 'args': the fields a loader reads (with the pre-0.16
+    names norm_epsilon and apply_layernorm_1p; megatron_lm_args builds a whole Namespace) and a
+    few enums. NullTokenizer's --vocab-size is one less than its VOCAB tokens (core_v0.16.1
+    appends the EOD id), and the fusions _config turns off are off."""
     from megatron.core.transformer.enums import AttnBackend
 
     f = FAMILIES[family]
@@ -56,13 +59,14 @@ def megatron_args(family: str, **overrides) -> argparse.Namespace:
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
         num_query_groups=f["num_query_groups"], group_query_attention=f["num_query_groups"] != f["num_attention_heads"],
         ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
-        seq_length=SEQ, max_position_embeddings=64, padded_vocab_size=PADDED_VOCAB, vocab_size=VOCAB,
+        seq_length=SEQ, max_position_embeddings=64, padded_vocab_size=PADDED_VOCAB, vocab_size=VOCAB - 1,
         make_vocab_size_divisible_by=8, tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
         virtual_pipeline_model_parallel_size=None, normalization=f["normalization"], norm_epsilon=f["layernorm_epsilon"],
         swiglu=f["gated_linear_unit"], add_bias_linear=f["add_bias_linear"], add_qkv_bias=f["add_bias_linear"],
         position_embedding_type=f["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
         untie_embeddings_and_output_weights=f["untie"], apply_layernorm_1p=False, qk_layernorm=False,
-        squared_relu=False, openai_gelu=False, onnx_safe=None, params_dtype=torch.float32, fp16=False, bf16=False,
+        squared_relu=False, openai_gelu=False, onnx_safe=None, bias_gelu_fusion=False, bias_swiglu_fusion=False,
+        params_dtype=torch.float32, fp16=False, bf16=False,
         attention_backend=AttnBackend.auto, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         ckpt_format="torch", consumed_train_samples=56, consumed_valid_samples=0, iteration=ITERATION,
         tokenizer_type="NullTokenizer", micro_batch_size=2, global_batch_size=8, lr=1e-3, seed=1234)

@@ -40,7 +40,7 @@ def training_args(family: str, tp: int, dp: int, distributed: bool, fmt: str, sh
     """The Namespace such a Megatron run stores: the model's and the schedule's arguments."""
     return megatron_args(
         family, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=dp,
-        world_size=tp * dp, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB, seq_length=SEQ,
+        world_size=tp * dp, vocab_size=VOCAB - 1, padded_vocab_size=PADDED_VOCAB, seq_length=SEQ,
         micro_batch_size=GLOBAL_BATCH // dp, global_batch_size=GLOBAL_BATCH, lr=LR, min_lr=MIN_LR,
         lr_decay_style="cosine", lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, train_iters=DECAY,
         weight_decay=WEIGHT_DECAY, start_weight_decay=WEIGHT_DECAY, end_weight_decay=WEIGHT_DECAY,

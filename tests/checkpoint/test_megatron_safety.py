@@ -73,9 +73,27 @@ def test_malicious_torch_dist_metadata_is_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_unsupported_model_feature_is_refused_by_name(tmp_path):
-    write_megatron_torch(tmp_path / "ckpt", args=megatron_args(qk_layernorm=True))
-    with pytest.raises(ConversionError, match="qk_layernorm"):
+def test_unsupported_model_feature_is_refused_by_name_and_path_once(tmp_path, capsys):
+    write_megatron_torch(tmp_path / "ckpt", args=megatron_args(multi_latent_attention=True))
+    path = str(tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    with pytest.raises(ConversionError, match="multi_latent_attention=True") as refused:
+        MegatronCheckpoint(tmp_path / "ckpt")
+    assert str(refused.value).count(path) == 1
+    assert main(["--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path / "ckpt"),
+                 "--save-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count(path) == 1 and "multi_latent_attention" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_legacy_model_is_named(tmp_path):
+    folder = tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    legacy = {"language_model": {"embedding": {"word_embeddings": {"weight": torch.zeros(64, 16)}}}}
+    torch.save({"args": megatron_args(), "iteration": 3, "model": legacy}, folder / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(CheckpointError, match=r"model_optim_rng\.pt: no embedding\.word_embeddings\.weight "
+                                              r"\(Megatron's legacy GPT model"):
         MegatronCheckpoint(tmp_path / "ckpt")
 
 
