@@ -5,7 +5,8 @@ benchmarks and experiments on one machine; training runs use torchrun or srun).
 
 calls fn(rank, world_size, arg1, arg2) in each process (fn must be a module-level function)
 and returns the per-rank return values. A failure on any rank raises here with that rank's
-traceback; a hang is killed after `timeout` seconds without a result. The process group's
+traceback, a rank that dies without one (killed, or a crash outside Python) at once; a hang is
+killed after `timeout` seconds without a result. The process group's
 timeout is `timeout` too, or gloo's default (30 min) if that is longer, so a rank may wait in
 a collective as long as run_distributed waits for it.
 """
@@ -68,12 +69,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
         p.start()
     out = {}
     try:
+        waited = 0.0
         while len(out) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"{fn.__name__}: no result from ranks "
-                                   f"{sorted(set(range(world_size)) - set(out))} within {timeout}s")
+                waited += 1.0
+                # a rank that died without reporting (killed, crashed in C++) would leave the others
+                # waiting in a collective: say so now instead of after the whole timeout
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead and results.empty():
+                    raise RuntimeError(f"{fn.__name__}: rank {dead[0][0]} exited with status {dead[0][1]} without a "
+                                       "result or a traceback (killed, or crashed outside Python)")
+                if waited >= timeout:
+                    raise TimeoutError(f"{fn.__name__}: no result from ranks "
+                                       f"{sorted(set(range(world_size)) - set(out))} within {timeout}s")
+                continue
+            waited = 0.0
             if status == "error":
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=True)
