@@ -3,7 +3,9 @@
 Exit status: 0 when training finished or stopped on purpose (a signal, --exit-interval,
 --exit-duration-in-mins) after saving, or --skip-train evaluated; then --exit-reason-file
 says which. 2 for bad options or an unusable checkpoint (one line naming the flag, file or
-tensor); 1 for any other failure, including a peer rank that died (collectives time out after
+tensor); 16 and 17 for a result validation that stopped the run (--rerun-mode validate_results,
+Megatron's codes: 16 resume from the checkpoint it saved, 17 validation failed); 1 for any other
+failure, including a peer rank that died (collectives time out after
 --distributed-timeout-minutes instead of hanging).
 """
 
@@ -77,8 +79,8 @@ def main(argv=None) -> int:
             trainer.close()
         except CheckpointError as error:
             _die(2, f"pretrain_gpt: error: {error}")
-        except RerunFault as error:
-            _die(1, f"pretrain_gpt: error: {error}")
+        except RerunFault as error:  # Megatron's exit codes: 16 resume to diagnose, 17 failed validation
+            _die(error.exit_code, f"pretrain_gpt: error: {error}")
         except BaseException:  # noqa: BLE001 - report and leave without tearing down groups
             _die(1, f"pretrain_gpt: rank {dist.get_rank() if dist.is_initialized() else 0} failed:\n"
                     + traceback.format_exc())

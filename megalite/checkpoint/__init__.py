@@ -20,6 +20,7 @@
     hf_weights          Hugging Face state dicts <-> a model chunk    both, in memory
     safetensors_io      safetensors files, one tensor at a time       both
     publish             atomic publication of an output directory     write
+    integrity           SHA-256 manifests (--verify-integrity)        both
 
 training/ (save, load, resume) and convert/ (the conversion command line) import this package;
 it imports neither.

@@ -35,6 +35,7 @@ from megalite.checkpoint.dcp_format import (
     CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
     read_metadata_file, single_process_dcp, verify_files,
 )
+from megalite.checkpoint.integrity import save_integrity_manifest
 from megalite.checkpoint.rng_state import layout_record, load_rng_state, rng_file_name, save_rng_state
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class PendingSave:
     Its own collectives run on the default group from the training thread; DCP's background
     writes use the separate group given to save_checkpoint."""
 
-    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None):
+    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None, integrity: bool = False):
         self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
-        self.rng_file, self.future = rng_file, future
+        self.rng_file, self.future, self.integrity = rng_file, future, integrity
 
     def done(self) -> bool:
         """Whether every rank's write has finished (a collective when distributed)."""
@@ -144,6 +145,8 @@ class PendingSave:
             files[".metadata"] = file_digest(self.tmp / ".metadata")
             common = {**self.common, "files": files}
             write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
+            if self.integrity:
+                save_integrity_manifest(self.tmp)
             aside = _aside_dir(final)
             if final.exists():  # overwrite: keep the old one loadable until the new one is published
                 os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
@@ -168,7 +171,7 @@ def _finish_interrupted_overwrites(root: Path) -> None:
 
 def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
                     async_save: bool = False, group=None, fully_parallel: bool = True,
-                    cache_plan: bool = False) -> PendingSave:
+                    cache_plan: bool = False, verify_integrity: bool = False) -> PendingSave:
     """Write a checkpoint of `chunks` (and `optimizer`) at `iteration`; every rank calls this.
 
     Returns a PendingSave; synchronous saves are already published, asynchronous ones are
@@ -178,7 +181,8 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     background thread while training uses the default group. `fully_parallel`
     (--ckpt-fully-parallel-save) spreads the writing of replicated tensors over the ranks holding
     them; without it the lowest such rank writes each. `cache_plan`
-    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan."""
+    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan. `verify_integrity`
+    adds the SHA-256 manifest (megalite.checkpoint.integrity) before the checkpoint is published."""
     root = Path(root)
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
     if _rank() == 0:
@@ -203,9 +207,9 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
             future = getattr(future, "upload_completion", future)
-            return PendingSave(root, iteration, tmp, common, rng_file, future)
+            return PendingSave(root, iteration, tmp, common, rng_file, future, verify_integrity)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
-    pending = PendingSave(root, iteration, tmp, common, rng_file)
+    pending = PendingSave(root, iteration, tmp, common, rng_file, integrity=verify_integrity)
     pending.finalize()
     return pending
 
