@@ -105,8 +105,9 @@ class Trainer:
                               resume_iteration=run.iteration if run.loaded_from and not self.ckpt.finetune else None)
         self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
         training = self.training
+        # Megatron draws from Python's random, seeded with --seed + 100 x the pipeline rank
         injector = ErrorInjector(training.error_injection_rate, training.error_injection_type, run.pstate.rank,
-                                 training.seed + run.pstate.rank)
+                                 training.seed + 100 * run.pstate.pp_rank)
         self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say,
                                 rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True))
         if run.loaded_from and not self.ckpt.finetune:
