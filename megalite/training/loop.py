@@ -17,10 +17,10 @@ import torch.distributed as dist
 from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+from megalite.checkpoint.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
-from megalite.checkpoint.rng_state import layout_record
 from megalite.training.rerun import WILL_RERUN_FROM_CHECKPOINT, RerunFault, RerunState
 from megalite.training.rerun_injection import ErrorInjector
 from megalite.training.run_hooks import RunHooks
@@ -110,7 +110,7 @@ class Trainer:
                                  training.seed + 100 * run.pstate.pp_rank)
         self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say,
                                 rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True))
-        if run.loaded_from and not self.ckpt.finetune:
+        if run.loaded_from and not self.ckpt.finetune:  # (run.rerun_record is None after a pretrained load)
             self.rerun.load(run.rerun_record, run.pstate.world_size,
                             run.checkpoint_layout in (None, layout_record(run.pstate)))
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)

@@ -172,8 +172,8 @@ def build_run(args) -> Run:
               peak[1] if peak else None, make_executor=make_executor, per_token=per_token)
     if common is not None:
         run.loaded_from = common["path"]
-        run.rerun_record, run.checkpoint_layout = common.get("rerun_state_machine"), common.get("layout")
         if not (ckpt.finetune or common["finetune"]):
+            run.rerun_record, run.checkpoint_layout = common.get("rerun_state_machine"), common.get("layout")
             run.iteration = common["iteration"]
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
