@@ -94,12 +94,13 @@ def test_forward_scales_embeddings_logits_and_attention_scores(family):
     torch.testing.assert_close(a(tokens), b(tokens), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["adam", "sgd"])
-def test_optimizer_groups_as_megatrons_overrides(kind):
+@pytest.mark.parametrize("kind, distributed", [("adam", False), ("sgd", False), ("adam", True)])
+def test_optimizer_groups_as_megatrons_overrides(kind, distributed):
     config = make_config("llama")
     state = ParallelState.single()
-    chunk = DistributedDataParallel(GPTModel(config, state, init_seed=1), state)
-    optimizer = build_optimizer([chunk], state, optimizer=kind, lr=1e-3, adam_eps=1e-8)
+    chunk = DistributedDataParallel(GPTModel(config, state, init_seed=1), state, use_distributed_optimizer=distributed)
+    optimizer = build_optimizer([chunk], state, optimizer=kind, lr=1e-3, adam_eps=1e-8,
+                                use_distributed_optimizer=distributed)
     moved = apply_mup(optimizer, 2.0, lr=1e-3, min_lr=1e-4, adam_eps=1e-8)
     scheduler = LRScheduler(optimizer, max_lr=1e-3, min_lr=1e-4, decay_steps=100, warmup_steps=0,
                             decay_style="constant")
