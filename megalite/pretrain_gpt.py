@@ -3,9 +3,11 @@
 Exit status: 0 when training finished or stopped on purpose (a signal, --exit-interval,
 --exit-duration-in-mins) after saving, or --skip-train evaluated; then --exit-reason-file
 says which. 2 for bad options, an unusable checkpoint or a checkpoint that could not be
-written (a full disk): one line naming the flag, file, directory or tensor. 1 for any other
-failure. A peer rank that died or hung makes every other rank stop with status 1 and one line
-saying which rank it is and which collective failed (collectives time out after
+written (a full disk): one line naming the flag, file, directory or tensor. 16 and 17 for a
+result validation that stopped the run (--rerun-mode validate_results, Megatron's codes: 16
+resume from the checkpoint it saved, 17 validation failed). 1 for any other failure. A peer
+rank that died or hung makes every other rank stop with status 1 and one line saying which
+rank it is and which collective failed (collectives time out after
 --distributed-timeout-minutes instead of hanging); the rank whose own code failed prints its
 traceback.
 """
@@ -116,8 +118,8 @@ def main(argv=None) -> int:
             trainer.close()
         except CheckpointError as error:
             _die(2, f"pretrain_gpt: error: {error}")
-        except RerunFault as error:
-            _die(1, f"pretrain_gpt: error: {error}")
+        except RerunFault as error:  # Megatron's exit codes: 16 resume to diagnose, 17 failed validation
+            _die(error.exit_code, f"pretrain_gpt: error: {error}")
         except BaseException as error:  # noqa: BLE001 - report and leave without tearing down groups
             _failed(error)
     dist.barrier()

@@ -25,6 +25,7 @@
     safetensors_io      safetensors files, one tensor at a time       both
     publish             atomic publication of an output directory     write
     detect              which format a directory holds                read
+    integrity           SHA-256 manifests (--verify-integrity)        both
 
 training/ (save, load, resume) and convert/ (the conversion command line) import this package;
 it imports neither.

@@ -43,6 +43,7 @@ from megalite.checkpoint.dcp_format import (
 from megalite.checkpoint.dcp_storage import (
     CheckedFileSystemWriter, SafeFileSystemReader, dcp_failure, first_sentence, os_error_in, record_failure,
 )
+from megalite.checkpoint.integrity import save_integrity_manifest
 from megalite.checkpoint.rng_state import layout_record, load_rng_state, rng_file_name, save_rng_state
 
 log = logging.getLogger(__name__)
@@ -154,9 +155,10 @@ class PendingSave:
     raises the same CheckpointError on every rank, with the previous checkpoint and the tracker
     untouched and the partial directory removed."""
 
-    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None, error: str | None = None):
+    def __init__(self, root, iteration, tmp, common, rng_file: str, future=None, error: str | None = None,
+                 integrity: bool = False):
         self.root, self.iteration, self.tmp, self.common = Path(root), iteration, tmp, common
-        self.rng_file, self.future, self.error = rng_file, future, error
+        self.rng_file, self.future, self.error, self.integrity = rng_file, future, error, integrity
 
     def done(self) -> bool:
         """Whether every rank's write has finished (a collective when distributed)."""
@@ -208,6 +210,8 @@ class PendingSave:
 
     def _publish(self, final: Path, common: dict) -> None:
         write_text_atomic(self.tmp / "common.json", json.dumps(common, indent=1, sort_keys=True))
+        if self.integrity:
+            save_integrity_manifest(self.tmp)
         aside = _aside_dir(final)
         if final.exists():  # overwrite: keep the old one loadable until the new one is published
             os.replace(final, aside)  # free: save_checkpoint settled every .old before this save
@@ -243,7 +247,7 @@ def _finish_interrupted_overwrites(root: Path) -> None:
 
 def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_tracker=None, common: dict,
                     async_save: bool = False, group=None, fully_parallel: bool = True,
-                    cache_plan: bool = False) -> PendingSave:
+                    cache_plan: bool = False, verify_integrity: bool = False) -> PendingSave:
     """Write a checkpoint of `chunks` (and `optimizer`) at `iteration`; every rank calls this.
 
     Returns a PendingSave; synchronous saves are already published, asynchronous ones are
@@ -253,8 +257,9 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     background thread while training uses the default group. `fully_parallel`
     (--ckpt-fully-parallel-save) spreads the writing of replicated tensors over the ranks holding
     them; without it the lowest such rank writes each. `cache_plan`
-    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan. A write that
-    fails (a full disk) raises CheckpointError on every rank (see PendingSave)."""
+    (--ckpt-assume-constant-structure) lets DCP reuse the previous save's plan. `verify_integrity`
+    adds the SHA-256 manifest (megalite.checkpoint.integrity) before the checkpoint is published. A
+    write that fails (a full disk) raises CheckpointError on every rank (see PendingSave)."""
     root = Path(root)
     tmp = iteration_dir(root, iteration).with_suffix(".tmp")
     failure = None
@@ -285,7 +290,7 @@ def save_checkpoint(root, iteration: int, *, chunks, optimizer, pstate, rng_trac
     writer = CheckedFileSystemWriter(tmp, thread_count=1, sync_files=True)
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=not fully_parallel, enable_plan_caching=cache_plan)
     no_dist = not _distributed()
-    pending = PendingSave(root, iteration, tmp, common, rng_file, error=error)
+    pending = PendingSave(root, iteration, tmp, common, rng_file, error=error, integrity=verify_integrity)
     with single_process_dcp():
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)

@@ -34,6 +34,9 @@ def _refuse(field: str, value, expected: str):
 def family_of(config: GPTConfig) -> str:
     """'gpt2', 'llama', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe': the Hugging Face
     architecture that can hold this model."""
+    if config.use_mup:
+        _refuse("use_mup", True, "models without muP: Hugging Face's GPT-2, Llama and Qwen3 scale attention by "
+                "1/sqrt(head dim) and scale no logits or embeddings")
     if config.moe is not None:
         return moe_family_of(config)
     if config.apply_layernorm_1p or config.rotary_interleaved or config.position_embedding_type == "none":

@@ -23,7 +23,9 @@ from megalite.checkpoint.megatron_reader import MegatronCheckpoint, megatron_for
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.weights import load_full_weights
 from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError
-from megalite.checkpoint.dcp_checkpoint import TRACKER, load_checkpoint, load_optimizer_state, read_tracker
+from megalite.checkpoint.dcp_checkpoint import (TRACKER, load_checkpoint, load_optimizer_state,
+                                                 published_iteration_dir, read_tracker)
+from megalite.checkpoint.integrity import verify_integrity_manifest
 from megalite.checkpoint.megatron_resume import load_optimizer, open_optimizer_state, restore_rng, scheduler_state
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ def load_for_run(ckpt, chunks, pstate, tracker) -> dict | None:
         if not load_dir or not (Path(load_dir) / TRACKER).is_file():
             continue
         iteration = None if pretrained else ckpt.ckpt_step
+        if ckpt.verify_integrity:
+            _verify_integrity(load_dir, iteration, pstate)
         if megatron_iteration_dir(load_dir, iteration) is not None:
             check_format(ckpt, load_dir, iteration)
             common = load_megatron(dataclasses.replace(ckpt, finetune=ckpt.finetune or pretrained), load_dir, chunks,
@@ -169,6 +173,28 @@ def load_for_run(ckpt, chunks, pstate, tracker) -> dict | None:
         if common is not None:
             return {**common, "finetune": pretrained}
     return None
+
+
+def _verify_integrity(load_dir, iteration, pstate) -> None:
+    """--verify-integrity before anything is read: rank 0 checks the checkpoint directory's
+    integrity.json (Megatron's or megalite's) and every rank gets its verdict (Megatron's
+    verify_integrity_manifest)."""
+    import torch.distributed as dist
+
+    found = megatron_iteration_dir(load_dir, iteration)
+    folder = found[0] if found is not None else published_iteration_dir(
+        load_dir, read_tracker(load_dir) if iteration is None else iteration)
+    verdict = [None]
+    if pstate.rank == 0:
+        try:
+            count = verify_integrity_manifest(folder)
+            print(f"--verify-integrity: {count} file(s) of {folder} match integrity.json", flush=True)
+        except CheckpointError as error:
+            verdict = [str(error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
 
 
 def restore_scheduler(scheduler, state: dict, ckpt) -> None:

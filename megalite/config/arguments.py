@@ -24,12 +24,14 @@ from megalite.config.arguments_context import ContextArgs, cp_a2a_size_of, cp_co
 from megalite.config.arguments_dry_run import DryRunArgs
 from megalite.config.arguments_field import MEGALITE, arg, flag_of
 from megalite.config.arguments_megatron_data import MegatronDataArgs
+from megalite.config.arguments_megatron_fim import MegatronFimArgs
 from megalite.config.arguments_megatron_logging import MegatronLoggingArgs
 from megalite.config.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
 from megalite.config.arguments_megatron_training import MegatronTrainingArgs
 from megalite.config.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.config.arguments_megatron_checkpoint import MegatronCheckpointArgs
 from megalite.config.arguments_moe import MoEArgs, moe_config_from_args
+from megalite.config.arguments_mup import MupArgs, mup_model_fields
 from megalite.config.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
 from megalite.config.arguments_validate import (default_ffn_hidden_size, layout_from_args,
@@ -40,9 +42,9 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, RecomputeArgs, PrecisionArgs,
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, MupArgs, RecomputeArgs, PrecisionArgs,
                 TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
-                MegatronDataArgs, MegatronLoggingArgs, DryRunArgs, DerivedArgs):
+                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -64,12 +66,13 @@ class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs
 
 _GROUPS = (
     ("config file", None), ("model", ModelArgs), ("Megatron model, fusion and tokenizer flags", MegatronModelArgs),
-    ("parallelism", ParallelArgs),
+    ("maximal update parameterisation (muP)", MupArgs), ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
     ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
+    ("fill-in-the-middle samples", MegatronFimArgs),
     ("Megatron logging", MegatronLoggingArgs),
     ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
     ("shard initialisation and dry runs", DryRunArgs),
@@ -298,6 +301,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         use_flash_attn=args.use_flash_attn,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         **megatron_model_fields(args),
+        **mup_model_fields(args, args.kv_channels or args.hidden_size // args.num_attention_heads),
         moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
         cp_comm_type=cp_comm_type_of(args),
         cp_a2a_size=cp_a2a_size_of(args),

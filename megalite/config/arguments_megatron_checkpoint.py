@@ -65,6 +65,14 @@ class MegatronCheckpointArgs:
     non_persistent_local_ckpt_dir: str | None = arg(None, "Directory of node-local non-persistent checkpoints.")
     non_persistent_local_ckpt_algo: str = arg(
         "fully_parallel", "How local checkpoints are written.", choices=("fully_parallel", "atomic"))
+    verify_integrity: bool = arg(
+        False, "Write a SHA-256 manifest (integrity.json, as Megatron's) with each saved checkpoint and "
+        "check the loaded checkpoint's files against its manifest before reading them.")
+    async_strategy: str | None = arg(
+        None, "Which of Megatron's background checkpoint writers --async-save uses (Megatron's default nvrx).",
+        choices=("nvrx", "mcore"))
+    async_ckpt_use_cpu_shm: bool = arg(
+        False, "With --async-save, stage the tensors in CPU shared memory before the background write.")
     ckpt_step: int | None = arg(None, "Load the checkpoint of this iteration instead of the latest.")
     pretrained_checkpoint: str | None = arg(
         None, "Checkpoint to fine-tune from when --load holds none: its weights only, from iteration 0.")
@@ -93,6 +101,10 @@ def check_megatron_checkpoint_args(args, fail) -> None:
             fail("--non-persistent-ckpt-type global needs --save or --non-persistent-global-ckpt-dir")
     if args.ckpt_step is not None and args.load is None:
         fail("--ckpt-step needs --load")
+    if args.verify_integrity and args.ckpt_format == "torch":
+        fail("--verify-integrity needs --ckpt-format torch_dist (Megatron hashes only torch_dist checkpoints)")
+    if args.verify_integrity and not (args.save or args.load or args.pretrained_checkpoint):
+        fail("--verify-integrity needs --save or --load (there is no checkpoint to hash)")
 
 
 def checkpoint_flag_notes(args) -> list[str]:
@@ -104,6 +116,16 @@ def checkpoint_flag_notes(args) -> list[str]:
     if args.use_persistent_ckpt_worker:
         notes.append("--use-persistent-ckpt-worker: megalite's --async-save writes from a background thread of "
                      "the training process, so there is no worker process to keep")
+    given = [f for f, on in (("--async-strategy", args.async_strategy is not None),
+                             ("--async-ckpt-use-cpu-shm", args.async_ckpt_use_cpu_shm)) if on]
+    if given and not args.async_save:
+        notes.append(f"{given[0]}: no effect without --async-save (as in Megatron)")
+    elif given:
+        notes.append(f"--async-save (--async-strategy {args.async_strategy or 'nvrx'}"
+                     + (", --async-ckpt-use-cpu-shm" if args.async_ckpt_use_cpu_shm else "")
+                     + "): megalite's background writer is PyTorch DCP's async_save in a thread of the training "
+                     "process, which first copies the tensors to CPU memory; there is no NVRx or Megatron worker "
+                     "process and so no CUDA IPC for shared memory to avoid")
     if args.ckpt_fully_parallel_load:
         notes.append("--ckpt-fully-parallel-load: every rank reads only the tensor elements its own layout "
                      "holds from megalite's checkpoints (no rank reads the whole checkpoint)")

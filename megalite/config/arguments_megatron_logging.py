@@ -27,7 +27,9 @@ class MegatronLoggingArgs:
     log_world_size_to_tensorboard: bool = arg(False, "Write the world size to TensorBoard.")
     log_loss_scale_to_tensorboard: bool | None = arg(
         True, "Write the loss scale to TensorBoard.", negative_flag="--no-log-loss-scale-to-tensorboard")
-    log_batch_size_to_tensorboard: bool = arg(False, "Write the global batch size to TensorBoard.")
+    log_batch_size_to_tensorboard: bool = arg(
+        False, "Older Megatron's switch for the 'batch-size' scalar, which Megatron-LM now writes at every "
+        "TensorBoard log step, as megalite does: it changes nothing (one start-up line says so).")
     log_learning_rate_to_tensorboard: bool | None = arg(
         True, "Write the learning rate to TensorBoard.",
         negative_flag="--no-log-learning-rate-to-tensorboard")
@@ -66,6 +68,9 @@ def megatron_logging_notes(args) -> list[str]:
     if tensorboard_only and not args.tensorboard_dir:
         notes.append(f"--{tensorboard_only[0].replace('_', '-')}: no --tensorboard-dir, so no TensorBoard "
                      "scalars are written (as in Megatron)")
+    if args.log_batch_size_to_tensorboard and args.tensorboard_dir:
+        notes.append("--log-batch-size-to-tensorboard: 'batch-size' and 'batch-size vs samples' are written at every "
+                     "TensorBoard log step anyway, as Megatron-LM writes them (it no longer has this flag)")
     if args.log_memory_to_tensorboard and on_cpu(args):
         notes.append("--log-memory-to-tensorboard: on CPU megalite writes the process's peak RSS "
                      "as 'mem-max-rss-bytes' (the CUDA allocator statistics need a GPU)")

@@ -71,11 +71,20 @@ class MegatronTrainingArgs:
         None, "Every this many iterations, check that every data-parallel replica holds "
         "bit-identical weights; stop naming the differing ranks if not.")
     rerun_mode: str = arg(
-        "validate_results", "validate_results: a step whose loss is NaN or infinite is re-run on the "
-        "same micro-batches with the same random state; reproduced, the run stops (a persistent "
-        "fault), otherwise it goes on with the re-run (a transient fault), each said in one line. "
-        "report_stats: every step runs twice and the differences are reported every --log-interval. "
+        "validate_results", "validate_results: from a job's second iteration on, a step whose loss is NaN or "
+        "infinite is re-run on the same micro-batches with the same random state, as Megatron does: not "
+        "reproduced, the run stops (exit 17, a possible transient fault); reproduced, it saves a checkpoint "
+        "and stops (exit 16) so that a job resumed on another device tells a persistent fault (exit 17) "
+        "from a correct result. report_stats: every step runs twice and the differences are reported every --log-interval. "
         "disabled: a NaN step is only counted.", choices=RERUN_MODES)
+    error_injection_rate: int = arg(
+        0, "Reject one in this many result validations on purpose (0: none), as Megatron's fault injection "
+        "does, to exercise --rerun-mode validate_results; each loss-computing rank validates each micro-batch's "
+        "loss twice (NaN and Inf), at most one rejection per iteration.")
+    error_injection_type: str = arg(
+        "transient_error", "What an injected rejection behaves like when re-run: transient_error (the re-run "
+        "differs), persistent_error (reproduced in place, differs on another device), correct_result "
+        "(reproduced everywhere).", choices=("correct_result", "transient_error", "persistent_error"))
     profile: bool = arg(
         False, "Profile iterations --profile-step-start to --profile-step-end with torch.profiler "
         "(a Chrome trace per profiled rank in --tensorboard-dir, else <save>/profile).")
@@ -85,6 +94,13 @@ class MegatronTrainingArgs:
     profile_step_start: int = arg(10, "First profiled iteration.")
     profile_step_end: int = arg(12, "Profiling stops before this iteration.")
     profile_ranks: list[str] | None = arg(None, "Global ranks to profile (default 0).")
+    test_mode: bool = arg(
+        False, "Megatron's real-time consistency test: before every iteration the query and key layernorm "
+        "weights (--qk-layernorm) are compared across data- and tensor-parallel ranks; a difference stops "
+        "the run naming the layer and ranks.")
+    disable_gloo_process_groups: bool = arg(
+        False, "Create no Gloo process groups beside the backend's (Megatron's CPU-side groups for its "
+        "distributed optimizer's legacy checkpoints).")
     global_batch_size_from_schedule: bool = arg(
         False, "--global-batch-size was filled from --step-batch-size-schedule.", cli=False)
     cuda_graph_impl: str = arg(
@@ -117,7 +133,7 @@ def check_megatron_training_args(args, world_size: int, fail) -> None:
         fail("--decoupled-min-lr needs --decoupled-lr")
     if args.decoupled_lr is not None and args.decoupled_lr < (args.decoupled_min_lr or args.min_lr):
         fail(f"--decoupled-lr {args.decoupled_lr} is smaller than its minimum learning rate")
-    for name in ("manual_gc_interval",):
+    for name in ("manual_gc_interval", "error_injection_rate"):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     for name in ("eval_global_batch_size", "check_weight_hash_across_dp_replicas_interval",
@@ -297,6 +313,23 @@ def megatron_training_notes(args) -> list[str]:
         notes.append("--overlap-p2p-communication: megalite's pipeline executor always overlaps "
                      "transfers with compute (each compute waits only for the receive it reads, in "
                      "warm-up and flush too); the flag changes nothing")
+    if args.test_mode:
+        notes.append("--test-mode: before every iteration the --qk-layernorm weights of every layer are compared "
+                     "across data- and tensor-parallel ranks (Megatron compares them in every attention forward)"
+                     if args.qk_layernorm else "--test-mode: no effect without --qk-layernorm (Megatron's real-time "
+                     "test compares only the query/key layernorm weights)")
+    if args.disable_gloo_process_groups:
+        notes.append("--disable-gloo-process-groups: megalite creates no Gloo groups beside its backend's (its "
+                     "optimizer checkpoints need none); the one exception is the group --async-save's background "
+                     "writes use on an NCCL run" + (", which this run has" if args.async_save else ""))
+    unused = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("recompute_method", "recompute_num_layers")
+              if getattr(args, n) is not None]
+    if unused and args.recompute_granularity is None and not args.recompute_activations:
+        notes.append(f"{' and '.join(unused)}: no effect without --recompute-granularity (nothing is recomputed; "
+                     "Megatron ignores them there too)")
+    if args.error_injection_rate and args.rerun_mode != "validate_results":
+        notes.append(f"--error-injection-rate {args.error_injection_rate}: no effect with --rerun-mode "
+                     f"{args.rerun_mode} (Megatron injects only where results are validated, validate_results)")
     if args.use_pytorch_profiler:
         notes.append("--use-pytorch-profiler: megalite's --profile always uses torch.profiler")
     if args.enable_cuda_graph:
@@ -317,15 +350,19 @@ def megatron_training_notes(args) -> list[str]:
 def apply_pipeline_split_accounting(args, fail) -> None:
     """--account-for-embedding/loss-in-pipeline-split as Megatron splits layers: the embedding
     and the loss each count as one layer, (L + 1 [+ 1]) / p per stage, so the first (last) stage
-    builds one transformer layer fewer. megalite expresses that split with
-    --decoder-first/last-pipeline-num-layers."""
+    builds one transformer layer fewer. Without virtual stages megalite expresses that split with
+    --decoder-first/last-pipeline-num-layers; with them the first (last) virtual stage builds one
+    layer fewer, which stage_layout builds from split_accounting(args)."""
     embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
     p = args.pipeline_model_parallel_size
     if not (embedding or loss) or p == 1:
         return
     flag = "--account-for-embedding-in-pipeline-split" if embedding else "--account-for-loss-in-pipeline-split"
-    if args.num_layers_per_virtual_pipeline_stage or (args.num_virtual_stages_per_pipeline_rank or 1) > 1:
-        fail(f"{flag} is implemented without virtual pipeline stages only")
+    if args.num_layers_per_virtual_pipeline_stage:
+        fail(f"{flag} and --num-layers-per-virtual-pipeline-stage contradict each other (give "
+             "--num-virtual-stages-per-pipeline-rank: the accounted layers set the layers per virtual stage)")
+    if (args.num_virtual_stages_per_pipeline_rank or 1) > 1:
+        return  # the virtual stages' split: parallel.pipeline.stage_layout, given both flags (split_accounting)
     counted = args.num_layers + embedding + loss
     if counted % p:
         fail(f"{flag}: --num-layers {args.num_layers} plus the accounted embedding/loss ({counted}) is "
@@ -340,3 +377,11 @@ def apply_pipeline_split_accounting(args, fail) -> None:
         if per_stage - 1 < 1:
             fail(f"{flag}: the first or last stage would hold no transformer layer")
         setattr(args, name, per_stage - 1)
+
+
+def split_accounting(args) -> dict:
+    """The --account-for-*-in-pipeline-split flags as stage_layout takes them where megalite does
+    not express the split through --decoder-first/last-pipeline-num-layers (virtual stages)."""
+    virtual = (args.num_virtual_stages_per_pipeline_rank or 1) > 1 and args.pipeline_model_parallel_size > 1
+    return {"embedding_stage": virtual and args.account_for_embedding_in_pipeline_split,
+            "loss_stage": virtual and args.account_for_loss_in_pipeline_split}

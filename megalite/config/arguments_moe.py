@@ -84,9 +84,11 @@ def check_expert_width(args, fail) -> None:
 def check_moe_args(args, fail, world_size: int | None = None) -> None:
     """Refuse what cannot run, with one line naming the flags."""
     if args.num_experts is None:
-        changed = [flag_of(f) for f in fields(MoEArgs) if getattr(args, f.name) != f.default]
+        changed = [flag_of(f) for f in fields(MoEArgs) if getattr(args, f.name) != f.default
+                   and f.name != "expert_tensor_parallel_size"]
         if changed:
             fail(f"{changed[0]} needs --num-experts (mixture-of-experts layers)")
+        _check_dense_expert_tensor_parallel(args, fail, world_size)
         return
     e, k = args.num_experts, args.moe_router_topk
     for name in ("num_experts", "moe_router_topk", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -132,3 +134,27 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         MoEConfig(num_experts=e, ffn_hidden_size=1, layer_freq=args.moe_layer_freq).layer_pattern(args.num_layers or 1)
     except ValueError as err:
         fail(str(err))
+
+
+def _check_dense_expert_tensor_parallel(args, fail, world_size: int | None) -> None:
+    """--expert-tensor-parallel-size on a dense model: Megatron still builds its expert groups
+    (megatron/core/parallel_state.py, initialize_model_parallel), so the world size must divide
+    by ETP x EP x PP; the model has no experts, so nothing else changes (dense_expert_notes)."""
+    etp = args.expert_tensor_parallel_size
+    if etp is None:
+        return
+    if etp < 1:
+        fail(f"--expert-tensor-parallel-size must be positive, got {etp}")
+    span = etp * args.expert_model_parallel_size * args.pipeline_model_parallel_size
+    if world_size is not None and world_size % span:
+        fail(f"--expert-tensor-parallel-size {etp}: the world size {world_size} is not divisible by it x "
+             f"--expert-model-parallel-size {args.expert_model_parallel_size} x --pipeline-model-parallel-size "
+             f"{args.pipeline_model_parallel_size} = {span} (Megatron's expert groups need it)")
+
+
+def dense_expert_notes(args) -> list[str]:
+    """The start-up line for --expert-tensor-parallel-size on a model without experts."""
+    if args.num_experts is None and args.expert_tensor_parallel_size is not None:
+        return [f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: no effect on a dense model "
+                "(no --num-experts: there are no expert layers to split; Megatron accepts it there too)"]
+    return []

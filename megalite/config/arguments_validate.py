@@ -17,12 +17,14 @@ from megalite.config.arguments_dry_run import check_dry_run_args
 from megalite.config.arguments_field import flag_of
 from megalite.config.arguments_megatron_checkpoint import check_megatron_checkpoint_args
 from megalite.config.arguments_megatron_data import apply_megatron_data_args
+from megalite.config.arguments_megatron_fim import check_fim_args
 from megalite.config.arguments_megatron_logging import check_megatron_logging_args
 from megalite.config.arguments_megatron_model import check_megatron_model_args
 from megalite.config.arguments_megatron_training import (apply_pipeline_split_accounting,
                                                            check_megatron_training_args, finish_batch_args,
-                                                           interleaved_group_size)
+                                                           interleaved_group_size, split_accounting)
 from megalite.config.arguments_moe import check_expert_width, check_moe_args
+from megalite.config.arguments_mup import check_mup_args
 from megalite.config.schedules import schedule_lengths_from_args
 
 _POSITIVE = (
@@ -173,6 +175,8 @@ def _check_recompute(args, layers_per_chunk: int):
         if args.recompute_granularity == "full":
             _fail("--recompute-activations (selective) contradicts --recompute-granularity full")
         args.recompute_granularity = "selective"
+    if args.recompute_granularity is None:
+        return  # as Megatron, which ignores them without recomputation (a start-up line says so)
     for name in ("recompute_method", "recompute_num_layers"):
         if getattr(args, name) is not None and args.recompute_granularity != "full":
             _fail(f"{_flag(name)} {getattr(args, name)} needs --recompute-granularity full "
@@ -187,7 +191,7 @@ def _check_pipeline(args, layout: ParallelLayout) -> int:
     the most layers one model chunk holds."""
     return max(layers_per_virtual_stage(args.num_layers, layout.pipeline, layout.virtual_pipeline,
                                         args.decoder_first_pipeline_num_layers,
-                                        args.decoder_last_pipeline_num_layers))
+                                        args.decoder_last_pipeline_num_layers, **split_accounting(args)))
 
 
 def _check_parallel(args, layout: ParallelLayout):
@@ -345,6 +349,7 @@ def validate_args(args, world_size: int):
     check_context_args(args, _fail)
     check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)
+    check_mup_args(args, _fail)
     check_dry_run_args(args, _fail)
     check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -363,6 +368,7 @@ def validate_args(args, world_size: int):
     finish_batch_args(args, _fail)
     apply_megatron_data_args(args, _fail)
     _check_data(args)
+    check_fim_args(args, _fail)
     _check_checkpointing(args)
     check_megatron_logging_args(args, _fail)
     return args

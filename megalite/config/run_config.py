@@ -21,10 +21,14 @@ import torch
 from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
 from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.config.arguments_megatron_data import megatron_data_notes
+from megalite.config.arguments_megatron_fim import fim_notes, fim_transform_from_args
 from megalite.config.arguments_megatron_logging import megatron_logging_notes
 from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_from_args
 from megalite.config.arguments_megatron_training import (cuda_graph_impl_of, cuda_graph_scope_of,
-                                                         interleaved_group_size, megatron_training_notes)
+                                                         interleaved_group_size, megatron_training_notes,
+                                                         split_accounting)
+from megalite.config.arguments_moe import dense_expert_notes
+from megalite.config.arguments_mup import mup_notes, mup_width_mult
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
 from megalite.parallel.state import ParallelLayout
@@ -51,6 +55,8 @@ class ParallelConfig:
     microbatch_group_size: int | None  # derived: the interleaved schedule's group size, else None
     decoder_first_pipeline_num_layers: int | None
     decoder_last_pipeline_num_layers: int | None
+    pipeline_embedding_stage: bool  # derived: --account-for-embedding-in-pipeline-split with virtual stages
+    pipeline_loss_stage: bool  # derived: --account-for-loss-in-pipeline-split with virtual stages
     num_experts: int | None
     expert_model_parallel_size: int
     expert_tensor_parallel_size: int | None
@@ -72,6 +78,8 @@ class ParallelConfig:
         backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         return _options(cls, args, layout=layout_from_args(args, world_size), backend=backend,
                         microbatch_group_size=interleaved_group_size(args), grad_reduce_dtype=grad_dtype,
+                        pipeline_embedding_stage=split_accounting(args)["embedding_stage"],
+                        pipeline_loss_stage=split_accounting(args)["loss_stage"],
                         compute_dtype=compute_dtype(args))
 
 
@@ -123,11 +131,13 @@ class OptimizerConfig:
     decoupled_lr: float | None
     decoupled_min_lr: float | None
     lr_schedule: LRScheduleConfig | None
+    mup_width_mult: float  # derived: hidden / --mup-base-hidden-size under --use-mup, else 1 (optimizer.mup)
 
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
         schedule = None if args.skip_train else LRScheduleConfig.from_args(args)
-        return _options(cls, args, bf16_main_params=args.bf16 and not args.use_torch_fsdp2, lr_schedule=schedule)
+        return _options(cls, args, bf16_main_params=args.bf16 and not args.use_torch_fsdp2, lr_schedule=schedule,
+                        mup_width_mult=mup_width_mult(args))
 
 
 @dataclass(frozen=True)
@@ -160,11 +170,12 @@ class DataConfig:
     tokenizer_model: str | None
     vocab_file: str | None
     merge_file: str | None
+    fim: object | None = None  # derived: --fim-data's sample transform (megalite.data.fim.FimTransform)
 
     @classmethod
-    def from_args(cls, args) -> "DataConfig":
+    def from_args(cls, args, fim=None) -> "DataConfig":
         return _options(cls, args, mmap_bin_files=not args.no_mmap_bin_files,
-                        batch_schedule=batch_schedule_from_args(args))
+                        batch_schedule=batch_schedule_from_args(args), fim=fim)
 
     @property
     def eval_batch_size(self) -> int:
@@ -204,6 +215,7 @@ class CheckpointConfig:
     save_retain_interval: int | None
     ckpt_fully_parallel_save: bool
     ckpt_assume_constant_structure: bool
+    verify_integrity: bool
     skip_train: bool
     optimizer: str  # the run's --optimizer and --weight-decay, which a Megatron checkpoint's
     weight_decay: float  # optimizer state and schedule must match to be resumed
@@ -268,6 +280,9 @@ class TrainingConfig:
     exit_duration_in_mins: float | None
     exit_reason_file: str | None
     rerun_mode: str
+    error_injection_rate: int
+    error_injection_type: str
+    test_mode: bool
     empty_unused_memory_level: int
     manual_gc: bool
     manual_gc_interval: int
@@ -309,7 +324,8 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
         notes.append("--sequence-parallel: no effect at --tensor-model-parallel-size 1 (nothing to split "
                      "the sequence over); running without it, as Megatron does")
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
-            + megatron_logging_notes(args) + checkpoint_flag_notes(args))
+            + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
+            + mup_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:
@@ -321,7 +337,9 @@ def run_config(args, world_size: int) -> RunConfig:
     if args.use_torch_fsdp2:
         model = model.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16
     device_type = "cuda" if parallel.backend == "nccl" else "cpu"
+    fim, fim_lines = fim_transform_from_args(args, tokenizer)
     return RunConfig(model=model, parallel=parallel, optimizer=OptimizerConfig.from_args(args),
-                     data=DataConfig.from_args(args), checkpoint=CheckpointConfig.from_args(args),
+                     data=DataConfig.from_args(args, fim), checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), training=TrainingConfig.from_args(args),
-                     tokenizer=tokenizer, options=args.to_dict(), notes=tuple(startup_notes(args, device_type)))
+                     tokenizer=tokenizer, options=args.to_dict(),
+                     notes=tuple(startup_notes(args, device_type) + fim_lines))

@@ -16,7 +16,7 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
                        split: str = "969, 30, 1", seq_length: int, seed: int, num_samples=(None, None, None),
                        cache_path: str | None = None, mock_data: bool = False, eod_token: int,
                        vocab_size: int, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-                       reset_attention_mask: bool = False, mmap_bin_files: bool = True):
+                       reset_attention_mask: bool = False, mmap_bin_files: bool = True, sample_transform=None):
     """(train, valid, test) GPT datasets; a split without data, or asked for 0 samples, is None.
 
     data_path (and the per-split paths) are lists as argparse nargs='*' gives them:
@@ -26,6 +26,7 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
     Index arrays are cached in cache_path (default: <data dir>/cache/GPTDataset_indices;
     mock data is indexed in memory unless cache_path is given). mmap_bin_files False
     (--no-mmap-bin-files) reads each .bin file into memory instead of memory-mapping it.
+    sample_transform(tokens, index) rewrites each sample's tokens (--fim-data: megalite.data.fim).
     """
     per_split_paths = (train_data_path, valid_data_path, test_data_path)
     if sum(bool(x) for x in (data_path, any(per_split_paths), mock_data)) != 1:
@@ -33,7 +34,8 @@ def build_gpt_datasets(*, data_path=None, train_data_path=None, valid_data_path=
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
     options = dict(seq_length=seq_length, seed=seed, eod=eod_token, eod_mask_loss=eod_mask_loss,
-                   reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask)
+                   reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                   sample_transform=sample_transform)
     if mock_data:
         mock = MockIndexedDataset(vocab_size, eod_token)
         ranges = split_ranges(parse_split(split), len(mock))

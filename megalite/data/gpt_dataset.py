@@ -75,7 +75,7 @@ class GPTDataset:
     def __init__(self, indexed, documents, num_samples: int | None, seq_length: int, seed: int,
                  *, eod: int, split_name: str = "train", cache_dir: str | None = None,
                  eod_mask_loss: bool = False, reset_position_ids: bool = False,
-                 reset_attention_mask: bool = False):
+                 reset_attention_mask: bool = False, sample_transform=None):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be positive, got {seq_length}")
         self.indexed = indexed
@@ -85,6 +85,7 @@ class GPTDataset:
         self.eod_mask_loss = eod_mask_loss
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
+        self.sample_transform = sample_transform  # (tokens, index) -> tokens of the same length, e.g. FIM
         sizes = indexed.sequence_lengths
         self.description = {
             "class": "GPTDataset", "format": INDEX_FORMAT, "split": split_name,
@@ -141,6 +142,8 @@ class GPTDataset:
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         text = self.sample_tokens(idx % len(self))
+        if self.sample_transform is not None:
+            text = self.sample_transform(text, idx % len(self))
         tokens, labels = text[:-1], text[1:]
         loss_mask, position_ids, attention_mask = ltor_masks(
             tokens, self.eod, self.eod_mask_loss, self.reset_position_ids, self.reset_attention_mask)

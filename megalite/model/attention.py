@@ -19,7 +19,7 @@ from megalite.parallel.context.blocks import TorchBlocks
 from megalite.parallel.context.flash_blocks import FlashBlocks, flash_attn_module
 from megalite.parallel.context.dropout import AttentionDropout
 from megalite.parallel.random import rng_fork_if
-from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def _without_partial_views(qkv: torch.Tensor, *parts: torch.Tensor) -> tuple:
@@ -48,12 +48,12 @@ class SelfAttention(nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_group=tp_group, bias=config.add_bias_linear or config.add_qkv_bias,
-            sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
+            sequence_parallel=config.sequence_parallel, init_std=config.hidden_init_std,
             params_dtype=dtype, device=device)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-            init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
+            init_std=config.output_proj_init_std, params_dtype=dtype, device=device)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             # One norm over each head's channels, shared by every head; each TP rank sees only
@@ -65,7 +65,7 @@ class SelfAttention(nn.Module):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
         s, b = q.shape[:2]
         dropout = self.config.attention_dropout if self.training else 0.0
-        scale = self.head_dim ** -0.5
+        scale = self.config.softmax_scale if self.config.softmax_scale is not None else self.head_dim ** -0.5
         if comm.group_size(self.cp_group) > 1:
             drop = None
             if dropout > 0:  # one seed per call from the model-parallel stream, equal on every CP rank

@@ -1,5 +1,6 @@
 """GPT model configuration covering the GPT-2 and Llama families."""
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from megalite.model.moe_config import MoEConfig
@@ -115,6 +116,21 @@ class GPTConfig:
     --no-rope-fusion, no --cross-entropy-loss-fusion)."""
     params_dtype: str = "float32"
     """Dtype of the model parameters: 'float32', 'bfloat16' or 'float16'."""
+    use_mup: bool = False
+    """Maximal update parameterisation (--use-mup, Megatron's): hidden weights drawn with std /
+    sqrt(mup_width_mult), output projections std / (sqrt(2 * num_layers) * sqrt(mup_width_mult)),
+    embeddings and the output layer with std; embeddings times mup_embedding_mult, logits times
+    mup_output_mult, attention scores times softmax_scale (the optimizer's part is
+    megalite.optimizer.mup)."""
+    mup_width_mult: float = 1.0
+    """hidden_size / --mup-base-hidden-size (with use_mup)."""
+    mup_embedding_mult: float = 1.0
+    """Factor on the embedding output (--mup-embedding-mult, with use_mup)."""
+    mup_output_mult: float = 1.0
+    """Factor on the logits (--mup-output-mult; 1 / mup_width_mult when left at 1, with use_mup)."""
+    softmax_scale: float | None = None
+    """Factor on the attention scores; None is 1 / sqrt(kv_channels). use_mup sets
+    sqrt(--mup-base-head-dim or 1) / kv_channels ** --mup-attn-scale-power."""
     moe: MoEConfig | None = None
     """Mixture of experts in place of the dense MLP of some layers (--num-experts); None: dense."""
     extra: dict = field(default_factory=dict)
@@ -177,6 +193,19 @@ class GPTConfig:
     def kernel_impl_for(self, op: str) -> str:
         """The implementation of one op: kernel_impl, or 'torch' where its fusion is off."""
         return "torch" if op in self.unfused_kernels else self.kernel_impl
+
+    @property
+    def hidden_init_std(self) -> float:
+        """Std of the hidden (non-output-projection) weights: init_method_std, / sqrt(width) under muP."""
+        return self.init_method_std / (math.sqrt(self.mup_width_mult) if self.use_mup else 1.0)
+
+    @property
+    def output_proj_init_std(self) -> float:
+        """Std of the attention and MLP output projections: init_method_std / sqrt(2 * num_layers),
+        / sqrt(width) under muP (Megatron's mup_scaled_init_method_normal)."""
+        if self.use_mup:
+            return self.init_method_std / (math.sqrt(2.0 * self.num_layers) * math.sqrt(self.mup_width_mult))
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
 
     def padded_vocab_size(self, tp_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tp_size

@@ -64,6 +64,8 @@ class Embedding(nn.Module):
             if self.config.sequence_parallel:
                 pos = comm.split_dim(pos, 0, self.tp_group)
             x = x + pos
+        if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+            x = x * self.config.mup_embedding_mult
         p = self.config.hidden_dropout if self.training else 0.0
         if p > 0:
             with rng_fork_if(self.rng_tracker, self.config.sequence_parallel):
@@ -226,8 +228,7 @@ class GPTModel(nn.Module):
 
     def output_head(self, x, labels=None):
         """The final norm, the output layer and, given `labels`, the loss (see forward)."""
-        x = self.final_layernorm(x)
-        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, V/t]
+        logits = self._logits(self.final_layernorm(x))  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1)
         # In-place backward: nothing else reads these logits, so their buffer takes the gradient.
@@ -268,7 +269,14 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, rotary, None, cache)
         if not self.post_process:
             return x
-        return self.output_layer(self.final_layernorm(x), weight=self.output_weight()).transpose(0, 1)
+        return self._logits(self.final_layernorm(x)).transpose(0, 1)
+
+    def _logits(self, x):
+        """The output layer; under muP logits times mup_output_mult (applied to its input: the
+        layer has no bias, so W (m x) = m W x without a vocabulary-sized product)."""
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            x = x * self.config.mup_output_mult
+        return self.output_layer(x, weight=self.output_weight())
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

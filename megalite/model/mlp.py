@@ -6,7 +6,7 @@ from torch import nn
 
 from megalite import kernels
 
-from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
@@ -19,11 +19,11 @@ class MLP(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size * (2 if swiglu else 1), tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, stride=2 if swiglu else 1,
-            init_std=config.init_method_std, skip_bias_add=not swiglu, params_dtype=dtype, device=device)
+            init_std=config.hidden_init_std, skip_bias_add=not swiglu, params_dtype=dtype, device=device)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,
-            init_std=output_init_std(config.init_method_std, config.num_layers), params_dtype=dtype, device=device)
+            init_std=config.output_proj_init_std, params_dtype=dtype, device=device)
 
     def forward(self, x):
         activation = self.config.activation

@@ -24,7 +24,6 @@ from megalite.parallel.expert.dispatch import build_dispatcher
 from megalite.parallel.expert.grouped_gemm import grouped_mm
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.sharding import mark_sequence_parallel, mark_sharded, shard_of_full
-from megalite.parallel.tensor.layers import output_init_std
 
 
 class ExpertWeight(nn.Module):
@@ -56,9 +55,8 @@ class Expert(nn.Module):
         dtype = getattr(torch, config.params_dtype)
         swiglu = config.activation == "swiglu"
         self.linear_fc1 = ExpertWeight(ffn * (2 if swiglu else 1), config.hidden_size, 0, 2 if swiglu else 1,
-                                       config.init_method_std, etp_group, dtype, device)
-        self.linear_fc2 = ExpertWeight(config.hidden_size, ffn, 1, 1,
-                                       output_init_std(config.init_method_std, config.num_layers),
+                                       config.hidden_init_std, etp_group, dtype, device)
+        self.linear_fc2 = ExpertWeight(config.hidden_size, ffn, 1, 1, config.output_proj_init_std,
                                        etp_group, dtype, device)
 
 
@@ -102,7 +100,7 @@ class SharedExpert(MLP):
         if self.gate_weight is not None:
             with torch.no_grad():
                 self.gate_weight.copy_(torch.empty(self.gate_weight.shape, device=self.gate_weight.device)
-                                       .normal_(0.0, self.config.init_method_std, generator=generator))
+                                       .normal_(0.0, self.config.hidden_init_std, generator=generator))
 
     def forward(self, x):
         out = super().forward(x)
@@ -121,7 +119,7 @@ class MoELayer(nn.Module):
         expert_state = expert_state or ExpertState.single()
         if config.add_bias_linear:
             raise ValueError("--num-experts needs --disable-bias-linear: megalite's experts have no biases")
-        self.router = TopKRouter(config.hidden_size, moe, config.init_method_std,
+        self.router = TopKRouter(config.hidden_size, moe, config.hidden_init_std,
                                  getattr(torch, config.params_dtype), device, cp_group)
         # Under sequence parallelism each TP rank's router weight sees only its own tokens' logits.
         mark_sequence_parallel(self.router.weight, config.sequence_parallel)

@@ -132,7 +132,8 @@ class ParallelLayout:
     ) -> None:
         """Refuse model shapes this layout cannot shard, naming the flags involved.
         `num_query_groups` None means one group per head (multi-head attention);
-        `kv_channels` None means hidden_size / num_attention_heads."""
+        `kv_channels` None means hidden_size / num_attention_heads. How the layers split over
+        pipeline stages is parallel.pipeline.stage_layout's check (it knows every split)."""
         _require_positive(
             ("--num-layers", num_layers),
             ("--hidden-size", hidden_size),
@@ -160,11 +161,6 @@ class ParallelLayout:
             raise ValueError(
                 f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
                 f"{self.tensor}"
-            )
-        if num_layers < self.pipeline * self.virtual_pipeline:
-            raise ValueError(
-                f"--num-layers {num_layers} is fewer than --pipeline-model-parallel-size "
-                f"{self.pipeline} x virtual stages {self.virtual_pipeline}"
             )
 
 

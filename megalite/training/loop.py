@@ -17,14 +17,17 @@ import torch.distributed as dist
 from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+from megalite.checkpoint.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
-from megalite.training.rerun import RerunState
+from megalite.training.rerun import WILL_RERUN_FROM_CHECKPOINT, RerunFault, RerunState
+from megalite.training.rerun_injection import ErrorInjector
 from megalite.training.run_hooks import RunHooks
 from megalite.training.setup_run import Run, build_data, data_iterator
 from megalite.training.straggler import report_stragglers
 from megalite.training.tensorboard_log import MegatronTensorboard
+from megalite.training.test_mode import check_qk_layernorm_replicas
 from megalite.training.timers import Timers
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -101,7 +104,15 @@ class Trainer:
                               flops_per_sample=run.flops_per_token * self.training.seq_length,
                               resume_iteration=run.iteration if run.loaded_from and not self.ckpt.finetune else None)
         self.forward_backward_seconds = 0.0  # this rank's, over the log window (--log-straggler)
-        self.rerun = RerunState(self.training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say)
+        training = self.training
+        # Megatron draws from Python's random, seeded with --seed + 100 x the pipeline rank
+        injector = ErrorInjector(training.error_injection_rate, training.error_injection_type, run.pstate.rank,
+                                 training.seed + 100 * run.pstate.pp_rank)
+        self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say,
+                                rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True))
+        if run.loaded_from and not self.ckpt.finetune:  # (run.rerun_record is None after a pretrained load)
+            self.rerun.load(run.rerun_record, run.pstate.world_size,
+                            run.checkpoint_layout in (None, layout_record(run.pstate)))
         self.train_ds, self.valid_ds, self.test_ds = build_data(run)
         # Only the first and last pipeline stages build datasets; every rank must agree on which
         # splits exist, or the others would wait in the pipeline for a split that has no data.
@@ -121,9 +132,9 @@ class Trainer:
         self.logger.close()
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def save(self, non_persistent: bool = False):
+    def save(self, non_persistent: bool = False, rerun_record: dict | None = None):
         """A checkpoint under --save, or (`non_persistent`) under non_persistent_dir, which keeps
-        only its latest."""
+        only its latest; `rerun_record`: a reproduced fault's record (RerunState.load)."""
         run, ckpt = self.run, self.ckpt
         root = non_persistent_dir(ckpt) if non_persistent else ckpt.save
         if not root:
@@ -135,8 +146,10 @@ class Trainer:
             self.pending_save = save_checkpoint(
                 root, run.iteration, chunks=run.models, optimizer=None if ckpt.no_save_optim else run.optimizer,
                 pstate=run.pstate, rng_tracker=None if ckpt.no_save_rng else run.tracker,
-                common=common_state(run), async_save=async_save, group=self.save_group,
-                fully_parallel=ckpt.ckpt_fully_parallel_save, cache_plan=ckpt.ckpt_assume_constant_structure)
+                common={**common_state(run), **({"rerun_state_machine": rerun_record} if rerun_record else {})},
+                async_save=async_save, group=self.save_group,
+                fully_parallel=ckpt.ckpt_fully_parallel_save, cache_plan=ckpt.ckpt_assume_constant_structure,
+                verify_integrity=ckpt.verify_integrity)
         if not async_save:
             self.pending_save = None
             self.say(f"saved checkpoint at iteration {run.iteration} to {root}")
@@ -230,12 +243,20 @@ class Trainer:
         self.hooks.before_iteration(run.iteration)
         for graphs in run.cuda_graphs:  # captured once the warm-up steps are done
             graphs.before_step()
+        if self.training.test_mode:
+            check_qk_layernorm_replicas(run.models, run.pstate, run.iteration + 1)
         if self.rerun.active:  # keep the micro-batches and random state for a re-run
             batches = _take(iterator, executor.num_microbatches)
             rng = self.rerun.save_rng()
             loss = self._forward_backward(executor, iter(batches) if batches is not None else None)
-            again = self.rerun.check(run.iteration + 1, loss, lambda: (self._forward_backward(
-                executor, iter(batches) if batches is not None else None, rng),))
+            validations = 2 * executor.num_microbatches if run.pstate.is_last_stage else 0
+            try:
+                again = self.rerun.check(run.iteration + 1, loss, lambda: (self._forward_backward(
+                    executor, iter(batches) if batches is not None else None, rng),), validations)
+            except RerunFault as fault:
+                if fault.save_checkpoint:
+                    self._save_fault(rng)
+                raise
             loss = loss if again is None else again[0]
         else:
             loss = self._forward_backward(executor, iterator)
@@ -254,6 +275,22 @@ class Trainer:
                 loss_scale=run.optimizer.loss_scale, grad_norm=grad_norm, num_zeros=num_zeros,
                 world_size=run.pstate.world_size, device=run.device)
         return loss, ok, grad_norm, num_zeros, batch
+
+    def _save_fault(self, rng: dict) -> None:
+        """Megatron's checkpoint of a reproduced fault: the state before the step (its random
+        state restored, no optimizer step) with every rank's record of the fault."""
+        run = self.run
+        self.rerun.restore_rng(rng)
+        records = [self.rerun.checkpoint_state()]
+        if run.pstate.world_size > 1:
+            records = [None] * run.pstate.world_size
+            dist.all_gather_object(records, self.rerun.checkpoint_state())
+        if not self.ckpt.save:
+            self.say("--rerun-mode validate_results: no --save, so the checkpoint to re-run from is not written")
+            return
+        self.save(rerun_record={"state": WILL_RERUN_FROM_CHECKPOINT, "iteration": run.iteration + 1,
+                                "ranks": records})
+        self.finish_pending_save()
 
     def _log(self, losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros=None, batch=None,
              moe_losses=None):

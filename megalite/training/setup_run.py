@@ -27,6 +27,7 @@ from megalite.parallel.state import ParallelState
 from megalite.training.cuda_graphs import layer_graphs_for
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler
+from megalite.optimizer.mup import apply_mup
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
 from megalite.training.run_hooks import apply_deterministic_mode
 
@@ -49,6 +50,8 @@ class Run:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     loaded_from: str | None = None
+    rerun_record: dict | None = None  # the loaded checkpoint's record of a reproduced fault (--rerun-mode)
+    checkpoint_layout: dict | None = None  # the loaded megalite checkpoint's parallel layout
     make_executor: object = None  # micro-batch count -> PipelineExecutor (rampup, eval batches)
     per_token: PerTokenLoss | None = None  # --calculate-per-token-loss's forward step
     executors: dict = field(default_factory=dict)
@@ -138,7 +141,8 @@ def build_run(args) -> Run:
     config = cfg.model
     models = build_model_chunks(config, pstate, num_layers_first=parallel.decoder_first_pipeline_num_layers,
                                 num_layers_last=parallel.decoder_last_pipeline_num_layers, rng_tracker=tracker,
-                                init_seed=cfg.training.seed, device=device, init_on_shard=parallel.init_on_shard)
+                                init_seed=cfg.training.seed, device=device, init_on_shard=parallel.init_on_shard,
+                                embedding_stage=parallel.pipeline_embedding_stage, loss_stage=parallel.pipeline_loss_stage)
     if parallel.torch_compile:
         for model in models:
             model.compile_regions()
@@ -171,6 +175,7 @@ def build_run(args) -> Run:
     if common is not None:
         run.loaded_from = common["path"]
         if not (ckpt.finetune or common["finetune"]):
+            run.rerun_record, run.checkpoint_layout = common.get("rerun_state_machine"), common.get("layout")
             run.iteration = common["iteration"]
             run.consumed_train_samples = common.get("consumed_train_samples", 0)
             run.consumed_valid_samples = common.get("consumed_valid_samples", 0)
@@ -197,6 +202,7 @@ def build_optimizer_and_schedule(chunks, optim: OptimizerConfig, pstate):
         log_num_zeros_in_grad=optim.log_num_zeros_in_grad)
     if optim.decoupled_lr is not None:
         apply_decoupled_lr(optimizer, optim.decoupled_lr, optim.decoupled_min_lr)
+    apply_mup(optimizer, optim.mup_width_mult, lr=optim.lr, min_lr=optim.lr_schedule.min_lr, adam_eps=optim.adam_eps)
     return optimizer, lr_scheduler(optim.lr_schedule, optimizer)
 
 
@@ -217,7 +223,7 @@ def build_data(run: Run):
         num_samples=num_samples, cache_path=data.data_cache_path, mock_data=data.mock_data,
         eod_token=run.tokenizer.eod, vocab_size=run.tokenizer.vocab_size, eod_mask_loss=data.eod_mask_loss,
         reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
-        mmap_bin_files=data.mmap_bin_files)
+        mmap_bin_files=data.mmap_bin_files, sample_transform=data.fim)
 
 
 def data_iterator(run: Run, dataset, consumed_samples: int):

@@ -2,7 +2,7 @@
 
     every --tensorboard-log-interval iterations:
         'learning-rate'        (unless --no-log-learning-rate-to-tensorboard)
-        'batch-size'           (--log-batch-size-to-tensorboard)
+        'batch-size'           (always, as Megatron-LM's training_log writes it)
         'lm loss', 'grad-norm', 'num-zeros' (--log-num-zeros-in-grad)
         'loss-scale'           (unless --no-log-loss-scale-to-tensorboard)
         'world-size'           (--log-world-size-to-tensorboard)
@@ -51,8 +51,7 @@ class MegatronTensorboard:
         samples = consumed_samples
         if logging.log_learning_rate_to_tensorboard:
             self._add("learning-rate", learning_rate, iteration, samples)
-        if logging.log_batch_size_to_tensorboard:
-            self._add("batch-size", batch_size, iteration, samples)
+        self._add("batch-size", batch_size, iteration, samples)
         if loss is not None:
             self._add("lm loss", loss, iteration, samples)
         if logging.log_loss_scale_to_tensorboard:

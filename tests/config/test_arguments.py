@@ -147,7 +147,7 @@ def test_missing_config_file_is_named(tmp_path):
     ("--group-query-attention", 1, ["--group-query-attention", "--num-query-groups"]),
     ("--num-query-groups 2", 1, ["--num-query-groups", "--group-query-attention"]),
     ("--swiglu --openai-gelu", 1, ["--swiglu", "--openai-gelu"]),
-    ("--recompute-method block", 1, ["--recompute-method", "--recompute-granularity full"]),
+    ("--recompute-method block --recompute-granularity selective", 1, ["--recompute-method", "--recompute-granularity full"]),
     ("--recompute-num-layers 1 --recompute-granularity selective", 1, ["--recompute-num-layers"]),
     ("--recompute-activations --recompute-granularity full", 1,
      ["--recompute-activations", "--recompute-granularity full"]),

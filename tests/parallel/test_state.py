@@ -47,7 +47,6 @@ def _forbid_process_groups(monkeypatch):
     (dict(num_layers=4, hidden_size=96, num_attention_heads=6), "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
     (dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2), "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     (dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=3), "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
-    (dict(num_layers=1, hidden_size=64, num_attention_heads=8), "--num-layers 1 is fewer than --pipeline-model-parallel-size 2"),
 ])
 def test_model_shape_checks_name_flags(model, message, monkeypatch):
     _forbid_process_groups(monkeypatch)

@@ -9,7 +9,15 @@ virtual stage s = c*p + r is local chunk c of pipeline rank r: chunk c of rank r
 
 --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give pipeline rank 0
 / rank p-1 that many layers in total (split evenly over its v chunks); the remaining layers
-are divided evenly over the other ranks and their chunks. Layers keep their global numbers,
+are divided evenly over the other ranks and their chunks.
+
+--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split with virtual
+stages (`embedding_stage`, `loss_stage`), as Megatron-Core's get_num_layers_to_build and
+get_transformer_layer_offset: the embedding and the loss count as one layer each, every virtual
+stage gets (L + 1 [+ 1]) / (p*v) of them, and virtual stage 0 (rank 0, chunk 0) builds one
+transformer layer fewer for the embedding, the last (rank p-1, chunk v-1) one fewer for the
+loss; either may hold no transformer layer at all. (Without virtual stages megalite writes that
+split as --decoder-first/last-pipeline-num-layers: config.arguments_megatron_training.) Layers keep their global numbers,
 so a stage holding layers 8-15 still calls them layers.8 ... layers.15.
 """
 
@@ -21,6 +29,8 @@ VIRTUAL_FLAG = "--num-virtual-stages-per-pipeline-rank"
 LAYERS_PER_VIRTUAL_FLAG = "--num-layers-per-virtual-pipeline-stage"
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
+EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
+LOSS_FLAG = "--account-for-loss-in-pipeline-split"
 
 
 def _positive(flag: str, value) -> None:
@@ -59,10 +69,26 @@ def virtual_stages_per_rank(num_layers: int, pipeline_size: int,
     return num_layers // (pipeline_size * per_stage)
 
 
+def _accounted_split(num_layers: int, p: int, v: int, embedding_stage: bool, loss_stage: bool) -> list[int]:
+    counted = num_layers + embedding_stage + loss_stage
+    named = " and ".join(flag for flag, on in ((EMBEDDING_FLAG, embedding_stage), (LOSS_FLAG, loss_stage)) if on)
+    if counted % (p * v):
+        raise ValueError(f"{named}: {NUM_LAYERS_FLAG} {num_layers} plus the accounted embedding/loss ({counted}) "
+                         f"is not divisible by {PIPELINE_FLAG} {p} x {VIRTUAL_FLAG} {v} = {p * v} virtual stages")
+    counts = [counted // (p * v)] * (p * v)
+    counts[0] -= embedding_stage
+    counts[-1] -= loss_stage
+    if min(counts) < 0:
+        raise ValueError(f"{named}: the first or last virtual stage would hold fewer than no transformer layers")
+    return counts
+
+
 def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: int = 1,
                              first_stage_layers: int | None = None,
-                             last_stage_layers: int | None = None) -> list[int]:
+                             last_stage_layers: int | None = None, *,
+                             embedding_stage: bool = False, loss_stage: bool = False) -> list[int]:
     """Number of layers of every global virtual stage s = c*p + r (index s), validated.
+    `embedding_stage` / `loss_stage`: the --account-for-* split (module docstring).
 
     Raises ValueError naming the flags when the layers cannot be divided as asked.
     """
@@ -70,6 +96,11 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: in
     _positive(NUM_LAYERS_FLAG, num_layers)
     _positive(PIPELINE_FLAG, p)
     _positive(VIRTUAL_FLAG, v)
+    if embedding_stage or loss_stage:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ValueError(f"{EMBEDDING_FLAG}/{LOSS_FLAG} and {FIRST_FLAG}/{LAST_FLAG} contradict each other "
+                             "(give one)")
+        return _accounted_split(num_layers, p, v, embedding_stage, loss_stage)
     given = [(flag, value) for flag, value in
              ((FIRST_FLAG, first_stage_layers), (LAST_FLAG, last_stage_layers)) if value is not None]
     if not given:
@@ -113,13 +144,14 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: in
 
 def stage_layers(num_layers: int, pipeline_size: int, rank: int, chunk: int = 0,
                  num_chunks: int = 1, first_stage_layers: int | None = None,
-                 last_stage_layers: int | None = None) -> range:
-    """Global layer numbers held by local `chunk` of pipeline `rank`."""
+                 last_stage_layers: int | None = None, **accounting) -> range:
+    """Global layer numbers held by local `chunk` of pipeline `rank` (`accounting`:
+    embedding_stage / loss_stage, as layers_per_virtual_stage takes them)."""
     if not 0 <= rank < pipeline_size or not 0 <= chunk < num_chunks:
         raise ValueError(f"(rank {rank}, chunk {chunk}) outside {pipeline_size} ranks x "
                          f"{num_chunks} chunks")
     counts = layers_per_virtual_stage(num_layers, pipeline_size, num_chunks,
-                                      first_stage_layers, last_stage_layers)
+                                      first_stage_layers, last_stage_layers, **accounting)
     stage = chunk * pipeline_size + rank
     start = sum(counts[:stage])
     return range(start, start + counts[stage])
@@ -127,10 +159,10 @@ def stage_layers(num_layers: int, pipeline_size: int, rank: int, chunk: int = 0,
 
 def layer_owners(num_layers: int, pipeline_size: int, num_chunks: int = 1,
                  first_stage_layers: int | None = None,
-                 last_stage_layers: int | None = None) -> list[tuple[int, int]]:
+                 last_stage_layers: int | None = None, **accounting) -> list[tuple[int, int]]:
     """(pipeline rank, chunk) owning each global layer, indexed by layer number."""
     counts = layers_per_virtual_stage(num_layers, pipeline_size, num_chunks,
-                                      first_stage_layers, last_stage_layers)
+                                      first_stage_layers, last_stage_layers, **accounting)
     return [(stage % pipeline_size, stage // pipeline_size)
             for stage, count in enumerate(counts) for _ in range(count)]
 

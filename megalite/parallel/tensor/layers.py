@@ -7,7 +7,6 @@ full tensor at all, for weights too large to hold whole): the caller then seeds 
 per TP rank, and the shards are no longer slices of the TP=1 initialisation.
 """
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +178,3 @@ class VocabParallelEmbedding(nn.Module):
             return comm.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return comm.reduce_from_tensor_parallel_region(out, self.tp_group)
 
-
-def output_init_std(init_std: float, num_layers: int) -> float:
-    """Megatron's scaled init for the projections that write into the residual stream."""
-    return init_std / math.sqrt(2.0 * num_layers)
