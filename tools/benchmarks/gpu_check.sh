@@ -173,7 +173,8 @@ if [ -n "${PREDICTING:-}" ]; then wait "$PREDICTING"; fi  # the driver runs are 
 if wants kernels; then
   step bench-kernels "$(budget "${BUDGET_KERNELS:-60}")" "$PY" tools/benchmarks/bench_kernels.py \
     $([ "$MODE" = gpu ] && echo --quick || echo --cpu-smoke)
-  step bench-host-overhead "$(budget "${BUDGET_HOST:-30}")" "$PY" tools/benchmarks/bench_host_overhead.py \
+  # it times compiled Triton's launch path, so never the interpreter a caller (pytest's conftest) may have set
+  step bench-host-overhead "$(budget "${BUDGET_HOST:-30}")" env -u TRITON_INTERPRET "$PY" tools/benchmarks/bench_host_overhead.py \
     $([ "$MODE" = gpu ] || echo --ops rms_norm)
 fi
 if wants drivers; then
