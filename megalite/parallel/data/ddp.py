@@ -114,8 +114,9 @@ class DistributedDataParallel(nn.Module):
         return [bucket for buffer in self.buffers_ for bucket in buffer.buckets]
 
     def _grad_ready(self, param) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None:  # None: a deferred weight gradient's backward (see the module)
+            param.main_grad.add_(param.grad)
+            param.grad = None
         # a deferred weight gradient is complete only after finish_grad_sync drains it
         if self.overlap_grad_reduce and self._sync_enabled and not is_wgrad_deferred(param):
             bucket = self._bucket_of[param]
