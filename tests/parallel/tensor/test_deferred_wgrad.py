@@ -19,7 +19,6 @@ bucket's reduction has not started.
 """
 
 import pytest
-import torch
 
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.weights import gather_full_weights
