@@ -133,6 +133,9 @@ def check_dist_opt_args(args, fail, layout) -> None:
         if edp % n:
             fail(f"--num-distributed-optimizer-instances {n} does not divide the expert-data-parallel size {edp} "
                  "(Megatron splits it into instances as it splits DP x CP)")
+    if n > 1 and plan.fsdp2:
+        fail(f"--num-distributed-optimizer-instances {n} with FSDP2 (Megatron-FSDP's hybrid sharding) is not "
+             "implemented; use --data-parallel-sharding-strategy optim or the distributed optimizer")
     if n > 1 and not plan.distributed_optimizer:
         fail(f"--num-distributed-optimizer-instances {n} needs --use-distributed-optimizer (the instances are "
              "its shards)")

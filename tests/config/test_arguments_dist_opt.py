@@ -99,6 +99,8 @@ def test_megatron_fsdp_dtypes():
      ["--num-distributed-optimizer-instances 3", "does not divide the data-parallel size 4"]),
     ("--num-distributed-optimizer-instances 2", 4, ["--num-distributed-optimizer-instances 2",
                                                     "needs --use-distributed-optimizer"]),
+    ("--num-distributed-optimizer-instances 2 --use-megatron-fsdp --use-distributed-optimizer", 4,
+     ["--num-distributed-optimizer-instances 2 with FSDP2", "not implemented"]),
     ("--num-distributed-optimizer-instances 0", 4, ["--num-distributed-optimizer-instances", "positive"]),
     ("--num-distributed-optimizer-instances 4 --use-distributed-optimizer --num-experts 8 --disable-bias-linear "
      "--expert-model-parallel-size 2", 4, ["--num-distributed-optimizer-instances 4",

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.model.gpt import masked_mean_loss
 from megalite.parallel import comm
 from megalite.parallel.sharding import all_reduce_sequence_parallel_grads, shard_of_full
 from megalite.parallel.state import ParallelLayout, ParallelState
@@ -22,6 +23,8 @@ from megalite.parallel.tensor.comm_overlap import (DEFAULTS, LinearOverlap, Over
                                                    kernel_settings_given, overlap_settings)
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from tests.distributed import run_distributed
+from tests.model.test_gpt_tp import make_config
+from tests.parallel.data.test_data_parallel import global_batch, make_model
 from tests.numerics import rel_error
 from tests.parallel.tensor.test_tp_layers import _gather
 
@@ -131,10 +134,6 @@ def _layer_cases(group):
 
 def _gpt_case(pstate):
     """A sequence-parallel GPT (TP = 2) with and without overlap on every qkv/proj/fc1/fc2."""
-    from tests.model.test_gpt_tp import make_config
-    from tests.parallel.data.test_data_parallel import global_batch, make_model
-    from megalite.model.gpt import masked_mean_loss
-
     config = make_config("llama", sequence_parallel=True)
     tokens, labels, mask = (t[:2] for t in global_batch(0))
     results = {}
