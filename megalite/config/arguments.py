@@ -21,6 +21,7 @@ import yaml
 
 from megalite.model.config import GPTConfig
 from megalite.config.arguments_context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
+from megalite.config.arguments_dist_opt import DistOptArgs
 from megalite.config.arguments_dry_run import DryRunArgs
 from megalite.config.arguments_field import MEGALITE, arg, flag_of
 from megalite.config.arguments_megatron_data import MegatronDataArgs
@@ -44,7 +45,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, MupArgs, RecomputeArgs, PrecisionArgs,
                 TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
-                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DryRunArgs, DerivedArgs):
+                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -75,6 +76,7 @@ _GROUPS = (
     ("fill-in-the-middle samples", MegatronFimArgs),
     ("Megatron logging", MegatronLoggingArgs),
     ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
+    ("distributed optimizer, Megatron-FSDP and tensor-parallel overlap", DistOptArgs),
     ("shard initialisation and dry runs", DryRunArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)

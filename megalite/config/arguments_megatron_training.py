@@ -146,8 +146,6 @@ def check_megatron_training_args(args, world_size: int, fail) -> None:
              "in their own precision)")
     if args.grad_reduce_in_bf16 and args.use_torch_fsdp2:
         fail("--grad-reduce-in-bf16 applies to megalite's DistributedDataParallel, not --use-torch-fsdp2")
-    if args.calculate_per_token_loss and args.use_torch_fsdp2:
-        fail("--calculate-per-token-loss is not implemented with --use-torch-fsdp2")
     if args.profile:
         if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
             fail(f"--profile-step-end {args.profile_step_end} must be larger than "

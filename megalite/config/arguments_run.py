@@ -126,8 +126,8 @@ class CheckpointArgs:
     ckpt_format: str = arg(
         "dcp", "Checkpoint format: torch_dist (= dcp) is megalite's torch.distributed.checkpoint "
         "format, which --save writes; torch is Megatron's legacy iter_*/mp_rank_* files, which "
-        "--load reads.", choices=("dcp", "torch_dist", "torch", "zarr", "fsdp_dtensor"),
-        unsupported=("zarr", "fsdp_dtensor"))
+        "--load reads; fsdp_dtensor (with --use-megatron-fsdp) is written as torch_dist.",
+        choices=("dcp", "torch_dist", "torch", "zarr", "fsdp_dtensor"), unsupported=("zarr",))
     async_save: bool = arg(False, "Write checkpoints in the background.")
     no_save_optim: bool = arg(False, "Do not save the optimizer state.")
     no_save_rng: bool = arg(False, "Do not save the random-number generator states.")

@@ -13,6 +13,7 @@ from megalite.parallel.pipeline.schedules import default_schedule, validate_sche
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
 from megalite.parallel.state import ParallelLayout
 from megalite.config.arguments_context import check_context_args
+from megalite.config.arguments_dist_opt import check_dist_opt_args
 from megalite.config.arguments_dry_run import check_dry_run_args
 from megalite.config.arguments_field import flag_of
 from megalite.config.arguments_megatron_checkpoint import check_megatron_checkpoint_args
@@ -93,7 +94,8 @@ def layout_from_args(args, world_size: int) -> ParallelLayout:
     layout = ParallelLayout(world_size, tensor=args.tensor_model_parallel_size,
                             pipeline=args.pipeline_model_parallel_size,
                             virtual_pipeline=virtual_stages(args), context=args.context_parallel_size,
-                            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping)
+                            tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+                            optimizer_instances=args.num_distributed_optimizer_instances)
     layout.check_model(args.num_layers, args.hidden_size, args.num_attention_heads,
                        args.num_query_groups if args.group_query_attention else None,
                        args.kv_channels)
@@ -202,14 +204,13 @@ def _check_parallel(args, layout: ParallelLayout):
     if args.ffn_hidden_size % tp:
         _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
               f"--tensor-model-parallel-size {tp}")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        _fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+        _fail("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         _fail("--overlap-param-gather needs --overlap-grad-reduce")
     if args.use_torch_fsdp2 and args.use_distributed_optimizer:
         _fail("--use-torch-fsdp2 and --use-distributed-optimizer contradict each other (give one)")
-    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
-        _fail("--optimizer-cpu-offload needs --use-distributed-optimizer")
+    check_dist_opt_args(args, _fail, layout)
 
 
 def _check_batch(args, layout: ParallelLayout):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.config.arguments_dist_opt import data_parallel_plan, dist_opt_notes, tp_comm_overlap_settings
 from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.config.arguments_megatron_data import megatron_data_notes
 from megalite.config.arguments_megatron_fim import fim_notes, fim_transform_from_args
@@ -60,8 +61,10 @@ class ParallelConfig:
     num_experts: int | None
     expert_model_parallel_size: int
     expert_tensor_parallel_size: int | None
-    use_torch_fsdp2: bool
-    use_distributed_optimizer: bool
+    use_torch_fsdp2: bool  # derived: --use-torch-fsdp2, or --use-megatron-fsdp's optim_grads(_params)
+    use_distributed_optimizer: bool  # derived: --use-distributed-optimizer, or --use-megatron-fsdp's optim
+    fsdp2_reshard_after_forward: bool  # derived: False for --use-megatron-fsdp's optim_grads (ZeRO-2)
+    fsdp2_reduce_dtype: torch.dtype  # derived: --megatron-fsdp-grad-comm-dtype under FSDP2, else fp32
     ddp_bucket_size: int | None
     overlap_grad_reduce: bool
     grad_reduce_dtype: torch.dtype  # derived: fp32, fp16 with --fp16 unless accumulated in fp32, or bf16
@@ -69,18 +72,26 @@ class ParallelConfig:
     num_micro_batches: int | None  # derived: B / (b x DP)
     init_on_shard: bool
     torch_compile: bool
+    overlap_param_gather_with_optimizer_step: bool
+    defer_embedding_wgrad_compute: bool
+    wgrad_deferral_limit: int
+    tp_comm_overlap: dict | None  # derived: each GEMM's OverlapSetting under --tp-comm-overlap (-cfg), else None
 
     @classmethod
     def from_args(cls, args, world_size: int) -> "ParallelConfig":
+        plan = data_parallel_plan(args)
         grad_dtype = torch.float16 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else torch.float32
         if args.grad_reduce_in_bf16:
             grad_dtype = torch.bfloat16
         backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         return _options(cls, args, layout=layout_from_args(args, world_size), backend=backend,
-                        microbatch_group_size=interleaved_group_size(args), grad_reduce_dtype=grad_dtype,
+                        microbatch_group_size=interleaved_group_size(args), grad_reduce_dtype=plan.grad_dtype or grad_dtype,
                         pipeline_embedding_stage=split_accounting(args)["embedding_stage"],
                         pipeline_loss_stage=split_accounting(args)["loss_stage"],
-                        compute_dtype=compute_dtype(args))
+                        compute_dtype=compute_dtype(args), use_torch_fsdp2=plan.fsdp2,
+                        use_distributed_optimizer=plan.distributed_optimizer,
+                        fsdp2_reshard_after_forward=plan.fsdp2_reshard_after_forward,
+                        fsdp2_reduce_dtype=plan.fsdp2_reduce_dtype, tp_comm_overlap=tp_comm_overlap_settings(args))
 
 
 @dataclass(frozen=True)
@@ -124,8 +135,9 @@ class OptimizerConfig:
     min_loss_scale: float
     loss_scale_window: float
     hysteresis: int
-    use_distributed_optimizer: bool
-    overlap_param_gather: bool
+    use_distributed_optimizer: bool  # derived: as ParallelConfig's
+    overlap_param_gather: bool  # derived: --overlap-param-gather where there is a parameter all-gather to overlap
+    overlap_param_gather_with_optimizer_step: bool
     optimizer_cpu_offload: bool
     log_num_zeros_in_grad: bool
     decoupled_lr: float | None
@@ -136,8 +148,11 @@ class OptimizerConfig:
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
         schedule = None if args.skip_train else LRScheduleConfig.from_args(args)
-        return _options(cls, args, bf16_main_params=args.bf16 and not args.use_torch_fsdp2, lr_schedule=schedule,
-                        mup_width_mult=mup_width_mult(args))
+        plan = data_parallel_plan(args)
+        return _options(cls, args, bf16_main_params=args.bf16 and not plan.fsdp2, lr_schedule=schedule,
+                        mup_width_mult=mup_width_mult(args),
+                        use_distributed_optimizer=plan.distributed_optimizer,
+                        overlap_param_gather=args.overlap_param_gather and plan.distributed_optimizer)
 
 
 @dataclass(frozen=True)
@@ -194,7 +209,7 @@ class CheckpointConfig:
     save: str | None
     load: str | None
     save_interval: int | None
-    ckpt_format: str
+    ckpt_format: str  # derived: --ckpt-format, with Megatron-FSDP's fsdp_dtensor written as dcp
     auto_detect_ckpt_format: bool
     async_save: bool
     no_save_optim: bool
@@ -222,7 +237,8 @@ class CheckpointConfig:
 
     @classmethod
     def from_args(cls, args) -> "CheckpointConfig":
-        return _options(cls, args)
+        # Megatron-FSDP's fsdp_dtensor is written as megalite's DCP checkpoints (arguments_dist_opt.py)
+        return _options(cls, args, ckpt_format="dcp" if args.ckpt_format == "fsdp_dtensor" else args.ckpt_format)
 
 
 @dataclass(frozen=True)
@@ -325,7 +341,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
                      "the sequence over); running without it, as Megatron does")
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
             + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
-            + mup_notes(args))
+            + mup_notes(args) + dist_opt_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:
@@ -334,7 +350,7 @@ def run_config(args, world_size: int) -> RunConfig:
     parallel = ParallelConfig.from_args(args, world_size)
     tokenizer = tokenizer_from_args(args)
     model = model_config_from_args(args, tokenizer.vocab_size)
-    if args.use_torch_fsdp2:
+    if parallel.use_torch_fsdp2:
         model = model.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, computes in bf16/fp16
     device_type = "cuda" if parallel.backend == "nccl" else "cpu"
     fim, fim_lines = fim_transform_from_args(args, tokenizer)

@@ -72,6 +72,10 @@ def _state(layout, rank: int, args) -> ParallelState:
     for name, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()),
                         ("mp", layout.mp_groups()), ("embedding", layout.embedding_groups()),
                         *((("cp", layout.cp_groups()), ("dp_cp", layout.dp_cp_groups())) if layout.context > 1
+                          else ()),
+                        *((("dp_cp_instance", layout.dp_cp_instance_groups()),
+                           ("dp_cp_replica", layout.dp_cp_replica_groups()),
+                           ("instance", layout.optimizer_instance_groups())) if layout.optimizer_instances > 1
                           else ())):
         groups[name] = _own_group(lists, rank)
     pstate = ParallelState(layout, rank, {n: g for n, g in groups.items() if g is not None})
@@ -169,8 +173,10 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         # peaks depended on when it ran.
         modules = AcyclicModTracker()
         expert = pstate.expert
-        # without CP, dp_cp_group is dp_group: the later "dp" names it
-        counter = CommCounter({pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
+        # without CP, dp_cp_group is dp_group: the later "dp" names it (and with one optimizer
+        # instance, its groups are dp_cp / world: the later names win)
+        counter = CommCounter({pstate.instance_group: "instance", pstate.dp_cp_replica_group: "dp_cp_replica",
+                               pstate.dp_cp_instance_group: "dp_cp_instance", pstate.dp_cp_group: "dp_cp", pstate.tp_group: "tp", pstate.cp_group: "cp",
                                pstate.dp_group: "dp", pstate.pp_group: "pp", pstate.mp_group: "mp", pstate.embedding_group: "embedding",
                                pstate.world_group: "world", **({expert.etp_ep_group: "etp_ep", expert.etp_group: "etp",
                                                                  expert.ep_group: "ep", expert.edp_group: "edp"}

@@ -3,7 +3,9 @@
 Every bucket of a DistributedDataParallel chunk has a shard this rank updates: the whole bucket
 normally, the contiguous 1/d slice [r·n/d, (r+1)·n/d) under the distributed optimizer (ZeRO-1:
 main parameters and optimizer state sharded over the d ranks of the bucket's data-parallel
-group, which is DP x CP for dense parameters and the expert-data-parallel group for experts). For each model
+group, which is DP x CP for dense parameters and the expert-data-parallel group for experts;
+with several distributed-optimizer instances, that group's part in this rank's instance, the
+other instances holding replicas of the same shards). For each model
 parameter overlapping that shard there is one `MainParam`: an fp32 1-D tensor holding elements
 [lo, hi) of the flattened parameter, whose `.grad` views the reduced gradient.
 
@@ -103,10 +105,13 @@ def expert_parallel(pstate) -> bool:
 
 
 def norm_group(pstate, sharded_over_dp: bool):
-    """The ranks whose counted elements hold each gradient once: every rank when the state is
-    sharded (over DP x CP) or experts are laid out unlike dense weights, else one model replica."""
+    """The ranks whose counted elements hold each gradient once: every rank of one
+    distributed-optimizer instance (every rank, with one instance) when the state is sharded
+    (over DP x CP) or experts are laid out unlike dense weights, else one model replica. Megatron
+    reduces gradient statistics over the same intra-instance group (optimizer/__init__.py,
+    grad_stats_parallel_group)."""
     if sharded_over_dp or expert_parallel(pstate):
-        return pstate.world_group
+        return pstate.instance_group
     return pstate.mp_group
 
 

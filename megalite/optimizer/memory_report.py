@@ -8,6 +8,10 @@ whole even when FSDP2 shards it over DP). Buffers are counted as allocated, padd
 Adam's moments are allocated by the first step; before it they are counted as they will be
 (two fp32 values per main element; one momentum value for SGD).
 
+Under the distributed optimizer d is the DP x CP size of one distributed-optimizer instance
+(--num-distributed-optimizer-instances N: d = DP x CP / N, the N instances holding replicas),
+so bf16 costs 6 + 12/d bytes per parameter.
+
 Device and host memory are reported apart: with --optimizer-cpu-offload the optimizer's fp32
 main parameters, gradient copies and moments are host memory, the weights and gradient buffers
 device memory, and formulas.md (one device holding everything) does not apply.
@@ -109,9 +113,11 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
     total = param_bytes + grad_bytes + optimizer_bytes
     offload = optimizer is not None and optimizer.cpu_offload
     host_bytes = optimizer_bytes if offload else 0
-    d = pstate.dp_size * pstate.cp_size  # the distributed optimizer and FSDP2 shard over DP x CP
+    # FSDP2 shards over DP x CP, the distributed optimizer over its instance's part of it
+    d = pstate.dp_size * pstate.cp_size if fsdp else pstate.instance_dp_cp_size
     # expert weights shard over the expert-data-parallel group: formulas.md with d = EDP for them
-    edp = pstate.expert.edp_size if pstate.expert is not None and expert_params else d
+    expert = pstate.expert
+    edp = (expert.edp_size if fsdp else expert.edp_instance_size) if expert is not None and expert_params else d
     experts_d = f", experts d={edp}" if edp != d else ""
 
     def blended(per_param_at):
@@ -127,7 +133,8 @@ def memory_report(chunks, optimizer, pstate: ParallelState) -> tuple[dict, str]:
         formula, described = None, "no formula for this setup (formulas.md assumes Adam)"
     else:
         formula = blended(lambda n: bytes_per_parameter(precision, distributed, n))
-        described = f"{precision}" + (f" + distributed optimizer, d={d}{experts_d}" if distributed else "")
+        instances = f" (one of {pstate.optimizer_instances} instances)" if pstate.optimizer_instances > 1 else ""
+        described = f"{precision}" + (f" + distributed optimizer, d={d}{instances}{experts_d}" if distributed else "")
     per_param = 1 / max(num_params, 1)
     info = {"rank": pstate.rank, "num_params": num_params, "expert_params": expert_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optimizer_bytes": optimizer_bytes, "total_bytes": total, "cpu_offload": offload,

@@ -9,7 +9,9 @@ over DP x CP (the distributed optimizer) or over FSDP2 shards.
 
 A step: copy 16-bit gradients to fp32 (if any); with fp16, unscale and skip the step if any
 rank found inf/NaN; clip to the global norm; update; copy the fp32 main values back into the
-model parameters (all-gathering them under the distributed optimizer).
+model parameters (all-gathering them under the distributed optimizer). With
+--overlap-param-gather-with-optimizer-step the first model chunk is updated first and its
+all-gather runs while the other chunks are updated.
 """
 
 import logging
@@ -17,11 +19,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megalite.optimizer.distributed import (
-    FlatShard, bucket_dp_ranges, build_bucket_shards, dtensor_dp_ranges, fsdp_main_params, gather_full, rank_layout,
-    norm_group, sharded_dp_group,
-)
+from megalite.optimizer.distributed import build_bucket_shards, fsdp_main_params, gather_full, norm_group, sharded_dp_group
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.optimizer.sharded_state import ShardedOptimizerState
 from megalite.parallel import comm
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import FSDPChunk
@@ -37,36 +37,42 @@ def no_weight_decay(name: str, param) -> bool:
     return param.ndim == 1 or name.endswith(".bias")
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(ShardedOptimizerState):
     """See the module docstring; build it with `build_optimizer`."""
 
     def __init__(self, chunks, pstate: ParallelState, *, kind: str, make_inner, clip_grad: float,
                  loss_scaler, weight_decay: float, overlap_param_gather: bool, cpu_offload: bool,
-                 log_num_zeros_in_grad: bool = False):
+                 log_num_zeros_in_grad: bool = False, param_gather_with_step: bool = False):
         self.chunks, self.pstate, self.kind = list(chunks), pstate, kind
+        self.param_gather_with_step = param_gather_with_step
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
         self.overlap_param_gather, self.cpu_offload = overlap_param_gather, cpu_offload
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.num_steps = 0  # successful steps: Adam's step count
         self.num_attempts = 0  # step() calls in this process, skipped ones included
-        self.bucket_shards, self.mains = [], []
-        for chunk in self.chunks:
+        self.bucket_shards, self.mains, self._shards_of, phase_of = [], [], {}, {}
+        for index, chunk in enumerate(self.chunks):
             if isinstance(chunk, DistributedDataParallel):
-                shards = build_bucket_shards(chunk, pstate.tp_rank, cpu_offload)
+                self._shards_of[chunk] = shards = build_bucket_shards(chunk, pstate.tp_rank, cpu_offload)
                 self.bucket_shards += shards
-                self.mains += [m for shard in shards for m in shard.mains]
+                mains = [m for shard in shards for m in shard.mains]
             else:
-                self.mains += fsdp_main_params(chunk, pstate.tp_rank)
+                mains = fsdp_main_params(chunk, pstate.tp_rank)
+            self.mains += mains
+            # the update phase of a main parameter: the first chunk's go first (see _update)
+            phase_of.update({id(m.main): int(param_gather_with_step and index > 0) for m in mains})
         # From the configuration, not from this rank's shards: a rank may own none at all.
         self.sharded_over_dp = pstate.dp_size * pstate.cp_size > 1 and any(
             isinstance(c, FSDPChunk) or c.use_distributed_optimizer for c in self.chunks)
         self.comm_device = next(p for c in self.chunks for p in c.module.parameters()).device
-        decay = [m.main for m in self.mains if not no_weight_decay(m.name, m.param)]
-        plain = [m.main for m in self.mains if no_weight_decay(m.name, m.param)]
-        self.inner = make_inner([
-            {"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay},
-            {"params": plain, "wd_mult": 0.0, "weight_decay": 0.0},
-        ])
+        groups = []
+        for phase in sorted(set(phase_of.values())) or [0]:
+            mains = [m for m in self.mains if phase_of[id(m.main)] == phase]
+            decay = [m.main for m in mains if not no_weight_decay(m.name, m.param)]
+            plain = [m.main for m in mains if no_weight_decay(m.name, m.param)]
+            groups += [{"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay, "phase": phase},
+                       {"params": plain, "wd_mult": 0.0, "weight_decay": 0.0, "phase": phase}]
+        self.inner = make_inner(groups)
 
     # --- what the training loop uses -------------------------------------------------------
     @property
@@ -107,10 +113,29 @@ class MixedPrecisionOptimizer:
             if coeff < 1.0:
                 torch._foreach_mul_(self._grads(), coeff)
         num_zeros = self._count_zeros() if self.log_num_zeros_in_grad else None
-        self.inner.step()
+        self._update()
         self.num_steps += 1
-        self._store_params()
         return True, grad_norm, num_zeros
+
+    def _update(self) -> None:
+        """The update and the parameters' all-gather. With param_gather_with_step, in two phases:
+        the first chunk's parameters, whose all-gather is launched at once, then the others'
+        while it runs (Megatron: ChainedOptimizer._step dispatches model_chunks[0]'s
+        start_param_sync(force_dispatch=True) right after the first chunk's optimizer steps).
+        Each phase steps the inner optimizer over its own param groups; Adam is per element, so
+        the result is the one-phase update's."""
+        if not self.param_gather_with_step:
+            self.inner.step()
+            self._store_params(self.chunks)
+            return
+        groups = self.inner.param_groups
+        try:
+            for phase, chunks in ((0, self.chunks[:1]), (1, self.chunks[1:])):
+                self.inner.param_groups = [g for g in groups if g["phase"] == phase]
+                self.inner.step()
+                self._store_params(chunks, overlap=True)
+        finally:
+            self.inner.param_groups = groups
 
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (--overlap-param-gather): call before
@@ -170,12 +195,12 @@ class MixedPrecisionOptimizer:
         comm.all_reduce(total, self._norm_group())
         return int(total.item())
 
-    def _store_params(self) -> None:
-        for shard in self.bucket_shards:
-            shard.store_params()
-        for chunk in self.chunks:
+    def _store_params(self, chunks, overlap: bool = False) -> None:
+        for chunk in chunks:
+            for shard in self._shards_of.get(chunk, ()):
+                shard.store_params()
             if isinstance(chunk, DistributedDataParallel) and chunk.use_distributed_optimizer:
-                chunk.start_param_sync(overlap=self.overlap_param_gather)
+                chunk.start_param_sync(overlap=overlap or self.overlap_param_gather)
 
     # --- checkpointing ------------------------------------------------------------------------
     def _named_params(self):
@@ -279,65 +304,6 @@ class MixedPrecisionOptimizer:
             if isinstance(chunk, DistributedDataParallel) and chunk.use_distributed_optimizer:
                 chunk.start_param_sync(overlap=False)
 
-    # --- sharded checkpoints: each rank's own elements, no communication ------------------------
-    def _layout(self, chunk, param, entry) -> tuple[int, int, list | None]:
-        """(lo, hi) of the elements of flattened `param` this rank holds, and every DP x CP rank's."""
-        ranges = dtensor_dp_ranges(entry.main) if isinstance(chunk, FSDPChunk) else bucket_dp_ranges(chunk, param)
-        return rank_layout(ranges, self.pstate, param, param.numel())
-
-    def sharded_state_dict(self) -> dict:
-        """`state_dict` without gathering: per parameter name and key a FlatShard holding a CPU
-        fp32 copy of only the elements this rank owns (a 1/d slice under the distributed
-        optimizer or FSDP2) and where every DP x CP rank's elements lie, for checkpoints written
-        shard by shard."""
-        self.finish_param_sync()
-        params = {}
-        for chunk, name, param, entry in self._named_params():
-            lo, hi, ranges = self._layout(chunk, param, entry)
-            params[name] = {}
-            for key, value in self._values(entry).items():
-                if value is None:
-                    flat = torch.zeros(0)
-                else:
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    flat = local.detach().reshape(-1).to("cpu", torch.float32, copy=True)
-                params[name][key] = FlatShard(flat, lo, hi, param.shape, ranges)
-        return self._header(params)
-
-    def empty_sharded_state(self, keys) -> dict:
-        """Per parameter name and key in `keys`, a zero FlatShard laid out as `sharded_state_dict`
-        lays out this rank's elements: the buffers a checkpoint load fills."""
-        params = {}
-        for chunk, name, param, entry in self._named_params():
-            lo, hi, ranges = self._layout(chunk, param, entry)
-            params[name] = {k: FlatShard(torch.zeros(hi - lo), lo, hi, param.shape, ranges) for k in keys}
-        return params
-
-    @torch.no_grad()
-    def load_sharded_state_dict(self, state: dict) -> None:
-        """Load the form `sharded_state_dict` returns, laid out for this rank (see
-        `empty_sharded_state`)."""
-        keys = self._start_load(state)
-        for chunk, name, param, entry, saved in self._saved_entries(state, keys):
-            lo, hi, _ = self._layout(chunk, param, entry)
-            for key in keys:
-                shard = saved[key]
-                mine = (tuple(shard.shape), shard.lo, shard.hi, shard.values.numel())
-                if mine != (tuple(param.shape), lo, hi, hi - lo):
-                    raise ValueError(f"optimizer state {name}.{key}: elements [{shard.lo}, {shard.hi}) of shape "
-                                     f"{tuple(shard.shape)}, this rank holds [{lo}, {hi}) of {tuple(param.shape)}")
-            if entry is None:
-                continue
-            local = {}
-            for key in keys:
-                target = torch.zeros_like(entry.main) if key != "param" else entry.main
-                on_rank = target.to_local() if hasattr(target, "to_local") else target
-                on_rank.copy_(saved[key].values.view(on_rank.shape))
-                local[key] = target
-            local.pop("param")
-            self._set_state(entry.main, local)
-        self._finish_load(state)
-
     def _step_state(self, main) -> dict:
         if self.kind != "adam":
             return {}
@@ -353,7 +319,8 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
                     initial_loss_scale: float = 2.0**32, min_loss_scale: float = 1.0,
                     loss_scale_window: int = 1000, hysteresis: int = 2,
                     use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-                    cpu_offload: bool = False, log_num_zeros_in_grad: bool = False) -> MixedPrecisionOptimizer:
+                    cpu_offload: bool = False, log_num_zeros_in_grad: bool = False,
+                    overlap_param_gather_with_optimizer_step: bool = False) -> MixedPrecisionOptimizer:
     """The optimizer over every chunk (DistributedDataParallel or FSDPChunk) of this rank.
 
     bf16 / fp16 say what the model parameters are (they must match the chunks'); the optimizer
@@ -367,6 +334,8 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if cpu_offload and not use_distributed_optimizer:
         raise ValueError("--optimizer-cpu-offload needs --use-distributed-optimizer")
+    if overlap_param_gather_with_optimizer_step and not overlap_param_gather:
+        raise ValueError("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather")
     chunks = list(ddp_chunks)
     expected = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
     for chunk in chunks:
@@ -397,4 +366,5 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
     return MixedPrecisionOptimizer(chunks, pstate, kind=optimizer, make_inner=make_inner, clip_grad=clip_grad,
                                    loss_scaler=scaler, weight_decay=weight_decay,
                                    overlap_param_gather=overlap_param_gather, cpu_offload=cpu_offload,
-                                   log_num_zeros_in_grad=log_num_zeros_in_grad)
+                                   log_num_zeros_in_grad=log_num_zeros_in_grad,
+                                   param_gather_with_step=overlap_param_gather_with_optimizer_step)

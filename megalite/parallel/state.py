@@ -9,6 +9,11 @@ or, with `tp_pp_dp_mapping` (Megatron's --use-tp-pp-dp-mapping), pipeline before
 
     rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
 
+With `optimizer_instances` N > 1 (Megatron's --num-distributed-optimizer-instances) each DP x CP
+group is cut into N contiguous blocks of s = DP x CP / N ranks: the distributed optimizer
+shards within a block (its "instance") and the N instances hold replicas of it, as
+Megatron's intra- and inter-instance groups (parallel_state.initialize_model_parallel).
+
 `ParallelLayout` is pure arithmetic and validates itself when constructed, so an impossible
 layout is refused before any process group exists. `ParallelState` is one rank's view of a
 layout: its coordinates, its neighbours and the process groups it belongs to.
@@ -37,6 +42,7 @@ class ParallelLayout:
     virtual_pipeline: int = 1
     context: int = 1
     tp_pp_dp_mapping: bool = False
+    optimizer_instances: int = 1
 
     def __post_init__(self):
         _require_positive(
@@ -45,6 +51,7 @@ class ParallelLayout:
             ("--pipeline-model-parallel-size", self.pipeline),
             ("--num-virtual-stages-per-pipeline-rank", self.virtual_pipeline),
             ("--context-parallel-size", self.context),
+            ("--num-distributed-optimizer-instances", self.optimizer_instances),
         )
         if self.world_size % (self.tensor * self.context * self.pipeline):
             cp = f" x --context-parallel-size {self.context}" if self.context > 1 else ""
@@ -58,10 +65,21 @@ class ParallelLayout:
                 f"--num-virtual-stages-per-pipeline-rank {self.virtual_pipeline} needs "
                 "--pipeline-model-parallel-size > 1"
             )
+        if (self.data * self.context) % self.optimizer_instances:
+            cp = f" x --context-parallel-size {self.context}" if self.context > 1 else ""
+            raise ValueError(
+                f"--num-distributed-optimizer-instances {self.optimizer_instances} does not divide the "
+                f"data-parallel size {self.data}{cp} (world size {self.world_size} / (TP x CP x PP))"
+            )
 
     @property
     def data(self) -> int:
         return self.world_size // (self.tensor * self.context * self.pipeline)
+
+    @property
+    def instance_size(self) -> int:
+        """DP x CP ranks of one distributed-optimizer instance, s = DP x CP / N."""
+        return self.data * self.context // self.optimizer_instances
 
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         if self.tp_pp_dp_mapping:
@@ -110,6 +128,28 @@ class ParallelLayout:
         distributed optimizer's state is sharded (every CP rank holds the same parameters and a
         different part of each sequence); group rank dp_rank x CP + cp_rank."""
         return self._groups("c", "d")
+
+    def dp_cp_instance_groups(self) -> list[list[int]]:
+        """Each DP x CP group cut into its N contiguous blocks of s ranks: the ranks one
+        distributed-optimizer instance shards over (Megatron's intra-partial DP x CP group)."""
+        s = self.instance_size
+        return [g[i * s:(i + 1) * s] for g in self.dp_cp_groups() for i in range(self.optimizer_instances)]
+
+    def dp_cp_replica_groups(self) -> list[list[int]]:
+        """The ranks at one position of every instance of a DP x CP group: they hold the same
+        optimizer shard and all-reduce its gradient (Megatron's inter-instance group)."""
+        s = self.instance_size
+        return [g[j::s] for g in self.dp_cp_groups() for j in range(s)]
+
+    def optimizer_instance_groups(self) -> list[list[int]]:
+        """Every rank (all TP, PP, and the instance's DP x CP ranks) of one instance: each
+        element of the optimizer state once, so gradient norms are summed over it (Megatron's
+        intra distributed-optimizer instance group)."""
+        s, groups = self.instance_size, [[] for _ in range(self.optimizer_instances)]
+        for rank in range(self.world_size):
+            _, dp_rank, _ = self.coords(rank)
+            groups[(dp_rank * self.context + self.cp_rank_of(rank)) // s].append(rank)
+        return groups
 
     def pp_groups(self) -> list[list[int]]:
         return self._groups("p")
@@ -186,6 +226,11 @@ class ParallelState:
         self.mp_group = groups.get("mp")
         self.embedding_group = groups.get("embedding")
         self.world_group = groups.get("world")
+        # distributed-optimizer instances: with one, the instance is the whole DP x CP group
+        several = layout.optimizer_instances > 1
+        self.dp_cp_instance_group = groups.get("dp_cp_instance") if several else self.dp_cp_group
+        self.dp_cp_replica_group = groups.get("dp_cp_replica") if several else None
+        self.instance_group = groups.get("instance") if several else self.world_group
         self.expert = None  # megalite.parallel.expert.groups.ExpertState when the model has experts
 
     @classmethod
@@ -213,6 +258,8 @@ class ParallelState:
             ("dp", layout.dp_groups()),
             ("pp", layout.pp_groups()),
             ("mp", layout.mp_groups()),
+            *([("dp_cp_instance", layout.dp_cp_instance_groups()), ("dp_cp_replica", layout.dp_cp_replica_groups()),
+               ("instance", layout.optimizer_instance_groups())] if layout.optimizer_instances > 1 else []),
         ):
             groups[name], _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
         # Embedding groups may repeat a rank list (pp == 1), so they are built one by one;
@@ -241,6 +288,25 @@ class ParallelState:
     def dp_cp_rank(self) -> int:
         """This rank's index in the DP x CP group (dp_cp_groups)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def optimizer_instances(self) -> int:
+        return self.layout.optimizer_instances
+
+    @property
+    def instance_dp_cp_size(self) -> int:
+        """s: the DP x CP ranks the distributed optimizer shards over (all of them with one instance)."""
+        return self.layout.instance_size
+
+    @property
+    def instance_rank(self) -> int:
+        """Which distributed-optimizer instance this rank belongs to."""
+        return self.dp_cp_rank // self.instance_dp_cp_size
+
+    @property
+    def instance_dp_cp_rank(self) -> int:
+        """This rank's index among its instance's DP x CP ranks (its optimizer shard)."""
+        return self.dp_cp_rank % self.instance_dp_cp_size
 
     def dp_cp_coords(self, dp_cp_rank: int) -> tuple[int, int]:
         """(dp_rank, cp_rank) of the DP x CP group member `dp_cp_rank`."""

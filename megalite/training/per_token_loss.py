@@ -13,6 +13,7 @@ micro-batches, then over replicas) times the same factor is the per-token loss.
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.data.fsdp import FSDPChunk
 from megalite.parallel.pipeline.executor import unwrap
 
 
@@ -58,8 +59,14 @@ def token_factor(counter: PerTokenLoss, pstate, num_microbatches: int, device) -
 
 
 def scale_main_grads(chunks, factor: float) -> None:
-    """Multiply the gradient buffers of megalite's DistributedDataParallel chunks by `factor`."""
+    """Multiply the step's reduced gradients by `factor`: the gradient buffers of megalite's
+    DistributedDataParallel chunks, FSDP2's sharded gradients."""
     for chunk in chunks:
+        if isinstance(chunk, FSDPChunk):
+            for param in chunk.module.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+            continue
         for buffer in chunk.buffers_:
             buffer.grad_data.mul_(factor)
 

@@ -25,6 +25,8 @@ from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
 from megalite.parallel.state import ParallelState
 from megalite.training.cuda_graphs import layer_graphs_for
+from megalite.parallel.tensor.comm_overlap import enable_tp_comm_overlap
+from megalite.parallel.tensor.deferred_wgrad import defer_wgrad
 from megalite.training.flops import flops_per_token, peak_flops
 from megalite.training.lr_schedule import lr_scheduler
 from megalite.optimizer.mup import apply_mup
@@ -111,13 +113,21 @@ def init_distributed(parallel: ParallelConfig) -> tuple[ParallelState, torch.dev
 
 
 def wrap_chunks(models, parallel: ParallelConfig, pstate):
-    """Each model chunk in its data-parallel wrapper: FSDP2, or megalite's DDP."""
+    """Each model chunk with its tensor-parallel options (--tp-comm-overlap,
+    --defer-embedding-wgrad-compute) in its data-parallel wrapper: FSDP2, or megalite's DDP."""
+    for model in models:
+        if parallel.tp_comm_overlap is not None:
+            enable_tp_comm_overlap(model, parallel.tp_comm_overlap)
+        if parallel.defer_embedding_wgrad_compute and model.post_process:
+            defer_wgrad(model.output_layer, parallel.wgrad_deferral_limit)
     if parallel.use_torch_fsdp2:
-        return [apply_fsdp2(m, pstate, param_dtype=parallel.compute_dtype) for m in models]
+        return [apply_fsdp2(m, pstate, param_dtype=parallel.compute_dtype, reduce_dtype=parallel.fsdp2_reduce_dtype,
+                            reshard_after_forward=parallel.fsdp2_reshard_after_forward) for m in models]
     return [DistributedDataParallel(m, pstate, bucket_size=parallel.ddp_bucket_size,
                                     overlap_grad_reduce=parallel.overlap_grad_reduce,
                                     use_distributed_optimizer=parallel.use_distributed_optimizer,
-                                    grad_dtype=parallel.grad_reduce_dtype)
+                                    grad_dtype=parallel.grad_reduce_dtype,
+                                    disable_bucketing=parallel.overlap_param_gather_with_optimizer_step)
             for m in models]
 
 
@@ -199,7 +209,8 @@ def build_optimizer_and_schedule(chunks, optim: OptimizerConfig, pstate):
         min_loss_scale=optim.min_loss_scale, loss_scale_window=optim.loss_scale_window,
         hysteresis=optim.hysteresis, use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_param_gather=optim.overlap_param_gather, cpu_offload=optim.optimizer_cpu_offload,
-        log_num_zeros_in_grad=optim.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=optim.log_num_zeros_in_grad,
+        overlap_param_gather_with_optimizer_step=optim.overlap_param_gather_with_optimizer_step)
     if optim.decoupled_lr is not None:
         apply_decoupled_lr(optimizer, optim.decoupled_lr, optim.decoupled_min_lr)
     apply_mup(optimizer, optim.mup_width_mult, lr=optim.lr, min_lr=optim.lr_schedule.min_lr, adam_eps=optim.adam_eps)

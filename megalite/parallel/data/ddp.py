@@ -15,6 +15,12 @@ Per training step the loop (or the pipeline executor) does, for every chunk:
 With overlap_grad_reduce a bucket's collective starts from the backward hook of the last
 parameter to become ready in the last micro-batch, so communication overlaps the rest of the
 backward; without it finish_grad_sync does all communication.
+
+With several distributed-optimizer instances (pstate.optimizer_instances > 1, distributed
+optimizer only) buckets shard over the instance's part of DP x CP and sum their shard across
+instances (grad_buffer.py). A layer whose weight gradient is deferred to the end of the step
+(--defer-embedding-wgrad-compute, megalite.parallel.tensor.deferred_wgrad) computes it in
+finish_grad_sync, before its bucket is reduced; that weight never marks its bucket ready early.
 """
 
 import contextlib
@@ -25,6 +31,7 @@ from torch import nn
 from megalite.parallel import comm
 from megalite.parallel.data.grad_buffer import GradBuffer
 from megalite.parallel.state import ParallelState
+from megalite.parallel.tensor.deferred_wgrad import deferrals_in, is_wgrad_deferred
 
 
 def default_bucket_size(dp_size: int) -> int:
@@ -44,21 +51,26 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: reduce-scatter gradients into per-rank shards and keep the
             parameters in a flat buffer the optimizer all-gathers into.
         grad_dtype: dtype of the main gradients.
+        disable_bucketing: one bucket per buffer whatever bucket_size says (Megatron's
+            disable_bucketing, which --overlap-param-gather-with-optimizer-step sets).
     """
 
     def __init__(self, module: nn.Module, pstate: ParallelState, *, bucket_size: int | None = None,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, disable_bucketing: bool = False):
         super().__init__()
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be positive, got {bucket_size}")
+        if pstate.optimizer_instances > 1 and not use_distributed_optimizer:
+            raise ValueError(f"--num-distributed-optimizer-instances {pstate.optimizer_instances} needs "
+                             "--use-distributed-optimizer (the instances are its shards)")
         self.module, self.pstate = module, pstate
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.dp_group = pstate.dp_cp_group
         if bucket_size is None and overlap_grad_reduce:
             bucket_size = default_bucket_size(pstate.dp_size * pstate.cp_size)
-        self.bucket_size = bucket_size
+        self.bucket_size = bucket_size = None if disable_bucketing else bucket_size
         self._sync_enabled = True
 
         # Expert parameters (param.expert_parallel) sit in their own buffers, averaged over the
@@ -70,9 +82,16 @@ class DistributedDataParallel(nn.Module):
                 by_kind.setdefault((param.dtype, getattr(param, "expert_parallel", False)), []).append(param)
 
         def reduction(is_expert):
+            # the distributed optimizer shards within its instance; instances sum their shards
             if is_expert and expert is not None:
+                if use_distributed_optimizer:
+                    return {"dp_group": expert.edp_instance_group, "replica_group": expert.edp_replica_group,
+                            "grad_scale": expert.grad_scale}
                 return {"dp_group": expert.edp_group, "grad_scale": expert.grad_scale}
             # each CP rank's gradient is that of its part of every sequence: summed over CP
+            if use_distributed_optimizer:
+                return {"dp_group": pstate.dp_cp_instance_group, "replica_group": pstate.dp_cp_replica_group,
+                        "grad_scale": float(pstate.cp_size)}
             return {"dp_group": self.dp_group, "grad_scale": float(pstate.cp_size)}
 
         def own_bucket(param):
@@ -95,9 +114,11 @@ class DistributedDataParallel(nn.Module):
         return [bucket for buffer in self.buffers_ for bucket in buffer.buckets]
 
     def _grad_ready(self, param) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        if self.overlap_grad_reduce and self._sync_enabled:
+        if param.grad is not None:  # None: a deferred weight gradient's backward (see the module)
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        # a deferred weight gradient is complete only after finish_grad_sync drains it
+        if self.overlap_grad_reduce and self._sync_enabled and not is_wgrad_deferred(param):
             bucket = self._bucket_of[param]
             if bucket.mark_ready(param):
                 bucket.start_grad_sync(async_op=True)
@@ -120,6 +141,8 @@ class DistributedDataParallel(nn.Module):
         """Complete the data-parallel averaging of every bucket; afterwards main_grad (or, with
         the distributed optimizer, this rank's shard of it) holds the averaged gradient."""
         self.finish_param_sync()
+        for deferral in deferrals_in(self.module):
+            deferral.drain()
         for bucket in self.buckets:
             bucket.finish_grad_sync()
             bucket.reset()

@@ -13,6 +13,13 @@ gradients are reduce-scattered into that slice and, after the update, the parame
 all-gathered from it. For that the parameters themselves also live in a flat buffer of the
 same layout (`param.data` becomes a view of it).
 
+With several distributed-optimizer instances (--num-distributed-optimizer-instances N) the
+group a bucket is sharded over is one instance's part of it (s = d / N ranks) and a second,
+`replica_group`, joins the ranks holding the same shard in the other instances: the gradient is
+reduce-scattered within the instance, then its shard all-reduced across the instances (as
+Megatron's _ParamAndGradBucketGroup.start_grad_sync does), and the parameters are all-gathered
+within the instance only.
+
 Averaging over data-parallel ranks happens in the collective on NCCL (ReduceOp.AVG, which
 pre-multiplies) and before it elsewhere (gloo's AVG sums first and could overflow in fp16).
 """
@@ -28,24 +35,27 @@ from megalite.parallel import comm
 _SHARD_ALIGNMENT = 128
 
 
-def _averaging(group) -> tuple:
-    """(reduce op, factor to pre-multiply by) that average over `group` without overflow."""
+def _averaging(group, ranks: int) -> tuple:
+    """(reduce op, factor to pre-multiply by) that average over `ranks` ranks without overflow
+    (`group` tells the backend; chained AVGs over an instance and its replicas average over all)."""
     if dist.get_backend(group) == "nccl":
         return dist.ReduceOp.AVG, None
-    return dist.ReduceOp.SUM, 1.0 / comm.group_size(group)
+    return dist.ReduceOp.SUM, 1.0 / ranks
 
 
 class Bucket:
     """Parameters whose gradients are reduced together, and their slice of the buffers."""
 
     def __init__(self, index: int, param_ranges: dict, grad_data: torch.Tensor,
-                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0):
+                 param_data: torch.Tensor | None, dp_group, sharded: bool, grad_scale: float = 1.0,
+                 replica_group=None):
         self.index = index
         self.param_ranges = param_ranges  # param -> (start, end) within this bucket
         self.params = list(param_ranges)
         self.grad_data, self.param_data = grad_data, param_data
         self.numel = grad_data.numel()
         self.dp_group, self.sharded, self.grad_scale = dp_group, sharded, grad_scale
+        self.replica_group = replica_group  # the other instances' holders of this shard, or None
         self.dp_size = comm.group_size(dp_group)
         shards = self.dp_size if sharded else 1
         self.shard_size = self.numel // shards
@@ -54,6 +64,7 @@ class Bucket:
         self.grad_started = False
         self.grad_work = None
         self.param_work = None
+        self._reduce_op = None  # set by start_grad_sync when the shard still needs its replica sum
 
     @property
     def shard_end(self) -> int:
@@ -88,27 +99,34 @@ class Bucket:
         self.grad_started = True
         if self.grad_scale != 1.0:
             self.grad_data.mul_(self.grad_scale)
-        if self.dp_size == 1:
+        replicas = comm.group_size(self.replica_group)
+        if self.dp_size * replicas == 1:
             return
-        op, prescale = _averaging(self.dp_group)
+        op, prescale = _averaging(self.dp_group if self.dp_size > 1 else self.replica_group, self.dp_size * replicas)
         if prescale is not None:
             self.grad_data.mul_(prescale)
-        if self.sharded:
+        if self.dp_size > 1 and self.sharded:
             self.grad_work = comm.reduce_scatter_into(self.grad_shard(), self.grad_data, self.dp_group, op=op,
                                                       async_op=async_op)
-        else:
+        elif self.dp_size > 1:
             self.grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=async_op)
+        # the shard's sum across instances needs the reduce-scatter's result: finish_grad_sync
+        self._reduce_op = op if replicas > 1 else None
 
     def finish_grad_sync(self) -> None:
         self.start_grad_sync(async_op=False)
         if self.grad_work is not None:
             self.grad_work.wait()
         self.grad_work = None
+        if self._reduce_op is not None:
+            dist.all_reduce(self.grad_shard(), op=self._reduce_op, group=self.replica_group)
+            self._reduce_op = None
 
     def reset(self) -> None:
         self.ready.clear()
         self.grad_started = False
         self.grad_work = None
+        self._reduce_op = None
 
     def start_param_sync(self, async_op: bool) -> None:
         """All-gather every rank's updated parameter shard into the parameter buffer."""
@@ -136,6 +154,8 @@ class GradBuffer:
             sharded over (None: one rank).
         sharded: lay out for the distributed optimizer (padded buckets, a parameter buffer).
         own_bucket: predicate for parameters that must sit alone in a bucket.
+        replica_group: with several distributed-optimizer instances, the ranks holding this
+            rank's shard in the other instances (dp_group is then this instance's part).
         grad_scale: factor applied before averaging (over DP x CP: the CP size, since each CP
             rank's gradient is that of its part of every sequence and those are summed; expert
             gradients: 1 / EP size, so that averaging over the expert-data-parallel group
@@ -143,7 +163,7 @@ class GradBuffer:
     """
 
     def __init__(self, params, *, grad_dtype, bucket_size, dp_group, sharded, own_bucket=lambda p: False,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, replica_group=None):
         params = list(params)
         if not params:
             raise ValueError("GradBuffer: no parameters")
@@ -178,7 +198,8 @@ class GradBuffer:
         self.bucket_of: dict = {}
         for index, (start, end, ranges) in enumerate(layouts):
             param_data = self.param_data[start:end] if sharded else None
-            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale)
+            bucket = Bucket(index, ranges, self.grad_data[start:end], param_data, dp_group, sharded, grad_scale,
+                            replica_group)
             self.buckets.append(bucket)
             for param, (lo, hi) in ranges.items():
                 self.bucket_of[param] = bucket

@@ -55,6 +55,10 @@ class ExpertLayout:
         if self.num_experts is not None and self.num_experts % self.expert:
             raise ValueError(f"--num-experts {self.num_experts} is not divisible by "
                              f"--expert-model-parallel-size {self.expert}")
+        if self.expert_data % self.layout.optimizer_instances:
+            raise ValueError(f"--num-distributed-optimizer-instances {self.layout.optimizer_instances} does not "
+                             f"divide the expert-data-parallel size {self.expert_data} (Megatron splits it into "
+                             "instances as it splits DP x CP)")
 
     @property
     def stage_size(self) -> int:
@@ -115,6 +119,22 @@ class ExpertLayout:
     def edp_groups(self) -> list[list[int]]:
         return self._groups("d")
 
+    @property
+    def instance_size(self) -> int:
+        """Expert-data-parallel ranks of one distributed-optimizer instance (EDP / N): its
+        ranks are exactly those of the dense instance (both are contiguous blocks of a stage)."""
+        return self.expert_data // self.layout.optimizer_instances
+
+    def edp_instance_groups(self) -> list[list[int]]:
+        """Each EDP group cut into its N contiguous blocks (Megatron's intra-partial EDP group)."""
+        s, n = self.instance_size, self.layout.optimizer_instances
+        return [g[i * s:(i + 1) * s] for g in self.edp_groups() for i in range(n)]
+
+    def edp_replica_groups(self) -> list[list[int]]:
+        """One position of every instance of an EDP group (Megatron's inter-partial EDP group)."""
+        s = self.instance_size
+        return [g[j::s] for g in self.edp_groups() for j in range(s)]
+
 
 def _product(sizes: dict) -> list[dict]:
     """Every coordinate of the named dimensions, the last name fastest."""
@@ -136,6 +156,9 @@ class ExpertState:
         self.pp_rank = layout.layout.coords(rank)[2]
         groups = groups or {}
         self.etp_group, self.ep_group, self.edp_group = groups.get("etp"), groups.get("ep"), groups.get("edp")
+        several = layout.layout.optimizer_instances > 1  # distributed-optimizer instances (see state.py)
+        self.edp_instance_group = groups.get("edp_instance") if several else self.edp_group
+        self.edp_replica_group = groups.get("edp_replica") if several else None
         # the ETP x EP block is the EP group when ETP = 1, the ETP group when EP = 1
         self.etp_ep_group = groups["etp_ep"] if "etp_ep" in groups else \
             self.ep_group if layout.expert_tensor == 1 else self.etp_group
@@ -151,6 +174,10 @@ class ExpertState:
     @property
     def edp_size(self) -> int:
         return self.layout.expert_data
+
+    @property
+    def edp_instance_size(self) -> int:
+        return self.layout.instance_size
 
     @property
     def grad_scale(self) -> float:
@@ -170,7 +197,10 @@ class ExpertState:
         lists = {"etp": layout.etp_groups(), "ep": layout.ep_groups(), "edp": layout.edp_groups()}
         if layout.expert > 1 and layout.expert_tensor > 1:
             lists["etp_ep"] = layout.etp_ep_groups()
-        return {name: ranks for name, ranks in lists.items() if len(ranks[0]) > 1}
+        lists = {name: ranks for name, ranks in lists.items() if len(ranks[0]) > 1}
+        if layout.layout.optimizer_instances > 1:  # kept even at one rank: the instance's shard group
+            lists.update(edp_instance=layout.edp_instance_groups(), edp_replica=layout.edp_replica_groups())
+        return lists
 
     @classmethod
     def create(cls, pstate: ParallelState, expert_size: int, num_experts: int | None = None,
@@ -203,17 +233,20 @@ def tensor_split_of(pstate: ParallelState, param) -> tuple:
 
 
 def reduction_index(pstate: ParallelState, param) -> int:
-    """This rank's index in the group `param`'s gradients are reduced and its optimizer state
-    sharded over: the DP x CP rank, or for expert weights the expert-data-parallel rank."""
+    """This rank's index in the group `param`'s optimizer state is sharded over: the DP x CP
+    rank, or for expert weights the expert-data-parallel rank; within its distributed-optimizer
+    instance when there are several (the instances hold replicas of one layout)."""
     expert = pstate.expert
-    return expert.edp_rank if expert is not None and is_expert_param(param) else pstate.dp_cp_rank
+    if expert is not None and is_expert_param(param):
+        return expert.edp_rank % expert.edp_instance_size
+    return pstate.instance_dp_cp_rank
 
 
 def holder_rank(pstate: ParallelState, param, shard_rank: int, reduction_rank: int) -> int:
-    """Global rank holding `param`'s tensor-parallel shard `shard_rank` at reduction-group index
-    `reduction_rank` (this rank's other coordinates)."""
+    """Global rank holding `param`'s tensor-parallel shard `shard_rank` at index `reduction_rank`
+    of its reduction group (see reduction_index; this rank's instance and other coordinates)."""
     expert = pstate.expert
     if expert is not None and is_expert_param(param):
-        return expert.holder_rank(shard_rank, reduction_rank)
-    dp_rank, cp_rank = pstate.dp_cp_coords(reduction_rank)
+        return expert.holder_rank(shard_rank, pstate.instance_rank * expert.edp_instance_size + reduction_rank)
+    dp_rank, cp_rank = pstate.dp_cp_coords(pstate.instance_rank * pstate.instance_dp_cp_size + reduction_rank)
     return pstate.layout.rank_of(shard_rank, dp_rank, pstate.pp_rank, cp_rank)

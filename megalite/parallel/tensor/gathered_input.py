@@ -29,6 +29,28 @@ def _wait(work) -> None:
         work.wait()
 
 
+def bulk_backward(x, weight, grad, group, need_input: bool, need_weight: bool, need_bias: bool):
+    """(grad_x, grad_weight, grad_bias) of F.linear(all_gather(x), weight, bias): the shard is
+    gathered again while the input gradient is formed, and that gradient is reduce-scattered
+    while the weight gradient is formed (Transformer Engine's "bulk" overlap)."""
+    n = comm.group_size(group)
+    if need_weight:
+        total = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        gathering = _start(dist.all_gather_single, total, x.contiguous(), group)
+    grad_total = grad.matmul(weight) if need_input else None
+    if need_weight:
+        _wait(gathering)
+    grad_x = scattering = None
+    if need_input:
+        grad_x = grad_total.new_empty((x.shape[0], *grad_total.shape[1:]))
+        scattering = _start(comm.reduce_scatter_into, grad_x, grad_total.contiguous(), group)
+    grad2d = grad.reshape(-1, grad.shape[-1])
+    grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
+    grad_bias = grad2d.sum(0) if need_bias else None
+    _wait(scattering)
+    return grad_x, grad_weight, grad_bias
+
+
 class _LinearWithGatheredInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -39,23 +61,9 @@ class _LinearWithGatheredInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        group, n = ctx.group, comm.group_size(ctx.group)
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if need_weight:
-            total = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            gathering = _start(dist.all_gather_single, total, x.contiguous(), group)
-        grad_total = grad.matmul(weight) if need_input else None
-        if need_weight:
-            _wait(gathering)
-        grad_x = scattering = None
-        if need_input:
-            grad_x = grad_total.new_empty((x.shape[0], *grad_total.shape[1:]))
-            scattering = _start(comm.reduce_scatter_into, grad_x, grad_total.contiguous(), group)
-        grad2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
-        grad_bias = grad2d.sum(0) if ctx.has_bias and need_bias else None
-        _wait(scattering)
-        return grad_x, grad_weight, grad_bias, None
+        return (*bulk_backward(x, weight, grad, ctx.group, need_input, need_weight, ctx.has_bias and need_bias),
+                None)
 
 
 def linear_with_gathered_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
