@@ -23,6 +23,7 @@ from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
 from megalite.config.arguments_megatron_data import megatron_data_notes
 from megalite.config.arguments_megatron_logging import megatron_logging_notes
 from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_from_args
+from megalite.config.arguments_mla import mla_notes
 from megalite.config.arguments_megatron_training import interleaved_group_size, megatron_training_notes
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
@@ -304,7 +305,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
         notes.append("--sequence-parallel: no effect at --tensor-model-parallel-size 1 (nothing to split "
                      "the sequence over); running without it, as Megatron does")
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
-            + megatron_logging_notes(args) + checkpoint_flag_notes(args))
+            + megatron_logging_notes(args) + checkpoint_flag_notes(args) + mla_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:
