@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megalite.model.weights import source_name
+from megalite.model.weights import persistent_buffers, source_name
 from megalite.parallel.expert.groups import tensor_split_of
 from megalite.checkpoint.dcp_format import (
     CheckpointError, SafeFileSystemReader, all_problems, and_more, describe, file_digest, global_shape_of,
@@ -103,6 +103,8 @@ def _tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
                 if src != name and not for_load:
                     continue
                 entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
+        # the routers' expert biases: model state, replicated
+        entries += [(f"model/{name}", buf, buf, name) for name, buf in persistent_buffers(chunk)]
     return entries, vocab
 
 
@@ -251,7 +253,10 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
     if problems:
         raise CheckpointError(problems[0] + and_more(problems))
     entries, vocab = _tensor_entries(chunks, {}, pstate, for_load=True)
-    _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
+    metadata = read_metadata_file(path / ".metadata")
+    # checkpoints from before expert biases were saved (and conversions without them) start them at 0
+    entries = [e for e in entries if not e[3].endswith("expert_bias") or e[0] in metadata.state_dict_metadata]
+    _load_tensors(path, metadata, entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))
     return {**common, "path": str(path)}

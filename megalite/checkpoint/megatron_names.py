@@ -14,6 +14,8 @@ full tensor means the same on both sides. What differs:
 import argparse
 import re
 
+from megalite.checkpoint.megatron_names_mla import (down_projection_rule, handled_fields, latent_norm_candidates,
+                                                     mla_fields_from_megatron_args, mtp_candidates)
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.target_layout import sharding_by_pattern
 from megalite.model.config import GPTConfig
@@ -36,14 +38,24 @@ _UNSUPPORTED = ("apply_layernorm_1p", "qk_layernorm", "squared_relu", "rotary_in
 def megatron_candidates(name: str) -> list[str]:
     """Megatron names (global layer numbers, `decoder.` prefix) that may hold megalite's `name`,
     the fused Transformer Engine name first."""
+    mtp = mtp_candidates(name, _layer_candidates)
+    if mtp is not None:
+        return mtp
     layer = _LAYER.match(name)
     if layer:
         number, rest = layer.groups()
-        names = [rest] if rest not in _FUSED_NORMS else [_FUSED_NORMS[rest], rest]
+        names = _layer_candidates(rest)
         return [f"decoder.layers.{number}.{n}" for n in names]
     if name.startswith("final_layernorm."):
         return [f"decoder.{name}"]
     return [name]
+
+
+def _layer_candidates(rest: str) -> list[str]:
+    """Megatron names of `rest` within a layer, the fused Transformer Engine name first."""
+    if rest in _FUSED_NORMS:
+        return [_FUSED_NORMS[rest], rest]
+    return latent_norm_candidates(rest) or [rest]
 
 
 def model_names(config: GPTConfig) -> list[str]:
@@ -62,7 +74,7 @@ def tp_rule(config: GPTConfig, sharding: dict, name: str) -> tuple[int, int] | N
     """(partition dim, blocks per rank) of megalite's `name`, or None where every TP rank holds it
     whole. Megatron and megalite shard the same tensors the same way: a SwiGLU fc1 rank holds
     [its gate rows; its up rows], two blocks."""
-    return sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]
+    return down_projection_rule(name) or sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]
 
 
 def _get(ns, name, default=None):
@@ -79,7 +91,7 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         if getattr(ns, field, None) is None:
             raise ConversionError(f"{where}: the checkpoint's args have no {field}")
     for field in _UNSUPPORTED:
-        if getattr(ns, field, None):
+        if getattr(ns, field, None) and field not in handled_fields(ns):
             raise ConversionError(f"{where}: the checkpoint's model uses {field}={getattr(ns, field)!r}, "
                                   "which megalite's GPT model does not have")
     position = _get(ns, "position_embedding_type", "learned_absolute")
@@ -101,7 +113,7 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         make_vocab_size_divisible_by=int(_get(ns, "make_vocab_size_divisible_by", 128)),
         init_method_std=float(_get(ns, "init_method_std", 0.02)),
         attention_dropout=float(_get(ns, "attention_dropout", 0.1)), hidden_dropout=float(_get(ns, "hidden_dropout", 0.1)),
-        params_dtype=dtype)
+        params_dtype=dtype, **mla_fields_from_megatron_args(ns))
 
 
 def vocab_size_of(ns: argparse.Namespace, padded_rows: int) -> int:

@@ -19,6 +19,7 @@ experts when the last layer has, and routes, logs and checkpoints under that num
 import torch
 from torch import nn
 
+from megalite.model.moe import reduce_logged_losses
 from megalite.model.norms import build_norm
 from megalite.model.moe_router import AttachLoss
 from megalite.model.recompute import checkpointed
@@ -139,3 +140,17 @@ def reduce_mtp_losses(chunks, mtp_num_layers: int, group) -> dict[str, float]:
     device = next(p for c in chunks for p in c.parameters()).device
     sums = comm.all_reduce(sums.to(device), group).cpu()
     return {f"mtp_{k + 1} loss": float(sums[0, k] / sums[1, k]) for k in range(mtp_num_layers) if sums[1, k] > 0}
+
+
+def auxiliary_losses(chunks, config, group) -> dict[str, float] | None:
+    """What a training log line shows beside the lm loss since the last call: the MoE auxiliary
+    losses (every layer's, the MTP depths' included) and each MTP depth's loss; None without
+    either. A collective over `group` (the world)."""
+    if config.moe is None and not config.mtp_num_layers:
+        return None
+    out = {}
+    if config.moe is not None:
+        out.update(reduce_logged_losses(chunks, config.num_layers + (config.mtp_num_layers or 0), group))
+    if config.mtp_num_layers:
+        out.update(reduce_mtp_losses(chunks, config.mtp_num_layers, group))
+    return out
