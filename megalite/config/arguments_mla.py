@@ -130,3 +130,27 @@ def mla_notes(args) -> list[str]:
     if args.rope_type == "rope" and not args.multi_latent_attention:
         notes.append("--rope-type rope: standard attention's RoPE is --position-embedding-type rope; nothing changes")
     return notes
+
+
+def mla_flags(config) -> list[str]:
+    """The flags giving a GPTConfig's multi-latent attention and multi-token prediction (none
+    for a model without them); --qk-layernorm comes with the other model flags."""
+    flags = []
+    mla = config.mla
+    if mla is not None:
+        flags += ["--multi-latent-attention", "--kv-lora-rank", str(mla.kv_lora_rank), "--qk-head-dim",
+                  str(mla.qk_head_dim), "--qk-pos-emb-head-dim", str(mla.qk_pos_emb_head_dim), "--v-head-dim",
+                  str(mla.v_head_dim), "--rope-type", mla.rope_type]
+        if mla.q_lora_rank is not None:
+            flags += ["--q-lora-rank", str(mla.q_lora_rank)]
+        if mla.rope_type == "yarn":
+            flags += ["--rotary-scaling-factor", repr(mla.rotary_scaling_factor), "--mscale", repr(mla.mscale),
+                      "--mscale-all-dim", repr(mla.mscale_all_dim), "--yarn-original-max-position-embeddings",
+                      str(mla.original_max_position_embeddings), "--yarn-beta-fast", repr(mla.beta_fast),
+                      "--yarn-beta-slow", repr(mla.beta_slow)]
+            if not mla.correction_range_round_to_int:
+                flags.append("--no-yarn-correction-range-round-to-int")
+    if config.mtp_num_layers:
+        flags += ["--mtp-num-layers", str(config.mtp_num_layers), "--mtp-loss-scaling-factor",
+                  repr(config.mtp_loss_scaling_factor)]
+    return flags
