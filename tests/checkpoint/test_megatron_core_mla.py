@@ -63,7 +63,7 @@ def test_megalite_gives_megatron_core_losses(megatron_dir, converted, tp):
     reference = torch.load(megatron_dir / "reference.pt", weights_only=True)
     for losses, mtp in run_distributed(_megalite_losses, tp, str(converted)):
         torch.testing.assert_close(losses, reference["losses"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(mtp), reference["mtp"].double(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mtp, dtype=torch.float64), reference["mtp"].double(), rtol=1e-5, atol=1e-5)
 
 
 def test_converted_checkpoint_keeps_iteration(converted):
