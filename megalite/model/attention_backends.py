@@ -99,7 +99,8 @@ def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float,
     if kernels is None:
         return F.scaled_dot_product_attention(q, k, v, **call)
     width = v.shape[-1]
-    if kernels == [SDPBackend.FLASH_ATTENTION]:
-        v = pad_values(v, q.shape[-1])
+    if kernels == [SDPBackend.FLASH_ATTENTION] and width != q.shape[-1]:
+        with sdpa_kernel(kernels):
+            return F.scaled_dot_product_attention(q, k, pad_values(v, q.shape[-1]), **call)[..., :width]
     with sdpa_kernel(kernels):
-        return F.scaled_dot_product_attention(q, k, v, **call)[..., :width]
+        return F.scaled_dot_product_attention(q, k, v, **call)
