@@ -29,8 +29,10 @@ from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
 
-def expected_bytes(args, buffers: list, optimizer) -> dict:
-    """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring)."""
+def expected_bytes(args, buffers: list, optimizer, models=()) -> dict:
+    """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring),
+    the parameters' with the `models`' buffers (the MoE routers' expert biases and token counts,
+    fp32 per expert), which the held parameters include."""
     weight = 2 if args.bf16 or args.fp16 else 4
     grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
     main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
@@ -44,7 +46,8 @@ def expected_bytes(args, buffers: list, optimizer) -> dict:
             shard += s1 - s0
             params += sum(max(0, min(end, s1) - max(start, s0)) for start, end in bucket.param_ranges.values())
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
-    return {"parameters": weight * elements, "gradients": grad * elements,
+    model_buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
+    return {"parameters": weight * elements + model_buffers, "gradients": grad * elements,
             "optimizer": copies * shard + moments * params + steps}
 
 
