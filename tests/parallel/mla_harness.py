@@ -53,10 +53,11 @@ def single_state() -> ParallelState:
     return pstate
 
 
-def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS) -> dict:
+def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt: bool = False) -> dict:
+    """`dist_opt`: the distributed optimizer (its sharded gradients are not compared)."""
     models = build_model_chunks(config, pstate, init_seed=5)
-    chunks = [DistributedDataParallel(c, pstate) for c in models]
-    optimizer = build_optimizer(chunks, pstate, **OPTIM)
+    chunks = [DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt) for c in models]
+    optimizer = build_optimizer(chunks, pstate, use_distributed_optimizer=dist_opt, **OPTIM)
     batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size, pstate.cp_size,  # noqa: E731
                                            pstate.cp_rank)
     m = len(batches_of(0))
@@ -83,7 +84,7 @@ def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS) -> dict:
         world = pstate.world_group
         out["mtp"].append(reduce_mtp_losses(models, MTP_DEPTHS, world))
         out["aux"].append(reduce_logged_losses(models, NUM_LAYERS + MTP_DEPTHS, world))
-        if step == 0:
+        if step == 0 and not dist_opt:
             out["grads"] = full_state(chunks, pstate, grads=True)
         optimizer.step()
         update_expert_bias(models, pstate.dp_cp_group)

@@ -4,7 +4,8 @@ tiny DeepSeek-V3-shaped model, 6 Adam steps): per-step losses, the logged MTP an
 losses, the first step's gradients, the final parameters and expert biases, and eval logits
 within 1e-5 relative. Two-process layouts: TP2 with sequence parallelism, PP2 (MTP and a copy
 of the embedding on the last stage), PP2 interleaved (two chunks per rank), CP2 with each
---cp-comm-type that supports unequal query and value head widths, EP2 (over DP2); and one
+--cp-comm-type that supports unequal query and value head widths, EP2 (over DP2, also with the
+distributed optimizer); and one
 eight-process mix: TP2 SP x CP2 x PP2 with EP2."""
 
 import pytest
@@ -20,6 +21,7 @@ TWO = {
     "cp2-all_gather": dict(cp=2, cp_comm_type="all_gather"),
     "cp2-a2a": dict(cp=2, cp_comm_type="a2a"),
     "dp2-ep2": dict(ep=2),
+    "dp2-ep2-distopt": dict(ep=2, dist_opt=True),
 }
 EIGHT = {"tp2-sp-cp2-pp2-ep2": dict(tp=2, sp=True, cp=2, pp=2, ep=2)}
 GRID = ("tp", "pp", "vp", "cp", "ep")
@@ -30,7 +32,8 @@ def _config(spec):
 
 
 def _worker(rank, world_size, layouts):
-    return {name: train(layout_state(**{k: v for k, v in spec.items() if k in GRID}), _config(spec))
+    return {name: train(layout_state(**{k: v for k, v in spec.items() if k in GRID}), _config(spec),
+                        dist_opt=spec.get("dist_opt", False))
             for name, spec in layouts.items()}
 
 
