@@ -3,7 +3,8 @@ layout against the single-process run (fp32, gloo, spawned ranks; tests/parallel
 tiny DeepSeek-V3-shaped model, 6 Adam steps): per-step losses, the logged MTP and auxiliary
 losses, the first step's gradients, the final parameters and expert biases, and eval logits
 within 1e-5 relative. Two-process layouts: TP2 with sequence parallelism, PP2 (MTP and a copy
-of the embedding on the last stage), PP2 interleaved (two chunks per rank), CP2 with each
+of the embedding on the last stage; also tied to the output layer, with a learned position table
+the copy repeats), PP2 interleaved (two chunks per rank), CP2 with each
 --cp-comm-type that supports unequal query and value head widths, EP2 (over DP2, also with the
 distributed optimizer); and one
 eight-process mix: TP2 SP x CP2 x PP2 with EP2."""
@@ -22,13 +23,16 @@ TWO = {
     "cp2-a2a": dict(cp=2, cp_comm_type="a2a"),
     "dp2-ep2": dict(ep=2),
     "dp2-ep2-distopt": dict(ep=2, dist_opt=True),
+    "pp2-tied-learned-positions": dict(pp=2, model=dict(untie_embeddings_and_output_weights=False,
+                                                        position_embedding_type="learned_absolute")),
 }
 EIGHT = {"tp2-sp-cp2-pp2-ep2": dict(tp=2, sp=True, cp=2, pp=2, ep=2)}
 GRID = ("tp", "pp", "vp", "cp", "ep")
 
 
 def _config(spec):
-    return mla_config(sequence_parallel=spec.get("sp", False), cp_comm_type=spec.get("cp_comm_type", "p2p"))
+    return mla_config(sequence_parallel=spec.get("sp", False), cp_comm_type=spec.get("cp_comm_type", "p2p"),
+                      **spec.get("model", {}))
 
 
 def _worker(rank, world_size, layouts):
@@ -63,7 +67,9 @@ def test_reference_trains_every_parameter(single):
 
 @pytest.mark.parametrize("layout", list(TWO))
 def test_two_process_layout_equals_one_process(two_process, single, layout):
-    assert check([r[layout] for r in two_process], single) == []
+    model = TWO[layout].get("model")
+    ref = reference(mla_config(**model)) if model else single
+    assert check([r[layout] for r in two_process], ref) == []
 
 
 @pytest.mark.slow
