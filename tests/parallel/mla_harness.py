@@ -15,10 +15,13 @@ from megalite.model.moe_config import MoEConfig
 from megalite.model.mtp import reduce_mtp_losses
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.mixed_precision import build_optimizer
+from megalite.parallel import comm
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.training.per_token_loss import PerTokenLoss, scale_main_grads, token_factor
+from tests.numerics import rel_error
 from tests.parallel.expert.ep_harness import HIDDEN, OPTIM, SEQ, VOCAB, compare, eval_logits, full_state, rank_batches
 
 STEPS, NUM_LAYERS, MTP_DEPTHS = 6, 4, 2
@@ -53,33 +56,43 @@ def single_state() -> ParallelState:
     return pstate
 
 
-def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt: bool = False) -> dict:
-    """`dist_opt`: the distributed optimizer (its sharded gradients are not compared)."""
+def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt: bool = False,
+          per_token: bool = False) -> dict:
+    """`dist_opt`: the distributed optimizer (its sharded gradients are not compared);
+    `per_token`: --calculate-per-token-loss."""
     models = build_model_chunks(config, pstate, init_seed=5)
     chunks = [DistributedDataParallel(c, pstate, use_distributed_optimizer=dist_opt) for c in models]
     optimizer = build_optimizer(chunks, pstate, use_distributed_optimizer=dist_opt, **OPTIM)
     batches_of = lambda step: rank_batches(step, pstate.dp_rank, pstate.dp_size, pstate.cp_size,  # noqa: E731
                                            pstate.cp_rank)
     m = len(batches_of(0))
+    forward_step = PerTokenLoss() if per_token else gpt_forward_step
     executor = None
     if pstate.pp_size > 1:
         executor = PipelineExecutor(chunks, pstate, "interleaved_1f1b" if pstate.vp_size > 1 else "1f1b",
                                     num_microbatches=m, seq_length=SEQ, micro_batch_size=2, hidden_size=HIDDEN,
-                                    sequence_parallel=config.sequence_parallel, forward_step=gpt_forward_step)
+                                    sequence_parallel=config.sequence_parallel, forward_step=forward_step)
     out = {"losses": [], "mtp": [], "aux": []}
     for step in range(steps):
         optimizer.zero_grad()
-        set_loss_backward_scale(models, 1.0 / m)
+        set_loss_backward_scale(models, 1.0 / m, per_token_loss=per_token)
+        if per_token:
+            forward_step.tokens = 0
         if executor is not None:
             loss = executor.run(batches_of(step))
         else:
             loss = 0.0
             for i, batch in enumerate(batches_of(step)):
                 with contextlib.nullcontext() if i == m - 1 else chunks[0].no_sync():
-                    micro = gpt_forward_step(chunks[0], batch, None) / m
+                    micro = forward_step(chunks[0], batch, None) / m
                     micro.backward()
                 loss += float(micro.detach())
         finalize_model_grads(chunks, pstate)
+        if per_token:
+            factor = token_factor(forward_step, pstate, m, torch.device("cpu"))
+            scale_main_grads(chunks, factor)
+            if loss is not None:  # each CP rank's is the sum over its own tokens
+                loss = float(comm.all_reduce(torch.tensor(loss * factor, dtype=torch.float64), pstate.cp_group))
         out["losses"].append(None if loss is None else float(loss))
         world = pstate.world_group
         out["mtp"].append(reduce_mtp_losses(models, MTP_DEPTHS, world))
@@ -94,13 +107,17 @@ def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt
     return out
 
 
-def reference(config: GPTConfig) -> dict:
-    return train(single_state(), config.replace(sequence_parallel=False))
+def reference(config: GPTConfig, **options) -> dict:
+    return train(single_state(), config.replace(sequence_parallel=False), **options)
 
 
-def check(results: list[dict], ref: dict, tol: float = 1e-5) -> list[str]:
-    """compare()'s differences, plus the logged MTP and auxiliary losses of every step."""
-    problems = compare(results, ref, tol)
+def check(results: list[dict], ref: dict, tol: float = 1e-5, logits_tol: float | None = None) -> list[str]:
+    """compare()'s differences (the eval logits' at `logits_tol`, default `tol`), plus the logged
+    MTP and auxiliary losses of every step."""
+    logits_tol = tol if logits_tol is None else logits_tol
+    problems = compare([{k: v for k, v in r.items() if k != "logits"} for r in results], ref, tol)
+    problems += [f"logits: rel error {rel_error(r['logits'], ref['logits']):.2e}" for r in results
+                 if "logits" in r and rel_error(r["logits"], ref["logits"]) > logits_tol]
     for step, want in enumerate(ref["mtp"]):
         for r in results:
             got = r["mtp"][step]
