@@ -14,6 +14,7 @@
     megatron_reader     Megatron-LM torch / torch_dist model weights  read
     megatron_names      Megatron-Core names in megalite's             read
     megatron_args       a Megatron-LM checkpoint's args -> GPTConfig  read (by Megatron-LM version)
+    megatron_names_mla  ... of multi-latent attention and MTP         read
     megatron_optimizer  Megatron-LM optimizer state                   read
     megatron_buckets    Megatron's distributed-optimizer buckets      read
     megatron_pickle     Megatron's pickles through an allowlist       read (the safe unpickler)
@@ -21,6 +22,7 @@
     run_load            --load for a run, whatever wrote it           read
     hf_reader           a Hugging Face model directory                read
     hf_mapping(_moe)    Hugging Face family names and configs         both
+    hf_mapping_deepseek Hugging Face DeepseekV3ForCausalLM (MLA, MTP) both
     hf_weights          Hugging Face state dicts <-> a model chunk    both, in memory
     safetensors_io      safetensors files, one tensor at a time       both
     publish             atomic publication of an output directory     write

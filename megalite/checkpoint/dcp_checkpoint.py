@@ -337,7 +337,10 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
     if problems:
         raise CheckpointError(problems[0] + and_more(problems))
     entries, vocab = tensor_entries(chunks, {}, pstate, for_load=True)
-    _load_tensors(path, read_metadata_file(path / ".metadata"), entries, pstate, vocab)
+    metadata = read_metadata_file(path / ".metadata")
+    # checkpoints from before expert biases were saved (and conversions without them) start them at 0
+    entries = [e for e in entries if not e[3].endswith("expert_bias") or e[0] in metadata.state_dict_metadata]
+    _load_tensors(path, metadata, entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))
     return {**common, "path": str(path)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.model.weights import source_name
+from megalite.model.weights import persistent_buffers, source_name
 from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
 from megalite.parallel.expert.groups import holder_rank, reduction_index, tensor_split_of
 
@@ -217,6 +217,8 @@ def tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
                 if src != name and not for_load:
                     continue
                 entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
+        # the routers' expert biases: model state, replicated
+        entries += [(f"model/{name}", buf, buf, name) for name, buf in persistent_buffers(chunk)]
     return entries, vocab
 
 

@@ -1,6 +1,7 @@
 """Map Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM weights to megalite's
 and back (Qwen3 is Llama with a per-head RMSNorm on queries and keys: --qk-layernorm; and,
-through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM).
+through hf_mapping_moe, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM; through
+hf_mapping_deepseek, DeepseekV3ForCausalLM).
 
 Tensors are full (unsharded) on both sides; sharding to a TP rank is `param_shard_of_full`.
 The mappings are generators over names fetched one at a time through a `get(name)` callable,
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megalite.model.config import GPTConfig
+from megalite.checkpoint import hf_mapping_deepseek as deepseek
 from megalite.checkpoint.hf_mapping_moe import (MOE_MODEL_TYPES, config_from_hf_moe, hf_config_dict_moe, moe_family_of,
                                            moe_mlp_to_hf, moe_mlp_to_megalite)
 from megalite.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
@@ -37,6 +39,12 @@ def family_of(config: GPTConfig) -> str:
     if config.use_mup:
         _refuse("use_mup", True, "models without muP: Hugging Face's GPT-2, Llama and Qwen3 scale attention by "
                 "1/sqrt(head dim) and scale no logits or embeddings")
+    if config.mla is not None:
+        deepseek.check_deepseek(config)
+        return deepseek.MODEL_TYPE
+    if config.mtp_num_layers:
+        _refuse("mtp_num_layers", config.mtp_num_layers, "multi-token prediction with multi-latent attention "
+                "(DeepSeek-V3) only")
     if config.moe is not None:
         return moe_family_of(config)
     if config.apply_layernorm_1p or config.rotary_interleaved or config.position_embedding_type == "none":
@@ -98,6 +106,8 @@ def _rope_scaling_to_hf(config: GPTConfig) -> dict | None:
 def config_from_hf(hf_config) -> GPTConfig:
     """A GPTConfig from a transformers config object or its config.json dict."""
     model_type = _cfg(hf_config, "model_type")
+    if model_type == deepseek.MODEL_TYPE:
+        return deepseek.config_from_hf_deepseek(hf_config)
     if model_type in MOE_MODEL_TYPES:
         return config_from_hf_moe(hf_config)
     if model_type == "gpt2":
@@ -147,11 +157,14 @@ def config_from_hf(hf_config) -> GPTConfig:
             attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
             qk_layernorm=model_type == "qwen3", **scaling,
         )
-    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', " + ", ".join(map(repr, MOE_MODEL_TYPES)))
+    _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', " + ", ".join(map(repr, MOE_MODEL_TYPES))
+            + f", {deepseek.MODEL_TYPE!r}")
 
 
 def hf_config_dict(config: GPTConfig) -> dict:
     """config.json contents for the Hugging Face model holding `config`."""
+    if family_of(config) == deepseek.MODEL_TYPE:
+        return deepseek.hf_config_dict_deepseek(config)
     if config.moe is not None:
         return hf_config_dict_moe(config)
     if family_of(config) == "gpt2":
@@ -211,6 +224,9 @@ def hf_to_megalite(get: Get, config: GPTConfig, padded_vocab: int | None = None,
     family = family_of(config)
     layers = range(config.num_layers) if layers is None else layers
     bias = config.add_bias_linear
+    if family == deepseek.MODEL_TYPE:
+        yield from deepseek.deepseek_to_megalite(get, config, padded_vocab, layers, pre_process, post_process, _pad_rows)
+        return
     if family == "gpt2":
         if pre_process:
             yield "embedding.word_embeddings.weight", _pad_rows(get("transformer.wte.weight"), padded_vocab)
@@ -264,6 +280,9 @@ def megalite_to_hf(get: Get, config: GPTConfig, layers=None, pre_process: bool =
     family = family_of(config)
     layers = range(config.num_layers) if layers is None else layers
     vocab = config.vocab_size
+    if family == deepseek.MODEL_TYPE:
+        yield from deepseek.megalite_to_deepseek(get, config, layers, pre_process, post_process)
+        return
     if family == "gpt2":
         if pre_process:
             yield "transformer.wte.weight", get("embedding.word_embeddings.weight")[:vocab]

@@ -28,8 +28,10 @@ REQUIRED_FIELDS = {
               "max_position_embeddings"),
 }
 REQUIRED_FIELDS["qwen3"] = REQUIRED_FIELDS["llama"]
-# Tensors a Hugging Face directory may hold that megalite does not need.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq", "lm_head.weight")
+# Tensors a Hugging Face directory may hold that megalite does not need (DeepSeek-V3's MTP
+# layers repeat the embedding and the output head, which megalite shares with the model).
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq", "lm_head.weight",
+                    ".embed_tokens.weight", ".shared_head.head.weight")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -66,6 +68,10 @@ class HFCheckpoint:
         self._bin_file, self._bin_state = None, None
         self.used: set[str] = set()
         self._index_weights()
+        mtp_layer = f"model.layers.{self.config.num_layers}.eh_proj.weight"
+        if self.config.mtp_num_layers and not any(n in self.files for n in (mtp_layer, mtp_layer[len("model."):])):
+            # DeepseekV3Config says num_nextn_predict_layers=1 whether or not the files hold the layer
+            self.config = self.config.replace(mtp_num_layers=None)
 
     def _index_weights(self) -> None:
         found = next((name for name in WEIGHT_FILES if (self.dir / name).is_file()), None)

@@ -5,6 +5,7 @@ exporting a chunk's tensors under Hugging Face's names."""
 import torch
 
 from megalite.checkpoint.hf_mapping import hf_to_megalite, megalite_to_hf
+from megalite.checkpoint.hf_mapping_deepseek import split_fused_deepseek_experts
 from megalite.checkpoint.hf_mapping_moe import split_fused_experts
 from megalite.model.weights import gather_full_weights, load_full_weights
 
@@ -17,12 +18,15 @@ def _chunk_scope(model) -> dict:
 def load_hf_weights(model, hf_state_dict) -> None:
     """Load a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (or Mixtral / Qwen2-MoE) state
     dict into a model chunk."""
-    if model.config.moe is not None:
+    if model.config.mla is not None:
+        hf_state_dict = split_fused_deepseek_experts(hf_state_dict)
+    elif model.config.moe is not None:
         hf_state_dict = split_fused_experts(hf_state_dict, model.config)
     full = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, **_chunk_scope(model)))
-    if model.post_process and "output_layer.weight" not in full:  # tied: the last stage's copy
-        full.setdefault("embedding.word_embeddings.weight", dict(hf_to_megalite(
-            hf_state_dict.__getitem__, model.config, model.padded_vocab, layers=[]))["embedding.word_embeddings.weight"])
+    if model.embedding is not None or model.share_embeddings:  # the last stage's copy (tied, or MTP's)
+        embedding = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, layers=[],
+                                        post_process=False))
+        full.setdefault("embedding.word_embeddings.weight", embedding["embedding.word_embeddings.weight"])
     load_full_weights(model, full.__getitem__)
 
 

@@ -22,6 +22,7 @@ field by name; the GPT builder passes GPTModel its position options), which diff
 
 import argparse
 
+from megalite.checkpoint.megatron_names_mla import handled_fields, mla_fields_from_megatron_args
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.config import GPTConfig
 
@@ -114,9 +115,10 @@ def _activation(ns, add_bias_linear: bool, where) -> str:
 
 
 def _check_refused(ns, where) -> None:
+    handled = handled_fields(ns)
     for field, unused in _REFUSED.items():
         value = getattr(ns, field, None)
-        if value not in (None, False, unused):
+        if value not in (None, False, unused) and field not in handled:
             if field == "num_experts":  # megalite's model has experts; this reader does not map Megatron's
                 _refuse(where, field, value, "a mixture of experts, which megalite does not read from Megatron "
                         "checkpoints (dense models only)")
@@ -146,6 +148,8 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         add_bias_linear = not ns.disable_bias_linear
     gqa = bool(_get(ns, "group_query_attention", False))
     dtype = "bfloat16" if _get(ns, "bf16", False) else "float16" if _get(ns, "fp16", False) else "float32"
+    latent = mla_fields_from_megatron_args(ns)
+    latent.pop("qk_layernorm", None)  # MLA's latent norms: the same argument, read below
     return GPTConfig(
         num_layers=ns.num_layers, hidden_size=ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         vocab_size=vocab_size, max_position_embeddings=_get(ns, "max_position_embeddings", _get(ns, "seq_length", 1024)),
@@ -166,7 +170,7 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         make_vocab_size_divisible_by=int(_get(ns, "make_vocab_size_divisible_by", 128)),
         init_method_std=float(_get(ns, "init_method_std", 0.02)),
         attention_dropout=float(_get(ns, "attention_dropout", 0.1)), hidden_dropout=float(_get(ns, "hidden_dropout", 0.1)),
-        params_dtype=dtype)
+        params_dtype=dtype, **latent)
 
 
 def _padded(vocab: int, ns) -> int:

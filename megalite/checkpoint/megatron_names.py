@@ -13,6 +13,7 @@ full tensor means the same on both sides. What differs:
 
 import re
 
+from megalite.checkpoint.megatron_names_mla import down_projection_rule, latent_norm_candidates, mtp_candidates
 from megalite.checkpoint.target_layout import sharding_by_pattern
 from megalite.model.config import GPTConfig
 
@@ -28,14 +29,24 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def megatron_candidates(name: str) -> list[str]:
     """Megatron names (global layer numbers, `decoder.` prefix) that may hold megalite's `name`,
     the fused Transformer Engine name first."""
+    mtp = mtp_candidates(name, _layer_candidates)
+    if mtp is not None:
+        return mtp
     layer = _LAYER.match(name)
     if layer:
         number, rest = layer.groups()
-        names = [rest] if rest not in _FUSED_NORMS else [_FUSED_NORMS[rest], rest]
+        names = _layer_candidates(rest)
         return [f"decoder.layers.{number}.{n}" for n in names]
     if name.startswith("final_layernorm."):
         return [f"decoder.{name}"]
     return [name]
+
+
+def _layer_candidates(rest: str) -> list[str]:
+    """Megatron names of `rest` within a layer, the fused Transformer Engine name first."""
+    if rest in _FUSED_NORMS:
+        return [_FUSED_NORMS[rest], rest]
+    return latent_norm_candidates(rest) or [rest]
 
 
 def model_names(config: GPTConfig) -> list[str]:
@@ -54,4 +65,4 @@ def tp_rule(config: GPTConfig, sharding: dict, name: str) -> tuple[int, int] | N
     """(partition dim, blocks per rank) of megalite's `name`, or None where every TP rank holds it
     whole. Megatron and megalite shard the same tensors the same way: a SwiGLU fc1 rank holds
     [its gate rows; its up rows], two blocks."""
-    return sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]
+    return down_projection_rule(name) or sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
+from megalite.model.weights import persistent_buffers
 from megalite.parallel.pipeline.stage_layout import layer_owners
 from megalite.parallel.state import ParallelLayout
 from megalite.checkpoint.dcp_format import VOCAB_PARAMS, tp_chunks
@@ -60,7 +61,10 @@ def _probe_config(config: GPTConfig) -> GPTConfig:
     With experts: one MoE and one dense layer, every expert (names carry expert numbers)."""
     moe = config.moe
     if moe is not None:
-        moe = dataclasses.replace(moe, layer_freq=[1, 0], ffn_hidden_size=8, num_groups=None, group_topk=None,
+        # one MoE and one dense layer, the last as the model's (an MTP depth's layer follows it)
+        last_moe = moe.is_moe_layer(config.num_layers - 1, config.num_layers)
+        moe = dataclasses.replace(moe, layer_freq=[0, 1] if last_moe else [1, 0], ffn_hidden_size=8,
+                                  num_groups=None, group_topk=None,
                                   shared_expert_intermediate_size=8 if moe.shared_expert_intermediate_size else None)
     return config.replace(num_layers=2 if moe is not None else 1, moe=moe, hidden_size=8, num_attention_heads=2, num_query_groups=2, kv_channels=4,
                           ffn_hidden_size=8, vocab_size=8, max_position_embeddings=4, make_vocab_size_divisible_by=1,
@@ -69,12 +73,14 @@ def _probe_config(config: GPTConfig) -> GPTConfig:
 
 
 def sharding_by_pattern(config: GPTConfig) -> dict[str, tuple[int, int] | None]:
-    """{parameter name with 'layers.*.': (partition_dim, partition_stride) or None}."""
+    """{parameter (or persistent buffer) name with 'layers.*.': (partition_dim, partition_stride) or
+    None}."""
     probe = GPTModel(_probe_config(config), init_seed=0)
     out = {}
     for name, param in probe.named_parameters():
         sharded = getattr(param, "tensor_model_parallel", False)
         out[_LAYER.sub("layers.*.", name)] = (param.partition_dim, param.partition_stride) if sharded else None
+    out.update((_LAYER.sub("layers.*.", name), None) for name, _ in persistent_buffers(probe))  # expert biases
     return out
 
 

@@ -31,6 +31,7 @@ from megalite.config.arguments_megatron_model import MegatronModelArgs, megatron
 from megalite.config.arguments_megatron_training import MegatronTrainingArgs
 from megalite.config.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.config.arguments_megatron_checkpoint import MegatronCheckpointArgs
+from megalite.config.arguments_mla import MLAArgs, mla_model_fields
 from megalite.config.arguments_moe import MoEArgs, moe_config_from_args
 from megalite.config.arguments_mup import MupArgs, mup_model_fields
 from megalite.config.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
@@ -43,8 +44,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, ModelArgs, MegatronModelArgs, MupArgs, RecomputeArgs, PrecisionArgs,
-                TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, MupArgs, RecomputeArgs,
+                PrecisionArgs, TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
                 MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
@@ -69,6 +70,7 @@ _GROUPS = (
     ("config file", None), ("model", ModelArgs), ("Megatron model, fusion and tokenizer flags", MegatronModelArgs),
     ("maximal update parameterisation (muP)", MupArgs), ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
+    ("multi-latent attention and multi-token prediction", MLAArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
@@ -307,4 +309,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         moe=moe_config_from_args(args, default_ffn_hidden_size(args)),
         cp_comm_type=cp_comm_type_of(args),
         cp_a2a_size=cp_a2a_size_of(args),
+        **mla_model_fields(args),
     )

@@ -20,7 +20,7 @@ CHECKPOINT_MODEL_ARGS = (
     ("rotary_base", True), ("rotary_percent", True), ("rotary_interleaved", True), ("add_qkv_bias", True),
     ("squared_relu", True), ("swiglu", True), ("untie_embeddings_and_output_weights", True),
     ("apply_layernorm_1p", True), ("normalization", True), ("apply_query_key_layer_scaling", True),
-    ("attention_dropout", True), ("hidden_dropout", True),
+    ("attention_dropout", True), ("hidden_dropout", True), ("mtp_num_layers", True),
 )
 
 

@@ -24,6 +24,7 @@ from megalite.config.arguments_megatron_model import check_megatron_model_args
 from megalite.config.arguments_megatron_training import (apply_pipeline_split_accounting,
                                                            check_megatron_training_args, finish_batch_args,
                                                            interleaved_group_size, split_accounting)
+from megalite.config.arguments_mla import check_mla_args
 from megalite.config.arguments_moe import check_expert_width, check_moe_args
 from megalite.config.arguments_mup import check_mup_args
 from megalite.config.schedules import schedule_lengths_from_args
@@ -351,6 +352,7 @@ def validate_args(args, world_size: int):
     check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)
     check_mup_args(args, _fail)
+    check_mla_args(args, _fail)
     check_dry_run_args(args, _fail)
     check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",

@@ -28,6 +28,7 @@ from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_f
 from megalite.config.arguments_megatron_training import (cuda_graph_impl_of, cuda_graph_scope_of,
                                                          interleaved_group_size, megatron_training_notes,
                                                          split_accounting)
+from megalite.config.arguments_mla import mla_notes
 from megalite.config.arguments_moe import dense_expert_notes
 from megalite.config.arguments_mup import mup_notes, mup_width_mult
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
@@ -341,7 +342,8 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
                      "the sequence over); running without it, as Megatron does")
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
             + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
-            + mup_notes(args) + dist_opt_notes(args))
+            + mup_notes(args) + dist_opt_notes(args)
+            + mla_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:

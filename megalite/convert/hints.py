@@ -8,6 +8,7 @@ import shlex
 
 from megalite.model.config import GPTConfig
 from megalite.config.arguments import parse_args
+from megalite.config.arguments_mla import mla_flags
 
 
 def _number(value) -> str:
@@ -58,7 +59,7 @@ def model_flags(config: GPTConfig) -> list[str]:
     if config.attention_softmax_in_fp32:
         flags.append("--attention-softmax-in-fp32")
     flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
-    return flags + kernel_flags(config)
+    return flags + mla_flags(config) + kernel_flags(config)
 
 
 def kernel_flags(config: GPTConfig) -> list[str]:

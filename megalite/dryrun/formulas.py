@@ -13,8 +13,10 @@ formulas.md's 18 (or 6 + 12/d) bytes per parameter exactly.
 (formulas.md; megalite.training.flops.activation_bytes_per_layer) for the run's sequence (this
 context-parallel rank's share), micro-batch, hidden size, heads, TP size, sequence parallelism
 and recompute, without the 5·a·s/h term of the s x s scores: a dry run attends with flash or memory-efficient attention as an sm80+ GPU would (the explicit
-math backends, --attention-backend unfused/local, store the scores and keep the term). Times the
-layers this rank holds in flight at the worst moment of its pipeline schedule: each forward of
+math backends, --attention-backend unfused/local, store the scores and keep the term), with
+multi-latent attention's terms (README, "FLOPs and memory of MLA and MTP"). Times the
+layers this rank holds in flight at the worst moment of its pipeline schedule (the last stage's
+last chunk counting each MTP depth as a layer plus its own inputs): each forward of
 a chunk adds the chunk's layers, each backward frees them (1F1B: p - r micro-batches on stage
 r; interleaved 1F1B: formulas.md's 1 + (p-1)/(p·v) on stage 0). The formula is for 16-bit
 activations and counts transformer layers only: the embedding, the final norm and the logits of
@@ -24,11 +26,13 @@ the last stage are not in it.
 from megalite.model.attention_backends import EXPLICIT_BACKENDS
 from megalite.parallel.pipeline.actions import B, F, W
 from megalite.parallel.pipeline.schedules import schedule_actions
-from megalite.training.flops import activation_bytes_per_layer
+from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
 
-def expected_bytes(args, buffers: list, optimizer) -> dict:
-    """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring)."""
+def expected_bytes(args, buffers: list, optimizer, models=()) -> dict:
+    """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring),
+    the parameters' with the `models`' buffers (the MoE routers' expert biases and token counts,
+    fp32 per expert), which the held parameters include."""
     weight = 2 if args.bf16 or args.fp16 else 4
     grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
     main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
@@ -42,7 +46,8 @@ def expected_bytes(args, buffers: list, optimizer) -> dict:
             shard += s1 - s0
             params += sum(max(0, min(end, s1) - max(start, s0)) for start, end in bucket.param_ranges.values())
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
-    return {"parameters": weight * elements, "gradients": grad * elements,
+    model_buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
+    return {"parameters": weight * elements + model_buffers, "gradients": grad * elements,
             "optimizer": copies * shard + moments * params + steps}
 
 
@@ -68,10 +73,20 @@ def korthikanti_activation_bytes(args, config, tp_size: int, cp_size: int, pp_ra
     counts 16-bit ones)."""
     if not (args.bf16 or args.fp16):
         return None
+    s = args.seq_length // cp_size
     per_layer = activation_bytes_per_layer(
-        args.seq_length // cp_size, args.micro_batch_size, config.hidden_size, config.num_attention_heads,
+        s, args.micro_batch_size, config.hidden_size, config.num_attention_heads,
         tp_size, config.sequence_parallel, config.recompute_granularity,
-        flash_attention=config.attention_backend not in EXPLICIT_BACKENDS)
+        flash_attention=config.attention_backend not in EXPLICIT_BACKENDS, mla=config.mla,
+        latent_norms=config.qk_layernorm)
+    chunk_layers = list(chunk_layers)
+    if config.mtp_num_layers and pp_rank == args.pipeline_model_parallel_size - 1:
+        if config.recompute_granularity == "full":  # a recomputed depth keeps its two inputs
+            chunk_layers[-1] += 2 * config.mtp_num_layers
+        else:
+            extra = mtp_activation_bytes(s, args.micro_batch_size, config.hidden_size, tp_size,
+                                         config.sequence_parallel)
+            chunk_layers[-1] += config.mtp_num_layers * (1 + extra / per_layer)
     layers = layers_in_flight(args.pipeline_schedule, args.pipeline_model_parallel_size, pp_rank,
                               args.num_micro_batches, chunk_layers)
     return round(per_layer * layers)

@@ -3,7 +3,8 @@
 A CPU-only torch has no CUDA kernel to choose between, so F.scaled_dot_product_attention on
 fake CUDA tensors falls back to its math decomposition, which stores the s x s scores: a
 memory figure no GPU run shows. On an sm80+ GPU, SDPA runs flash attention for bf16/fp16
-without a mask (grouped k/v heads as they are) and memory-efficient attention otherwise; this
+without a mask (grouped k/v heads as they are, one head width for q, k and v) and
+memory-efficient attention otherwise (values narrower than the queries included); this
 mode calls those ATen ops directly, whose fake implementations and backward formulas give the
 same outputs and saved tensors the GPU run has.
 """
@@ -21,7 +22,8 @@ def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
     if not q.is_cuda:
         return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
-    if attn_mask is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+    same_width = v.shape[-1] == q.shape[-1]  # flash needs one head width (MLA's values are narrower)
+    if attn_mask is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and same_width:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                   scale=scale)[0]
     if k.shape[1] != q.shape[1]:  # memory-efficient attention takes one k/v head per query head

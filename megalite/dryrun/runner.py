@@ -245,7 +245,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
-        report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer)
+        report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer,
+                                        models)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
                                                           layout.coords(rank)[2], [len(m.layers) for m in models])

@@ -13,7 +13,8 @@ import torch
 
 
 class KVCache:
-    """One layer's keys and values, [max_length, batch, groups (this TP rank's), head_dim]."""
+    """One layer's keys and values, [max_length, batch, groups (this TP rank's), head_dim] (the
+    values' head_dim MLA's value width)."""
 
     def __init__(self, parent: "InferenceCache"):
         self.parent = parent
@@ -23,10 +24,9 @@ class KVCache:
         """Store k, v [s, b, g, d] at the current offset; return every cached position's."""
         self.parent.check_room(k.shape[0])
         start, end = self.parent.offset, self.parent.offset + k.shape[0]
-        if self.keys is None:
-            shape = (self.parent.max_length, *k.shape[1:])
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+        if self.keys is None:  # values may be narrower than keys (multi-latent attention)
+            self.keys = torch.empty((self.parent.max_length, *k.shape[1:]), dtype=k.dtype, device=k.device)
+            self.values = torch.empty((self.parent.max_length, *v.shape[1:]), dtype=v.dtype, device=v.device)
         self.keys[start:end] = k
         self.values[start:end] = v
         return self.keys[:end], self.values[:end]

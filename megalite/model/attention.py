@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megalite import kernels
-from megalite.model.attention_backends import core_attention
+from megalite.model.attention_backends import core_attention, pad_values
 from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
 from megalite.model.rope import apply_rotary_interleaved
@@ -44,6 +44,7 @@ class SelfAttention(nn.Module):
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.q_per_group = config.num_attention_heads // config.num_query_groups
+        self.softmax_scale = config.softmax_scale if config.softmax_scale is not None else self.head_dim ** -0.5
         dtype = getattr(torch, config.params_dtype)
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
@@ -62,10 +63,11 @@ class SelfAttention(nn.Module):
             self.k_layernorm = build_norm(config, size=self.head_dim, partial_grad=True, device=device)
 
     def core_attention(self, q, k, v, attention_mask):
-        """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
+        """q, k [s, b, nq or ng, d], v [s, b, ng, dv] -> context [s, b, nq*dv] (dv: d, or MLA's
+        value width)."""
         s, b = q.shape[:2]
         dropout = self.config.attention_dropout if self.training else 0.0
-        scale = self.config.softmax_scale if self.config.softmax_scale is not None else self.head_dim ** -0.5
+        scale = self.softmax_scale
         if comm.group_size(self.cp_group) > 1:
             drop = None
             if dropout > 0:  # one seed per call from the model-parallel stream, equal on every CP rank
@@ -80,10 +82,11 @@ class SelfAttention(nn.Module):
         with rng_fork_if(self.rng_tracker, dropout > 0):
             if self.config.use_flash_attn and attention_mask is None:
                 # flash_attn takes [b, s, heads, d] and grouped k/v heads as they are; it refuses
-                # tensors off CUDA itself.
-                out = flash_attn_module().flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                # tensors off CUDA itself, and values narrower than the queries (MLA): padded.
+                out = flash_attn_module().flash_attn_func(q.transpose(0, 1), k.transpose(0, 1),
+                                                          pad_values(v, q.shape[-1]).transpose(0, 1),
                                                           dropout_p=dropout, softmax_scale=scale, causal=True)
-                return out.transpose(0, 1).reshape(s, b, -1)
+                return out[..., :v.shape[-1]].transpose(0, 1).reshape(s, b, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
             out = core_attention(q, k, v, mask, backend=self.config.attention_backend, dropout=dropout, scale=scale,

@@ -11,7 +11,10 @@ kernels a backend names, or megalite's explicit math path.
                      --attention-softmax-in-fp32, see explicit_attention)
 
 Tensors are [b, n, s, d] as SDPA takes them; `mask` is bool [b or 1, 1, s_q, s_k] with True
-where attention is allowed, None for causal.
+where attention is allowed, None for causal. Values may be narrower than queries and keys
+(multi-latent attention): SDPA's math, memory-efficient and cuDNN kernels and the explicit path
+take them as they are; its flash kernel (CPU and CUDA) needs one width, so they are padded with
+zeros to the query width there and the output cut back (zeros add nothing to any output).
 """
 
 import torch
@@ -25,6 +28,11 @@ _SDPA_KERNELS = {
     ("fused", "cpu"): [SDPBackend.FLASH_ATTENTION],
 }
 EXPLICIT_BACKENDS = ("unfused", "local")
+
+
+def pad_values(v: torch.Tensor, width: int) -> torch.Tensor:
+    """v with its last dim zero-padded to `width` (kernels that need one head width)."""
+    return v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]))
 
 
 def sdpa_kernels(backend: str, device_type: str) -> list | None:
@@ -90,5 +98,9 @@ def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float,
     kernels = sdpa_kernels(backend, q.device.type)
     if kernels is None:
         return F.scaled_dot_product_attention(q, k, v, **call)
+    width = v.shape[-1]
+    if kernels == [SDPBackend.FLASH_ATTENTION] and width != q.shape[-1]:
+        with sdpa_kernel(kernels):
+            return F.scaled_dot_product_attention(q, k, pad_values(v, q.shape[-1]), **call)[..., :width]
     with sdpa_kernel(kernels):
         return F.scaled_dot_product_attention(q, k, v, **call)

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from megalite.model.mla_config import MLAConfig
 from megalite.model.moe_config import MoEConfig
 from megalite.parallel.context import CP_COMM_TYPES
 from megalite.parallel.state import ParallelLayout
@@ -133,6 +134,13 @@ class GPTConfig:
     sqrt(--mup-base-head-dim or 1) / kv_channels ** --mup-attn-scale-power."""
     moe: MoEConfig | None = None
     """Mixture of experts in place of the dense MLP of some layers (--num-experts); None: dense."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention in place of self-attention (--multi-latent-attention); None: MHA/GQA.
+    With it, qk_layernorm means the query and key/value latent norms."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths after the last layer (--mtp-num-layers); None: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the mean of the MTP losses in the training loss (--mtp-loss-scaling-factor)."""
     extra: dict = field(default_factory=dict)
     """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
 
@@ -151,6 +159,10 @@ class GPTConfig:
             self.moe = MoEConfig(**self.moe)
         if self.moe is not None:
             self.moe.layer_pattern(self.num_layers)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"GPTConfig.mtp_num_layers must be positive or None, got {self.mtp_num_layers}")
         choices = {
             "position_embedding_type": ("learned_absolute", "rope", "none"),
             "normalization": ("LayerNorm", "RMSNorm"),
@@ -182,8 +194,11 @@ class GPTConfig:
                                  f"per layer), got {value!r}")
 
     def cp_comm_type_for(self, layer_number: int) -> str:
-        """The context-parallel comm type of layer `layer_number` (global, from 0)."""
-        return self.cp_comm_type if isinstance(self.cp_comm_type, str) else self.cp_comm_type[layer_number]
+        """The context-parallel comm type of layer `layer_number` (global, from 0; an MTP depth's
+        layer, numbered from num_layers, takes the last layer's)."""
+        if isinstance(self.cp_comm_type, str):
+            return self.cp_comm_type
+        return self.cp_comm_type[min(layer_number, self.num_layers - 1)]
 
     @property
     def kernel_impl(self) -> str:
@@ -214,6 +229,7 @@ class GPTConfig:
     def to_dict(self) -> dict:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["moe"] = self.moe.to_dict() if self.moe is not None else None
+        values["mla"] = self.mla.to_dict() if self.mla is not None else None
         return values
 
     @classmethod

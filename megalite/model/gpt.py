@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.config import GPTConfig
+from megalite.model.mla_config import mla_cos_sin
+from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
 from megalite.model.rope import rotary_cos_sin_for
@@ -107,25 +109,32 @@ class GPTModel(nn.Module):
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.share_embeddings = not config.untie_embeddings_and_output_weights
 
+        has_mtp = bool(config.mtp_num_layers) and self.post_process
+        # multi-token prediction embeds tokens on the last stage too: a copy of the embedding there
         self.embedding = (Embedding(config, self.padded_vocab, self.tp_group, rng_tracker, device)
-                          if self.pre_process else None)
+                          if self.pre_process or has_mtp else None)
         self.layers = nn.ModuleDict({str(n): TransformerLayer(config, n, self.tp_group, rng_tracker, device,
                                                               pstate.expert, pstate.cp_group)
                                      for n in layer_numbers})
+        self.mtp = (MultiTokenPrediction(config, self.tp_group, rng_tracker, device, pstate.expert, pstate.cp_group)
+                    if has_mtp else None)
         self.final_layernorm = build_norm(config, device=device) if self.post_process else None
         self.output_layer = None
         if self.post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab, tp_group=self.tp_group, bias=False,
                 sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
-                init_rows=config.vocab_size, skip_weight=self.share_embeddings and self.pre_process,
+                init_rows=config.vocab_size, skip_weight=self.share_embeddings and self.embedding is not None,
                 params_dtype=getattr(torch, config.params_dtype), device=device)
             if self.output_layer.weight is not None and self.share_embeddings:
                 # A tied copy of the word embedding on the last stage; kept equal to it by an
                 # all-reduce of gradients over the embedding group.
                 self.output_layer.weight.shared_embedding = True
-        if self.embedding is not None and self.share_embeddings and pstate.pp_size > 1:
+        if self.embedding is not None and pstate.pp_size > 1 and (self.share_embeddings or config.mtp_num_layers):
+            # the first stage's embedding and the MTP stage's copy (and the tied output layer)
             self.embedding.word_embeddings.weight.shared_embedding = True
+            if config.mtp_num_layers and self.embedding.position_embeddings is not None:
+                self.embedding.position_embeddings.weight.shared_embedding = True
         self.init_seed, self.init_on_shard = init_seed, init_on_shard
         self._compiled_head = None  # compile_regions' compiled output_head
         # Layer number -> its CUDA-graphed call (megalite.training.cuda_graphs), used in training
@@ -152,17 +161,25 @@ class GPTModel(nn.Module):
             generator = torch.Generator(device=first_param.device).manual_seed(zlib.crc32(key.encode()))
             module.reset_parameters(generator, on_shard=self.init_on_shard)
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether forward reads `tokens`: the embedding's chunk, and the MTP block's."""
+        return self.pre_process or self.mtp is not None
+
     def output_weight(self) -> torch.Tensor:
-        if self.share_embeddings and self.pre_process:
+        if self.share_embeddings and self.embedding is not None:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
     def _rotary(self, seq_len: int, device):
-        if self.config.position_embedding_type != "rope":
+        """cos and sin of positions 0..seq_len-1: multi-latent attention's own rotary part
+        whatever the position embedding (as Megatron), else RoPE's."""
+        mla = self.config.mla is not None
+        if self.config.position_embedding_type != "rope" and not mla:
             return None
         key = (seq_len, str(device))
         if getattr(self, "_rotary_cache_key", None) != key:
-            self._rotary_cache = rotary_cos_sin_for(self.config, seq_len, device)
+            self._rotary_cache = (mla_cos_sin if mla else rotary_cos_sin_for)(self.config, seq_len, device)
             self._rotary_cache_key = key
         return self._rotary_cache
 
@@ -196,7 +213,7 @@ class GPTModel(nn.Module):
         return x
 
     def forward(self, tokens=None, position_ids=None, attention_mask=None, labels=None, hidden_states=None,
-                inference_cache=None):
+                inference_cache=None, loss_mask=None):
         """Returns per-token losses [b, s] (fp32) when `labels` is given on the last stage,
         vocab-parallel logits [b, s, V/t] without labels, and hidden states [s(/t), b, h] on
         other stages. `hidden_states` is the previous stage's output (not pre_process).
@@ -206,7 +223,11 @@ class GPTModel(nn.Module):
         `inference_cache` (generation, no sequence parallelism): a
         megalite.inference.InferenceCache; the tokens sit at positions cache.offset onwards
         and attend to the cached keys and values, which they extend. The caller advances
-        cache.offset after the call."""
+        cache.offset after the call.
+
+        With multi-token prediction, a training forward with `labels` on the last stage (which
+        then needs `tokens`, and `loss_mask` [b, s] if the loss has one) also trains the MTP
+        depths, their losses attached to the returned one (see mtp.py)."""
         if inference_cache is not None:
             return self._forward_cached(tokens, hidden_states, inference_cache)
         cp = self.pstate.cp_size
@@ -224,13 +245,32 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, rotary, attention_mask)
         if not self.post_process:
             return x
+        if self.mtp is not None and labels is not None and torch.is_grad_enabled():
+            return self._mtp_head(x, tokens, position_ids, labels, loss_mask, rotary, attention_mask)
         return (self._compiled_head or self.output_head)(x, labels)
 
     def output_head(self, x, labels=None):
         """The final norm, the output layer and, given `labels`, the loss (see forward)."""
-        logits = self._logits(self.final_layernorm(x))  # [s, b, V/t]
+        x = self.final_layernorm(x)
         if labels is None:
-            return logits.transpose(0, 1)
+            return self._logits(x).transpose(0, 1)  # [b, s, V/t]
+        return self.token_losses(x, labels)
+
+    def _mtp_head(self, x, tokens, position_ids, labels, loss_mask, rotary, attention_mask):
+        """output_head with the MTP depths trained on the final norm's output (see mtp.py)."""
+        if tokens is None:
+            raise ValueError("multi-token prediction needs the micro-batch's tokens on the last stage")
+        cp = self.pstate.cp_size
+        if position_ids is None:
+            position_ids = local_positions(tokens.shape[1] * cp, cp, self.pstate.cp_rank, tokens.device)[None]
+        x = self.final_layernorm(x)
+        x = self.mtp(x, tokens, position_ids.expand(tokens.shape[0], -1), labels, loss_mask, self.embedding,
+                     self.token_losses, rotary, attention_mask)
+        return self.token_losses(x, labels)
+
+    def token_losses(self, x, labels):
+        """Per-token cross-entropy [b, s] (fp32) of the output layer on x [s(/t), b, h]."""
+        logits = self._logits(x)  # [s, b, V/t]
         # In-place backward: nothing else reads these logits, so their buffer takes the gradient.
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
                                             self.config.label_smoothing,

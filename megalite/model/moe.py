@@ -131,6 +131,8 @@ class MoELayer(nn.Module):
                                if moe.shared_expert_intermediate_size else None)
         self.last_tokens_per_expert = None
         """Rows each local expert received in the last forward (padding included)."""
+        self.layer_number = 0
+        """The global number of the layer holding it (its TransformerLayer sets it)."""
 
     def forward(self, x):
         tp_group, tp = self.tp_group, comm.group_size(self.tp_group)
@@ -167,10 +169,12 @@ def set_loss_backward_scale(chunks, scale: float, per_token_loss: bool = False) 
     """The gradient the auxiliary losses send back: the main loss's (loss scale / micro-batches).
     With per_token_loss (--calculate-per-token-loss, whose gradients end up divided by the global
     batch's loss tokens instead of averaged over micro-batches and replicas) each auxiliary loss
-    also counts as many times as its micro-batch routes tokens, as Megatron scales it."""
-    for layer in moe_layers(chunks):
-        layer.router.loss_backward_scale = scale
-        layer.router.per_token_loss = per_token_loss
+    also counts as many times as its micro-batch routes tokens, as Megatron scales it. The
+    multi-token prediction block (model/mtp.py), which attaches its losses the same way, too."""
+    for module in (m for chunk in chunks for m in chunk.modules()):
+        if hasattr(module, "loss_backward_scale"):
+            module.loss_backward_scale = scale
+            module.per_token_loss = per_token_loss
 
 
 @torch.no_grad()
@@ -190,9 +194,9 @@ def pop_logged_losses(chunks) -> dict[str, dict[int, float]]:
     """{loss name: {layer number: mean since the last call}} of this rank's MoE layers."""
     out = {}
     for chunk in chunks:
-        for name, module in chunk.named_modules():
+        for module in chunk.modules():
             if isinstance(module, MoELayer):
-                layer_number = int(name.split(".")[-2])
+                layer_number = module.layer_number  # set by its TransformerLayer
                 for loss, (total, calls) in module.router.logged.items():
                     out.setdefault(loss, {})[layer_number] = total / calls
                 module.router.logged = {}

@@ -102,8 +102,10 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def is_moe_layer(self, layer_number: int, num_layers: int) -> bool:
+        """Whether layer `layer_number` has experts; an MTP depth's layer (numbered from
+        num_layers) has them when the last layer has, as Megatron builds it."""
         pattern = self.layer_pattern(num_layers)
-        return bool(pattern[layer_number])
+        return bool(pattern[min(layer_number, num_layers - 1)])
 
     def layer_pattern(self, num_layers: int) -> list[int]:
         if isinstance(self.layer_freq, int):

@@ -98,8 +98,8 @@ def aux_loss_scores(logits, moe):
     """Scores over all experts and their plain top-k map, as the balancing losses use them."""
     if moe.score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
+    else:  # in fp32 at least: fp64 logits (--moe-router-dtype fp64) keep fp64, as Megatron's
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
     indices = scores.topk(moe.router_topk, dim=-1).indices
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)

@@ -54,14 +54,14 @@ def gpt_forward_step(chunk, batch: dict | None, hidden_states: torch.Tensor | No
     data; their chunks then run with attention_mask None, i.e. causal."""
     model = unwrap(chunk)
     batch = batch or {}
-    for needed, key in ((model.pre_process, "tokens"), (model.post_process, "labels")):
+    for needed, key in ((model.needs_tokens, "tokens"), (model.post_process, "labels")):
         if needed and batch.get(key) is None:
             raise ValueError(f"micro-batch has no {key!r}, which the chunk holding the "
-                             f"{'embedding' if key == 'tokens' else 'output layer'} needs")
-    out = chunk(tokens=batch.get("tokens") if model.pre_process else None,
+                             f"{'embedding (or multi-token prediction)' if key == 'tokens' else 'output layer'} needs")
+    out = chunk(tokens=batch.get("tokens") if model.needs_tokens else None,
                 position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"),
                 labels=batch.get("labels") if model.post_process else None,
-                hidden_states=hidden_states)
+                hidden_states=hidden_states, loss_mask=batch.get("loss_mask") if model.mtp is not None else None)
     if not model.post_process:
         return out
     if model.pstate.cp_size > 1:

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.attention import SelfAttention
+from megalite.model.mla import MLASelfAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import build_norm
@@ -16,10 +17,12 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group, layer_number)
+        attention = MLASelfAttention if config.mla is not None else SelfAttention
+        self.self_attention = attention(config, tp_group, rng_tracker, device, cp_group, layer_number)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
             self.mlp = MoELayer(config, tp_group, expert_state, device, cp_group)
+            self.mlp.layer_number = layer_number  # names its logged auxiliary losses
         else:
             self.mlp = MLP(config, tp_group, device)
 

@@ -11,7 +11,9 @@ Beyond formulas.md's table, and labelled so:
 - the last stage keeps one micro-batch's logits, 16-bit plus the fp32 copy the loss
   takes ("logits");
 - 32-bit activations take twice the table's 16-bit bytes (dropout masks included: an upper
-  bound).
+  bound);
+- multi-latent attention's terms, and each MTP depth on the last stage as one more layer plus
+  its own inputs and logits (README, "FLOPs and memory of MLA and MTP").
 """
 
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from megalite.parallel.pipeline.simulator import held_activations
 from megalite.planner.layouts import Layout
 from megalite.planner.parameters import rank_parameters
 from megalite.planner.workload import Workload
-from megalite.training.flops import activation_bytes_per_layer
+from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 
@@ -74,7 +76,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     s, b, t = workload.seq_length // layout.cp, layout.micro_batch_size, layout.tp
     per_layer = activation_bytes_per_layer(s, b, config.hidden_size, config.num_attention_heads, t,
                                            layout.sequence_parallel, None if recompute == "none" else recompute,
-                                           workload.flash_attention)
+                                           workload.flash_attention, mla=config.mla, latent_norms=config.qk_layernorm)
     if recompute == "full" and layout.sequence_parallel:
         per_layer /= t
     return per_layer * workload.activation_bytes / 2
@@ -97,7 +99,13 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
     logits = 0.0
     if rank == p - 1:
         tokens = workload.seq_length // layout.cp * layout.micro_batch_size
-        logits = tokens * config.padded_vocab_size(t) // t * (workload.activation_bytes + 4)
+        depths = config.mtp_num_layers or 0
+        logits = (1 + depths) * tokens * config.padded_vocab_size(t) // t * (workload.activation_bytes + 4)
+        if depths:  # the last chunk's micro-batches in flight hold each MTP depth too
+            last = held_chunk_activations(layout.schedule, p, rank, m, v) / v
+            extra = mtp_activation_bytes(tokens, 1, config.hidden_size, t, layout.sequence_parallel)
+            activations += last * depths * (layer_activation_bytes(workload, layout)
+                                            + extra * workload.activation_bytes / 2)
     return RankMemory(rank, w, g, o, activations, recompute, logits, dense + expert, held / v)
 
 

@@ -3,6 +3,8 @@ biases, norms; the vocabulary padded to a multiple of make_vocab_size_divisible_
 
 Dense parameters are replicated over data parallelism (sharded over DP x CP by the distributed
 optimizer); expert parameters are split over the EP ranks and sharded over the rest (EDP).
+Multi-latent attention's down projections and latent norms are whole on every TP rank; the MTP
+depths, and a copy of the embedding where they are not on the first stage, are the last stage's.
 tests/planner check these counts against models megalite builds.
 """
 
@@ -20,14 +22,27 @@ def _mlp(config: GPTConfig, ffn: int, t: int, bias: bool) -> int:
     return h * ffn * up // t + ffn * h // t + ((ffn * up // t + h) if bias else 0)
 
 
+def _mla_attention(config: GPTConfig, t: int) -> int:
+    """Multi-latent attention's parameters on one TP rank (heads split, latents whole)."""
+    h, a, mla = config.hidden_size, config.num_attention_heads, config.mla
+    up = a * mla.q_head_dim // t
+    q = h * up if mla.q_lora_rank is None else h * mla.q_lora_rank + mla.q_lora_rank * up
+    kv = h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) + mla.kv_lora_rank * a * (mla.qk_head_dim + mla.v_head_dim) // t
+    norms = _norm(config, mla.kv_lora_rank) + (_norm(config, mla.q_lora_rank) if mla.q_lora_rank else 0)
+    return q + kv + a * mla.v_head_dim // t * h + h * config.add_bias_linear + norms * config.qk_layernorm
+
+
 def layer_parameters(config: GPTConfig, layer: int, t: int, ep: int = 1) -> tuple[int, int]:
-    """(dense, expert) parameters of transformer layer `layer` on one TP (and EP) rank."""
+    """(dense, expert) parameters of transformer layer `layer` on one TP (and EP) rank (an MTP
+    depth's layer numbered from num_layers)."""
     h, d = config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * d, config.num_query_groups * d
     qkv_bias = config.add_bias_linear or config.add_qkv_bias
     attention = h * (q + 2 * kv) // t + (q + 2 * kv) // t * qkv_bias + q * h // t + h * config.add_bias_linear
     if config.qk_layernorm:
         attention += 2 * _norm(config, d)
+    if config.mla is not None:
+        attention = _mla_attention(config, t)
     dense = 2 * _norm(config, h) + attention
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer, config.num_layers):
@@ -54,8 +69,15 @@ def chunk_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, chunk
             dense += config.max_position_embeddings * config.hidden_size
     if last:
         dense += _norm(config, config.hidden_size)
-        if config.untie_embeddings_and_output_weights or not first:
+        mtp = config.mtp_num_layers or 0
+        if mtp and not first:  # MTP's copy of the embedding, which a tied output layer uses
+            dense += vocab + (config.max_position_embeddings * config.hidden_size
+                              if config.position_embedding_type == "learned_absolute" else 0)
+        if config.untie_embeddings_and_output_weights or not (first or mtp):
             dense += vocab  # the output layer, or the tied embedding's copy on the last stage
+        for depth in range(mtp):  # enorm, hnorm, eh_proj, final norm and a layer
+            d, e = layer_parameters(config, config.num_layers + depth, t, ep)
+            dense, expert = dense + d + 3 * _norm(config, config.hidden_size) + 2 * config.hidden_size ** 2 // t, expert + e
     return dense, expert
 
 

@@ -69,6 +69,15 @@ def moe_flags(config: GPTConfig) -> list[str]:
         flags += ["--moe-shared-expert-intermediate-size", str(moe.shared_expert_intermediate_size)]
         if moe.shared_expert_gate:
             flags.append("--moe-shared-expert-gate")
+    if moe.score_function != "softmax":  # DeepSeek's routing
+        flags += ["--moe-router-score-function", moe.score_function]
+    for flag, value in (("--moe-router-topk-scaling-factor", moe.topk_scaling_factor),
+                        ("--moe-router-num-groups", moe.num_groups), ("--moe-router-group-topk", moe.group_topk),
+                        ("--moe-router-dtype", moe.router_dtype)):
+        if value is not None:
+            flags += [flag, str(value)]
+    flags += [flag for flag, on in (("--moe-router-enable-expert-bias", moe.enable_expert_bias),
+                                    ("--moe-router-pre-softmax", moe.pre_softmax)) if on]
     return flags
 
 

@@ -6,6 +6,13 @@
     MoE layers: k*h*f becomes h*E + topk*k*h*f_moe (+ k*h*f_shared + h): activated experts only
     MFU     = F_token * tokens/s per GPU / peak FLOP/s
 
+Multi-latent attention (README "FLOPs and memory of MLA and MTP"): a layer's attention weights
+are h*r_q + r_q*a*d_q (or h*a*d_q without a query latent) + h*(r_kv + d_r) + r_kv*a*(d_c + d_v)
++ a*d_v*h, with d_c the per-head query/key width without rotation, d_r the rotary one,
+d_q = d_c + d_r; its scores and context cost 6*s*a*(d_q + d_v) per token and layer instead of
+12*s*h. Multi-token prediction adds per depth one layer, eh_proj (2*h*h) and the output layer
+(h*V) to P_mm, and the layer's attention term.
+
 Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM). Bytes
 of parameters, gradients and optimizer state per parameter are in megalite.optimizer.memory_report.
 """
@@ -36,22 +43,45 @@ def mlp_matmul_parameters(config: GPTConfig, layer: int, activated: bool = True)
     return h * moe.num_experts + experts * k * h * moe.ffn_hidden_size + shared
 
 
+def attention_matmul_parameters(config: GPTConfig) -> int:
+    """One layer's attention weights that multiply each token (QKV and output projections; with
+    multi-latent attention the down and up projections)."""
+    h, a, mla = config.hidden_size, config.num_attention_heads, config.mla
+    if mla is not None:
+        q = h * a * mla.q_head_dim if mla.q_lora_rank is None else mla.q_lora_rank * (h + a * mla.q_head_dim)
+        kv = h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) + mla.kv_lora_rank * a * (mla.qk_head_dim + mla.v_head_dim)
+        return q + kv + a * mla.v_head_dim * h
+    q = a * config.kv_channels
+    d_kv = config.num_query_groups * config.kv_channels
+    return h * q + 2 * h * d_kv + q * h
+
+
+def attention_score_flops(config: GPTConfig, seq_length: int) -> int:
+    """Training FLOPs per token of one layer's q k^T and probabilities x v (non-causal): 12 s h,
+    or 6 s a (d_q + d_v) with multi-latent attention."""
+    mla = config.mla
+    if mla is None:
+        return 12 * seq_length * config.hidden_size
+    return 6 * seq_length * config.num_attention_heads * (mla.q_head_dim + mla.v_head_dim)
+
+
 def matmul_parameters(config: GPTConfig, padded_vocab_size: int, activated: bool = True) -> int:
     """P_mm: weights that take part in matrix multiplies (QKV, attention output, MLP, output
-    layer); biases, norms and the embedding lookup are left out. In MoE layers only the
-    activated (top-k) experts count, unless activated=False (every expert's parameters)."""
-    h = config.hidden_size
-    q = config.num_attention_heads * config.kv_channels
-    d_kv = config.num_query_groups * config.kv_channels
-    attention = h * q + 2 * h * d_kv + q * h
-    return sum(attention + mlp_matmul_parameters(config, i, activated) for i in range(config.num_layers)) \
-        + h * padded_vocab_size
+    layer; each MTP depth's layer, eh_proj and output layer again); biases, norms and the
+    embedding lookup are left out. In MoE layers only the activated (top-k) experts count,
+    unless activated=False (every expert's parameters)."""
+    h, depths = config.hidden_size, config.mtp_num_layers or 0
+    attention = attention_matmul_parameters(config)
+    layers = range(config.num_layers + depths)  # MTP layers numbered after the decoder's
+    return sum(attention + mlp_matmul_parameters(config, i, activated) for i in layers) \
+        + depths * 2 * h * h + (1 + depths) * h * padded_vocab_size
 
 
 def flops_per_token(config: GPTConfig, seq_length: int, padded_vocab_size: int) -> int:
-    """Training FLOPs per token (forward + backward): 6 P_mm + 12 L s h."""
-    attention = 12 * config.num_layers * seq_length * config.hidden_size
-    return 6 * matmul_parameters(config, padded_vocab_size) + attention
+    """Training FLOPs per token (forward + backward): 6 P_mm + 12 L s h (see the module
+    docstring for multi-latent attention and MTP)."""
+    layers = config.num_layers + (config.mtp_num_layers or 0)
+    return 6 * matmul_parameters(config, padded_vocab_size) + layers * attention_score_flops(config, seq_length)
 
 
 def peak_flops(device_name: str | None = None) -> tuple[str, float] | None:
@@ -80,14 +110,30 @@ def model_flops_utilization(flops_per_token: float, tokens_per_second_per_gpu: f
 def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
                                num_attention_heads: int, tensor_parallel: int = 1,
                                sequence_parallel: bool = False, recompute: str | None = None,
-                               flash_attention: bool = False) -> float:
+                               flash_attention: bool = False, mla=None, latent_norms: bool = True) -> float:
     """Activation bytes one transformer layer keeps for backward with 16-bit activations
     (Korthikanti et al. 2022; formulas.md). `recompute` is None, 'selective' or 'full'; a
-    flash-attention kernel stores no s x s scores."""
+    flash-attention kernel stores no s x s scores.
+
+    With multi-latent attention (`mla`, an MLAConfig) the 8h per token of Q, K, V and the
+    output projection's input become 4*a*(d_q + d_v), and each replicated latent adds its up
+    projection's input, 2*r bytes, and its norm's input (`latent_norms`), 2*r more."""
     s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel
     if recompute == "full":
         return 2.0 * s * b * h
     scores = 0.0 if (recompute == "selective" or flash_attention) else 5.0 * a * s / (h * t)
+    attention, latents = 8.0, 0.0  # per h
+    if mla is not None:
+        attention = 4.0 * a * (mla.q_head_dim + mla.v_head_dim) / h
+        latents = (4.0 if latent_norms else 2.0) * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) / h
     if sequence_parallel:
-        return s * b * h * (34.0 / t + scores)
-    return s * b * h * (10.0 + 24.0 / t + scores)
+        return s * b * h * ((26.0 + attention + latents) / t + scores)
+    return s * b * h * (10.0 + latents + (16.0 + attention) / t + scores)
+
+
+def mtp_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, tensor_parallel: int = 1,
+                         sequence_parallel: bool = False) -> float:
+    """What one MTP depth keeps besides its transformer layer (activation_bytes_per_layer):
+    the inputs of enorm, hnorm, eh_proj ([e; h], 2h wide) and its final norm, 10 s b h bytes
+    (sequence-split under sequence parallelism); its logits are the output layer's."""
+    return 10.0 * seq_length * micro_batch_size * hidden_size / (tensor_parallel if sequence_parallel else 1)

@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
+from megalite.model.moe import set_loss_backward_scale, update_expert_bias
+from megalite.model.mtp import auxiliary_losses
 from megalite.parallel.data.ddp import finalize_model_grads
 from megalite.checkpoint.dcp_checkpoint import save_checkpoint
 from megalite.checkpoint.rng_state import layout_record
@@ -313,8 +314,7 @@ class Trainer:
         """The end of a --log-interval window; collectives (norm, timers) on every rank."""
         run = self.run
         norm_of_params = run.optimizer.params_norm() if self.logging.log_params_norm else None
-        moe_losses = (reduce_logged_losses(run.models, run.model_config.num_layers, run.pstate.world_group)
-                      if run.model_config.moe is not None else None)
+        moe_losses = auxiliary_losses(run.models, run.model_config, run.pstate.world_group)
         if run.writes_logs:
             self._log(losses, skipped, nans, grad_norm, norm_of_params, elapsed, iters, num_zeros, batch,
                       moe_losses)

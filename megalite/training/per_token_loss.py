@@ -29,11 +29,13 @@ class PerTokenLoss:
         batch = batch or {}
         if model.post_process and batch.get("labels") is None:
             raise ValueError("micro-batch has no 'labels', which the chunk holding the output layer needs")
-        if model.pre_process and batch.get("tokens") is None:
-            raise ValueError("micro-batch has no 'tokens', which the chunk holding the embedding needs")
-        out = chunk(tokens=batch.get("tokens") if model.pre_process else None,
+        if model.needs_tokens and batch.get("tokens") is None:
+            raise ValueError("micro-batch has no 'tokens', which the chunk holding the embedding (or multi-token "
+                             "prediction) needs")
+        out = chunk(tokens=batch.get("tokens") if model.needs_tokens else None,
                     position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"),
-                    labels=batch.get("labels") if model.post_process else None, hidden_states=hidden_states)
+                    labels=batch.get("labels") if model.post_process else None, hidden_states=hidden_states,
+                    loss_mask=batch.get("loss_mask") if model.mtp is not None else None)
         if not model.post_process:
             return out
         mask = batch.get("loss_mask")

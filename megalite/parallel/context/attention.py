@@ -10,9 +10,9 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 def context_parallel_attention(q, k, v, group, comm_type: str, scale: float, overlap: bool = True,
                                mask=None, dropout=None, a2a_size: int = 1, blocks=TorchBlocks):
-    """q [s, b, hq, d], k and v [s, b, hg, d]: this rank's two chunks of the sequence
-    (split.split_sequence). Returns the context [s, b, hq * d] of causal attention over the
-    whole sequence. `overlap` (p2p only) False waits for each ring transfer before computing.
+    """q and k [s, b, hq or hg, d], v [s, b, hg, dv] (dv: d, or multi-latent attention's value
+    width): this rank's two chunks of the sequence (split.split_sequence). Returns the context
+    [s, b, hq * dv] of causal attention over the whole sequence. `overlap` (p2p only) False waits for each ring transfer before computing.
     `mask` (--reset-attention-mask): bool [b, 1, s, s * cp], this rank's query rows of the
     whole sequence's mask, True where not allowed (split.split_attention_mask), or None.
     `dropout`: a dropout.AttentionDropout (the same masks for every comm type and CP size), or None.

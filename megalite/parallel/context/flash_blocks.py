@@ -8,8 +8,10 @@ comes from flash_attn's _flash_attn_backward given the MERGED output and log-sum
 ring-attention implementations on flash_attn call), whose keyword arguments after `causal`
 changed in flash_attn 2.6 (softcap) and 2.6.3 (window_size_left / window_size_right).
 
-flash_attn takes [b, s, heads, d] in 16 bits on CUDA, grouped key/value heads as they are;
-no masks and no dropout here (its dropout masks could not be those megalite's CP dropout
+flash_attn takes [b, s, heads, d] in 16 bits on CUDA, grouped key/value heads as they are, one
+head width for q, k and v (values narrower than the queries, multi-latent attention's, are
+zero-padded to it and the results cut back: zeros change no score, output or gradient); no
+masks and no dropout here (its dropout masks could not be those megalite's CP dropout
 draws per block). Imported when first used: megalite imports without flash_attn.
 """
 
@@ -60,21 +62,22 @@ class FlashBlocks:
 
     def attention(self, q, k, v, scale: float):
         """Causal attention of a whole sequence through flash_attn_func and its own backward:
-        [b, hq, s, d] (a2a's)."""
-        out = self.flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0,
-                                              softmax_scale=scale, causal=True)
-        return out.transpose(1, 2)
+        [b, hq, s, dv] (a2a's)."""
+        dv = v.shape[-1]
+        out = self.flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), _padded(v, q.shape[-1]),
+                                              dropout_p=0.0, softmax_scale=scale, causal=True)
+        return out[..., :dv].transpose(1, 2)
 
     def forward(self, q, k, v, scale: float, causal: bool, mask=None, keep=None):
         if mask is not None or keep is not None:
             raise ValueError("--use-flash-attn with context parallelism takes no attention mask and no "
                              "attention dropout")
-        d = q.shape[-1]
-        padded = -(-d // 8) * 8
+        dv = v.shape[-1]
+        padded = -(-max(q.shape[-1], dv) // 8) * 8
         out, lse, _ = self.flash_attn.flash_attn_func(
             *(_padded(t, padded) for t in (q, k, v)), dropout_p=0.0, softmax_scale=scale, causal=causal,
             return_attn_probs=True)
-        return out[..., :d].transpose(1, 2).float(), lse[..., :q.shape[2]].float()
+        return out[..., :dv].transpose(1, 2).float(), lse[..., :q.shape[2]].float()
 
     def backward(self, q, k, v, dout, out, delta, lse, scale: float, causal: bool, mask=None, keep=None):
         """This block's (dq, dk, dv), fp32, given the merged `out` and `lse` (flash_attn
@@ -82,11 +85,11 @@ class FlashBlocks:
         if mask is not None or keep is not None:
             raise ValueError("--use-flash-attn with context parallelism takes no attention mask and no "
                              "attention dropout")
-        d = q.shape[-1]
-        padded = -(-d // 8) * 8
+        d, dv = q.shape[-1], v.shape[-1]
+        padded = -(-max(d, dv) // 8) * 8
         q_, k_, v_ = (_padded(t, padded) for t in (q, k, v))
         dout_, out_ = (_padded(t.to(q.dtype), padded) for t in (dout, out))
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_, k_, v_))
-        self._backward(dout_, q_, k_, v_, out_, lse.contiguous(), dq, dk, dv, 0.0, scale, causal,
+        dq, dk, dv_ = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_, k_, v_))
+        self._backward(dout_, q_, k_, v_, out_, lse.contiguous(), dq, dk, dv_, 0.0, scale, causal,
                        alibi_slopes=None, deterministic=False, rng_state=None, **self._window)
-        return tuple(t[..., :d].transpose(1, 2).float() for t in (dq, dk, dv))
+        return tuple(t[..., :width].transpose(1, 2).float() for t, width in ((dq, d), (dk, d), (dv_, dv)))

@@ -30,16 +30,16 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, group, scale, dropout, blocks):
         n, rank = comm.group_size(group), comm.group_rank(group)
-        c = q.shape[2] // 2
-        kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)  # [n, 2, b, hg, s, d]
+        c, d = q.shape[2] // 2, k.shape[-1]
+        kv = comm.all_gather_dim0(torch.cat((k, v), dim=-1).unsqueeze(0), group)  # [n, b, hg, s, d + dv]
         outs, lses = [], []
         for qa, q_id in enumerate(chunk_ids(n, rank)):
             acc = None
             for kv_id in range(q_id + 1):
                 owner, half = _chunk_place(kv_id, n)
-                block = kv[owner, :, :, :, half * c:(half + 1) * c]
+                block = kv[owner, :, :, half * c:(half + 1) * c]
                 q_part = q[:, :, qa * c:(qa + 1) * c]
-                acc = merge(acc, *blocks.forward(q_part, block[0], block[1], scale, kv_id == q_id,
+                acc = merge(acc, *blocks.forward(q_part, block[..., :d], block[..., d:], scale, kv_id == q_id,
                                                  mask_block(mask, qa, kv_id, c),
                                                  block_keep(dropout, q_part, q_id, kv_id, c)))
             outs.append(acc[0])
@@ -54,8 +54,8 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         mask, group, scale, dropout = ctx.mask, ctx.group, ctx.scale, ctx.dropout
         n, rank = comm.group_size(group), comm.group_rank(group)
-        c = q.shape[2] // 2
-        kv = comm.all_gather_dim0(torch.stack((k, v)).unsqueeze(0), group)
+        c, d = q.shape[2] // 2, k.shape[-1]
+        kv = comm.all_gather_dim0(torch.cat((k, v), dim=-1).unsqueeze(0), group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dout = dout.float()
         delta = (dout * out).sum(-1)
@@ -66,14 +66,14 @@ class AllGatherAttention(torch.autograd.Function):
                 owner, half = _chunk_place(kv_id, n)
                 cols = slice(half * c, (half + 1) * c)
                 dq_part, dk_part, dv_part = ctx.blocks.backward(
-                    q[:, :, rows], kv[owner, 0, :, :, cols], kv[owner, 1, :, :, cols], dout[:, :, rows],
+                    q[:, :, rows], kv[owner, :, :, cols, :d], kv[owner, :, :, cols, d:], dout[:, :, rows],
                     out[:, :, rows], delta[:, :, rows], lse[:, :, rows], scale, kv_id == q_id, mask_block(mask, qa, kv_id, c),
                     block_keep(dropout, q[:, :, rows], q_id, kv_id, c))
                 dq[:, :, rows] += dq_part
-                dkv[owner, 0, :, :, cols] += dk_part
-                dkv[owner, 1, :, :, cols] += dv_part
+                dkv[owner, :, :, cols, :d] += dk_part
+                dkv[owner, :, :, cols, d:] += dv_part
         dkv = comm.reduce_scatter_dim0(dkv, group)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None, None, None
 
 
 def all_gather_attention(q, k, v, group, scale: float, mask=None, dropout=None, blocks=TorchBlocks) -> torch.Tensor:

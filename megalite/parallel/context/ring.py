@@ -5,8 +5,9 @@ computed. The backward pass is a ring too: keys and values go round again, each 
 key/value gradient travelling with it and collecting every rank's contribution, arriving
 home after one more hop.
 
-Layouts: q [b, hq, s, d], k and v [b, hg, s, d], s this rank's two chunks (split.py), or
-(hierarchical.py) any equal chunks a Ring names.
+Layouts: q and k [b, hq or hg, s, d], v [b, hg, s, dv] (dv: d, or multi-latent attention's
+narrower values), s this rank's two chunks (split.py), or (hierarchical.py) any equal chunks a
+Ring names. Keys and values travel as one tensor, concatenated along the channels.
 """
 
 from dataclasses import dataclass
@@ -79,13 +80,13 @@ class RingAttention(torch.autograd.Function):
         c = q.shape[2] // parts
         q_chunks = [q[:, :, i * c:(i + 1) * c] for i in range(parts)]
         acc = [None] * parts
-        kv = torch.stack((k, v)).contiguous()
+        kv, d = torch.cat((k, v), dim=-1).contiguous(), k.shape[-1]
         for step in range(n):
             hop = _RingStep(kv, group, ring, _KV_TAG, overlap) if step < n - 1 else None
             src = (rank - step) % n
             for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
-                kv_chunk = kv[:, :, :, kb * c:(kb + 1) * c]
-                acc[qa] = merge(acc[qa], *blocks.forward(q_chunks[qa], kv_chunk[0], kv_chunk[1], scale, causal,
+                kv_chunk = kv[:, :, kb * c:(kb + 1) * c]
+                acc[qa] = merge(acc[qa], *blocks.forward(q_chunks[qa], kv_chunk[..., :d], kv_chunk[..., d:], scale, causal,
                                                          mask_block(mask, qa, kv_id, c),
                                                          block_keep(dropout, q_chunks[qa], q_id, kv_id, c,
                                                                     ring.head_offset)))
@@ -111,7 +112,7 @@ class RingAttention(torch.autograd.Function):
         q_chunks, dout_chunks, lse_chunks, delta_chunks = pieces(q), pieces(dout), pieces(lse), pieces(delta)
         out_chunks = pieces(out)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).contiguous()
+        kv, d = torch.cat((k, v), dim=-1).contiguous(), k.shape[-1]
         grad_hop = None
         for step in range(n):
             hop = _RingStep(kv, group, ring, _KV_TAG, overlap) if step < n - 1 else None
@@ -120,12 +121,12 @@ class RingAttention(torch.autograd.Function):
             for qa, kb, q_id, kv_id, causal in _pairs(ring, rank, src):
                 sl = slice(kb * c, (kb + 1) * c)
                 dq_part, dk_part, dv_part = ctx.blocks.backward(
-                    q_chunks[qa], kv[0, :, :, sl], kv[1, :, :, sl], dout_chunks[qa], out_chunks[qa],
+                    q_chunks[qa], kv[:, :, sl, :d], kv[:, :, sl, d:], dout_chunks[qa], out_chunks[qa],
                     delta_chunks[qa], lse_chunks[qa], scale, causal, mask_block(mask, qa, kv_id, c),
                     block_keep(dropout, q_chunks[qa], q_id, kv_id, c, ring.head_offset))
                 dq[:, :, qa * c:(qa + 1) * c] += dq_part
-                dkv[0, :, :, sl] += dk_part
-                dkv[1, :, :, sl] += dv_part
+                dkv[:, :, sl, :d] += dk_part
+                dkv[:, :, sl, d:] += dv_part
             if grad_hop is not None:
                 dkv += grad_hop.wait()  # the earlier ranks' share of this same block
             if n > 1:
@@ -134,7 +135,7 @@ class RingAttention(torch.autograd.Function):
                 kv = hop.wait()
         if n > 1:
             dkv = grad_hop.wait()  # this rank's own block, every rank's share summed
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, scale: float, overlap: bool = True, mask=None, dropout=None,
