@@ -27,7 +27,7 @@ from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed
 from megalite.parallel import comm
 from megalite.parallel.sharding import mark_sequence_parallel
-from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, output_init_std
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class ReplicatedLinear(nn.Module):
@@ -67,7 +67,7 @@ class MLASelfAttention(nn.Module):
         self.cp_comm_type = config.cp_comm_type_for(layer_number)
         self.heads = config.num_attention_heads // tp
         self.softmax_scale = mla.softmax_scale()
-        heads, sp, std = config.num_attention_heads, config.sequence_parallel, config.init_method_std
+        heads, sp, std = config.num_attention_heads, config.sequence_parallel, config.hidden_init_std
         common = dict(params_dtype=getattr(torch, config.params_dtype), device=device)
         column = dict(tp_group=tp_group, bias=False, sequence_parallel=sp, init_std=std, **common)
         replicated = dict(init_std=std, sequence_parallel=sp, **common)
@@ -87,7 +87,7 @@ class MLASelfAttention(nn.Module):
                                                       **column)
         self.linear_proj = RowParallelLinear(
             heads * mla.v_head_dim, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
-            sequence_parallel=sp, init_std=output_init_std(std, config.num_layers), **common)
+            sequence_parallel=sp, init_std=config.output_proj_init_std, **common)
 
     def _rotate(self, t, cos, sin):
         return kernels.apply_rotary(deinterleave(t, cos.shape[-1]), cos, sin,

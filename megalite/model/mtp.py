@@ -64,7 +64,7 @@ class MTPLayer(nn.Module):
         self.hnorm = build_norm(config, device=device)
         self.eh_proj = ColumnParallelLinear(
             2 * config.hidden_size, config.hidden_size, tp_group=tp_group, bias=False,
-            sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
+            sequence_parallel=config.sequence_parallel, init_std=config.hidden_init_std,
             params_dtype=getattr(torch, config.params_dtype), device=device)
         self.mtp_model_layer = TransformerLayer(config, config.num_layers + depth, tp_group, rng_tracker, device,
                                                 expert_state, cp_group)
