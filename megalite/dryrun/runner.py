@@ -31,7 +31,7 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import layout_from_args, model_config_from_args
-from megalite.config.arguments_megatron_training import interleaved_group_size
+from megalite.config.arguments_megatron_training import interleaved_group_size, split_accounting
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, compute_dtype
 from megalite.training.setup_run import build_optimizer_and_schedule, wrap_chunks
 
@@ -183,7 +183,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                                                                if expert is not None else {})})
         models = build_model_chunks(config, pstate, num_layers_first=args.decoder_first_pipeline_num_layers,
                                     num_layers_last=args.decoder_last_pipeline_num_layers, init_seed=args.seed,
-                                    device="meta")
+                                    device="meta", **split_accounting(args))
         if not real:
             assume_balanced_routing(models)
         with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():

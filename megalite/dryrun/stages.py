@@ -18,7 +18,7 @@ other where their warm-up differs.
 from megalite.dryrun.pipeline_sends import send_completion_times
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.stage_layout import stage_layers
-from megalite.config.arguments_megatron_training import interleaved_group_size
+from megalite.config.arguments_megatron_training import interleaved_group_size, split_accounting
 
 
 def _send_release_points(args, p: int, v: int, rank: int) -> tuple:
@@ -37,7 +37,7 @@ def stage_signature(args, config, p: int, v: int, rank: int, device_type: str) -
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     chunks = []
     for c in range(v):
-        layers = stage_layers(config.num_layers, p, rank, c, v, first, last)
+        layers = stage_layers(config.num_layers, p, rank, c, v, first, last, **split_accounting(args))
         chunks.append(tuple((config.cp_comm_type_for(n),
                              config.moe is not None and config.moe.is_moe_layer(n, config.num_layers))
                             for n in layers))

@@ -127,3 +127,18 @@ def test_members_of_a_distinct_stage_measure_the_same():
     assert groups == ["0", "1-2", "3", "4", "5"]
     assert measured[1] == measured[2]
     assert len({json.dumps(m, sort_keys=True) for m in measured}) == 5  # the other stages differ
+
+
+def test_dry_run_splits_layers_as_the_pipeline_split_accounting_flags_say():
+    """Megatron's --account-for-embedding/loss-in-pipeline-split with virtual stages (6 layers
+    over PP=4 x VP=2, the embedding and the loss each counted as a layer: Megatron-LM's
+    layers_per_virtual_stage gives the first and last virtual stage no transformer layer). The
+    dry run builds and reports the layout the run would train, stage by stage."""
+    argv = TOY + ("--num-layers 6 --global-batch-size 4 --pipeline-model-parallel-size 4 "
+                  "--num-virtual-stages-per-pipeline-rank 2 --account-for-embedding-in-pipeline-split "
+                  "--account-for-loss-in-pipeline-split --dry-run-world-size 4").split()
+    out = _dry_run(argv)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {m[0]: m[2] for m in ROW.findall(out.stdout)}
+    # 8 virtual stages hold [E], 1, 1, 1 | 1, 1, 1, [L]: chunk 0 of rank 0 and chunk 1 of rank 3 hold none
+    assert rows == {"0": "0+1", "1": "1+1", "2": "1+1", "3": "1+0"}, out.stdout
