@@ -25,7 +25,7 @@ import sys
 
 import yaml
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(HERE)
 VENDORED = os.path.join(REPO, "tests", "config", "megatron_gpt_functional_configs.json")
 CASES = "tests/functional_tests/test_cases/gpt"

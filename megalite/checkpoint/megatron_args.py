@@ -35,7 +35,8 @@ _REFUSED = {
     "yaml_cfg": None, "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False,
     "attention_output_gate": False, "window_size": None, "no_rope_freq": None, "quick_geglu": False,
     "softmax_type": "vanilla", "glu_linear_offset": 0.0, "activation_func_clamp_value": None, "use_mup": False,
-    "enable_mhc_connections": False,
+    "enable_mhc_connections": False, "mtp_use_repeated_layer": False, "mtp_hsm": False,
+    "mtp_hybrid_override_pattern": None,
 }
 _POSITIONS = ("learned_absolute", "rope", "none")
 _NORMS = ("LayerNorm", "RMSNorm")

@@ -30,6 +30,7 @@ import pytest
 
 from megalite.checkpoint.megatron_args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.publish import ConversionError
+from megalite.model.mla_config import MLAConfig
 from tests.checkpoint.megatron_lm_args import HEAD_ARGUMENTS, HEAD_CONFIG_FIELDS, OTHER_ARGUMENTS, megatron_lm_args
 
 REFUSED, IGNORED = "refused", "ignored"
@@ -37,7 +38,9 @@ LLAMA, GPT2 = "llama", "gpt2"
 V16, HEAD, V15, V7 = "0.16.1", "head", "0.15", "0.7"
 
 # (argument, value, Megatron-LM version, family, other arguments it needs, what megalite makes
-# of it: the GPTConfig fields it sets, REFUSED, or IGNORED by Megatron's own model).
+# of it: the GPTConfig fields it sets (or a function of the GPTConfig without it giving them),
+# REFUSED, or IGNORED by Megatron's own model).
+_MLA_ON = {"group_query_attention": False}  # MLA has no query groups (Megatron refuses the two together)
 CASES = [
     ("num_layers", 6, V16, LLAMA, {}, {"num_layers": 6}),
     ("hidden_size", 64, V16, LLAMA, {}, {"hidden_size": 64}),
@@ -104,8 +107,19 @@ CASES = [
     ("tokenizer_type", "GPT2BPETokenizer", V16, LLAMA, {}, {"vocab_size": 96}),  # its files decide: all rows
     ("use_legacy_models", True, V16, GPT2, {}, REFUSED),
     ("use_mcore_models", False, V7, GPT2, {}, REFUSED),
-    ("multi_latent_attention", True, V16, LLAMA, {}, REFUSED),
-    ("mtp_num_layers", 1, V16, LLAMA, {}, REFUSED),
+    ("multi_latent_attention", True, V16, LLAMA, _MLA_ON, lambda before: {"mla": MLAConfig(
+        q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+        rope_type="yarn", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)}),
+    *[(name, value, V16, LLAMA, {**_MLA_ON, "multi_latent_attention": True},
+       lambda before, name=name, value=value: {"mla": dataclasses.replace(before.mla, **{name: value})})
+      for name, value in (("q_lora_rank", 48), ("kv_lora_rank", 16), ("qk_head_dim", 32), ("qk_pos_emb_head_dim", 16),
+                          ("v_head_dim", 24), ("rope_type", "rope"), ("rotary_scaling_factor", 40.0), ("mscale", 0.7),
+                          ("mscale_all_dim", 0.7))],
+    ("mtp_num_layers", 1, V16, LLAMA, {}, {"mtp_num_layers": 1}),
+    ("mtp_loss_scaling_factor", 0.3, V16, LLAMA, {"mtp_num_layers": 1}, {"mtp_loss_scaling_factor": 0.3}),
+    ("mtp_use_repeated_layer", True, HEAD, LLAMA, {"mtp_num_layers": 2}, REFUSED),
+    ("mtp_hsm", True, HEAD, LLAMA, {"mtp_num_layers": 1}, REFUSED),
+    ("mtp_hybrid_override_pattern", "M*", HEAD, LLAMA, {"mtp_num_layers": 1}, REFUSED),
     ("num_experts", 8, V16, LLAMA, {}, REFUSED),
     ("heterogeneous_layers_config_path", "/models/nemotron.json", V16, LLAMA, {}, REFUSED),
     ("experimental_attention_variant", "gated_delta_net", V16, LLAMA, {}, REFUSED),
@@ -178,19 +192,20 @@ NO_FORWARD_EFFECT = {
         gated_linear_unit activation_func bias_activation_fusion num_moe_experts softmax_scale
         experimental_attention_variant_loss_scale_func""",
     _ONLY_WITH.format("num_experts"): "moe_* use_fused_weighted_squared_relu use_grouped_gemm_for_shared_expert",
-    _ONLY_WITH.format("mtp_num_layers"): "mtp_*",
+    "where the MTP block runs (its own pipeline stage) and whether its heads pass gradients back: not "
+    "what it computes": "mtp_standalone mtp_detach_heads mtp_grad_scale_func",
     _ONLY_WITH.format("experimental_attention_variant"): "dsa_* linear_*",
     _ONLY_WITH.format("is_hybrid_model / hybrid_override_pattern"): """
         mamba_* gdp_* use_mamba_mem_eff_path hybrid_attention_ratio hybrid_mlp_ratio""",
-    _ONLY_WITH.format("multi_latent_attention"): """
-        q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor mscale
-        mscale_all_dim cache_mla_latents rope_type mla_down_proj_fusion""",
+    "MLA's inference cache of latents and its fused down projection (the same function)":
+        "cache_mla_latents mla_down_proj_fusion",
     _ONLY_WITH.format("use_mup"): "mup_*",
     _ONLY_WITH.format("enable_mhc_connections"): "mhc_*",
     _ONLY_WITH.format("window_size"): "window_attn_skip_freq",
     _ONLY_WITH.format("heterogeneous_layers_config_path"):
         "heterogeneous_block_specs hetereogenous_dist_checkpoint heterogeneous_layers_config_encoded_json",
-    _ONLY_WITH.format("position_embedding_type yarn, mrope or relative"):
+    _ONLY_WITH.format("position_embedding_type yarn, mrope or relative") + "; Megatron's MLA keeps its own "
+    "YaRN defaults (MLATransformerConfig), whatever these say":
         "yarn_* mrope_section relative_attention_num_buckets relative_attention_max_distance",
     "other models' (T5 encoder-decoder, BERT)": "encoder_num_layers decoder_num_layers bert_binary_head",
     "the deprecated --use-mcore-models (Megatron-Core is the default) and the switch for experimental "
@@ -241,6 +256,8 @@ def test_every_forward_argument_is_mapped_refused_or_ignored_as_megatron_ignores
         assert f"{name}=" in message and message.count("ckpt/common.pt") == 1 and "\n" not in message
         return
     before, after = _config(base), _config(changed)
+    if callable(expected):
+        expected = expected(before)
     if expected == IGNORED:
         assert after == before, f"{name}={value!r}: Megatron's model does not use it, megalite's must not either"
         notes = megatron_args_notes(changed)

@@ -74,15 +74,15 @@ def test_malicious_torch_dist_metadata_is_refused(tmp_path):
 
 
 def test_unsupported_model_feature_is_refused_by_name_and_path_once(tmp_path, capsys):
-    write_megatron_torch(tmp_path / "ckpt", args=megatron_args(multi_latent_attention=True))
+    write_megatron_torch(tmp_path / "ckpt", args=megatron_args(apply_residual_connection_post_layernorm=True))
     path = str(tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
-    with pytest.raises(ConversionError, match="multi_latent_attention=True") as refused:
+    with pytest.raises(ConversionError, match="apply_residual_connection_post_layernorm=True") as refused:
         MegatronCheckpoint(tmp_path / "ckpt")
     assert str(refused.value).count(path) == 1
     assert main(["--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path / "ckpt"),
                  "--save-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count(path) == 1 and "multi_latent_attention" in err and err.count("\n") == 1
+    assert err.count(path) == 1 and "apply_residual_connection_post_layernorm" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

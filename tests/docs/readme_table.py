@@ -117,6 +117,10 @@ README = {
     "python tools/checkpoint/convert.py --loader megatron --saver hf --load-dir /megatron/ckpt --save-dir hf_out":
         Run("readme-megatron-to-hf", replace=(("/megatron/", "megatron/"),), needs=("megatron",),
             check=checks.megatron_in_transformers("hf_out")),
+    "python tools/checkpoint/convert.py --loader megatron --saver megalite --load-dir /megatron/ckpt --save-dir "
+    "ml_ckpt --target-tensor-parallel-size 2":
+        Run("readme-megatron-to-megalite-tp2", replace=(("/megatron/", "megatron/"),), needs=("megatron",), slow=True,
+            check=checks.printed(r"^To train from it \(2 processes")),
     # Usage: long context, experts and dry runs. The 7B file's TP=4 PP=2 with CP=4 is 32 processes:
     # at toy scale TP=1 PP=1 (one chunk), so CP=4 a2a+p2p with groups 2 x 2 runs on 4.
     "bash scripts/pretrain_gpt.sh --config examples/llama_7b_3d.yaml --context-parallel-size 4 --cp-comm-type "
