@@ -140,7 +140,7 @@ def _printed_command(stdout: str) -> str:
 
 def test_the_printed_command_trains_from_the_moe_checkpoint(tmp_path, capsys):
     """As printed, plus what the hint leaves to the user (data, batch, lr): two processes at TP=2
-    EP=2 ETP=1 load the converted Mixtral; one step at lr 0 saves the converted weights."""
+    EP=2 ETP=1 load the converted Mixtral; two steps at lr 0 save the converted weights."""
     hf_dir = save_hf(hf_moe_model("mixtral", num_layers=2, vocab_size=VOCAB), tmp_path / "hf")
     write_hf_tokenizer(hf_dir)
     ckpt = tmp_path / "ckpt"
@@ -154,14 +154,14 @@ def test_the_printed_command_trains_from_the_moe_checkpoint(tmp_path, capsys):
                  "--expert-tensor-parallel-size 1", "--finetune"):
         assert flag in printed
     out = tmp_path / "after"
-    command = (f"{printed} --mock-data --micro-batch-size 1 --global-batch-size 2 --lr 0.0 --train-iters 1 "
+    command = (f"{printed} --mock-data --micro-batch-size 1 --global-batch-size 2 --lr 0.0 --train-iters 2 "
                f"--eval-iters 0 --num-workers 0 --distributed-backend gloo --save {out}")
     command = command.replace("torchrun ", f"torchrun --master-port {free_port()} ", 1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     saved, converted = MegaliteCheckpoint(out), MegaliteCheckpoint(ckpt)
-    args = json.loads((out / "iter_0000001" / "common.json").read_text())["args"]
+    args = json.loads((out / "iter_0000002" / "common.json").read_text())["args"]
     assert (args["num_experts"], args["expert_model_parallel_size"], args["expert_tensor_parallel_size"]) == (4, 2, 1)
     model_keys = [k for k in converted.keys() if k.startswith("model/")]
     assert any(".local_experts.3." in k for k in model_keys) and set(model_keys) <= set(saved.keys())
