@@ -109,9 +109,7 @@ def main(argv=None) -> int:
                 if training.eval_iters > 0:
                     if not (reason == "done" and training.eval_interval and run.iteration % training.eval_interval == 0):
                         trainer.evaluate("valid", trainer.valid_iter)
-                    from megalite.training.setup_run import data_iterator
-
-                    trainer.evaluate("test", data_iterator(run, trainer.test_ds, 0))
+                    trainer.evaluate("test", trainer.test_iter)
             else:
                 trainer.say(f"stopping at iteration {run.iteration} ({reason})")
             trainer.finish_pending_save()

@@ -6,6 +6,8 @@
     python tools/checkpoint/convert.py --loader megalite --saver megalite --load-dir CKPT --save-dir OUT \\
         --target-tensor-parallel-size 4
     python tools/checkpoint/convert.py --loader megatron --saver {megalite,hf} --load-dir MEGATRON_SAVE --save-dir OUT
+    python tools/checkpoint/convert.py --loader hf --saver megalite --load-dir MIXTRAL_DIR --save-dir OUT \\
+        --target-tensor-parallel-size 2 --target-expert-parallel-size 2 --target-expert-tensor-parallel-size 1
 
 Exit status 0 on success; 2 with one line on stderr naming the file, tensor, flag or config
 field for bad input (nothing is then left under --save-dir).
@@ -45,18 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PP size of the megalite checkpoint (default: 1 from hf, the source's from megalite)")
     p.add_argument("--target-num-virtual-stages", type=int,
                    help="virtual pipeline stages per PP rank (default: 1 from hf, the source's from megalite)")
+    p.add_argument("--target-expert-parallel-size", type=int,
+                   help="MoE models: expert-parallel size of the megalite checkpoint (default: 1 from hf and "
+                        "megatron, the source's from megalite)")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int,
+                   help="MoE models: ranks each expert's weights are split over (default: the target TP size, "
+                        "or the source's where TP is unchanged)")
     p.add_argument("--iteration", type=int, help="megalite loader: this iteration instead of the latest")
     p.add_argument("--max-shard-size", default="5GB", help="hf saver: safetensors shard size (default 5GB)")
     p.add_argument("--model-type", choices=("GPT",), default="GPT", help="accepted for Megatron scripts (GPT only)")
     return p
 
 
-def _target(args, source_layout: dict | None) -> TargetLayout:
-    source_layout = source_layout or {}
-    tp = args.target_tensor_parallel_size or source_layout.get("tp", 1)
-    pp = args.target_pipeline_parallel_size or source_layout.get("pp", 1)
-    vp = args.target_num_virtual_stages or (source_layout.get("vp", 1) if pp == source_layout.get("pp") else 1)
-    return TargetLayout(tp, pp, vp)
+def _target(args, source_layout: dict | None, source_args: dict | None = None) -> TargetLayout:
+    """The target layout: the flags given (0 and negative sizes too, refused by TargetLayout),
+    else the source's (a megalite checkpoint's layout and run arguments), else one rank."""
+    source_layout, source_args = source_layout or {}, source_args or {}
+
+    def given(value, default):
+        return default if value is None else value
+
+    tp = given(args.target_tensor_parallel_size, source_layout.get("tp", 1))
+    pp = given(args.target_pipeline_parallel_size, source_layout.get("pp", 1))
+    vp = given(args.target_num_virtual_stages, source_layout.get("vp", 1) if pp == source_layout.get("pp") else 1)
+    ep = given(args.target_expert_parallel_size, source_args.get("expert_model_parallel_size") or 1)
+    etp = given(args.target_expert_tensor_parallel_size,
+                source_args.get("expert_tensor_parallel_size") if tp == source_layout.get("tp") else None)
+    return TargetLayout(tp, pp, vp, ep, etp)
 
 
 def convert(args) -> list[str]:
@@ -71,7 +88,8 @@ def convert(args) -> list[str]:
         raise ConversionError("--iteration: the megatron loader reads the iteration latest_checkpointed_iteration.txt names")
     if args.saver == "hf":
         if any(v is not None for v in (args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                                       args.target_num_virtual_stages)):
+                                       args.target_num_virtual_stages, args.target_expert_parallel_size,
+                                       args.target_expert_tensor_parallel_size)):
             raise ConversionError("--target-* sizes apply to --saver megalite only")
         if args.loader == "megatron":
             summary = megatron_to_hf(args.load_dir, args.save_dir, parse_size(args.max_shard_size))
@@ -88,10 +106,12 @@ def convert(args) -> list[str]:
             common, _ = read_common(args.load_dir, args.iteration)
         except CheckpointError as e:
             raise ConversionError(str(e)) from None
-        layout = _target(args, common.get("layout"))
+        layout = _target(args, common.get("layout"), common.get("args"))
         summary = megalite_to_megalite(args.load_dir, args.save_dir, layout, args.iteration)
-    lines = [f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) to {summary.output} "
-             f"at TP={layout.tp} PP={layout.pp}" + (f" VP={layout.vp}" if layout.vp > 1 else "")]
+    where = f"at TP={layout.tp} PP={layout.pp}" + (f" VP={layout.vp}" if layout.vp > 1 else "")
+    if summary.config is not None and summary.config.moe is not None:
+        where += f" EP={layout.ep} ETP={layout.expert_tp}"
+    lines = [f"wrote {summary.tensors} tensors ({summary.bytes / 2**20:.1f} MiB) to {summary.output} {where}"]
     lines += [f"  note: {n}" for n in summary.notes]
     return lines + [hint_text(summary.flags, layout)]
 

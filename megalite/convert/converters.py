@@ -131,6 +131,7 @@ def _relayout_args(args: dict | None, layout: TargetLayout, tokenizer: dict, con
                 num_virtual_stages_per_pipeline_rank=layout.vp if layout.vp > 1 else None,
                 num_layers_per_virtual_pipeline_stage=None, virtual_pipeline_model_parallel_size=layout.vp,
                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
                 world_size=None, data_parallel_size=None, num_micro_batches=None,
                 tokenizer_type=tokenizer.get("type"), tokenizer_model=tokenizer.get("model"),
                 vocab_file=tokenizer.get("vocab_file"), merge_file=tokenizer.get("merge_file"))

@@ -4,11 +4,30 @@
 (tested), so the printed hint and common.json's `args` describe the model exactly.
 """
 
+import dataclasses
 import shlex
 
 from megalite.model.config import GPTConfig
+from megalite.model.moe_config import MoEConfig
 from megalite.config.arguments import parse_args
 from megalite.config.arguments_mla import mla_flags
+from megalite.config.arguments_moe import MoEArgs
+
+# MoEConfig field -> the MoEArgs option (Megatron's flag) that sets it
+MOE_OPTIONS = {
+    "num_experts": "num_experts", "ffn_hidden_size": "moe_ffn_hidden_size", "layer_freq": "moe_layer_freq",
+    "router_topk": "moe_router_topk", "score_function": "moe_router_score_function",
+    "pre_softmax": "moe_router_pre_softmax", "topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "router_dtype": "moe_router_dtype", "num_groups": "moe_router_num_groups",
+    "group_topk": "moe_router_group_topk", "load_balancing_type": "moe_router_load_balancing_type",
+    "aux_loss_coeff": "moe_aux_loss_coeff", "z_loss_coeff": "moe_z_loss_coeff",
+    "enable_expert_bias": "moe_router_enable_expert_bias", "bias_update_rate": "moe_router_bias_update_rate",
+    "capacity_factor": "moe_expert_capacity_factor", "pad_to_capacity": "moe_pad_expert_input_to_capacity",
+    "token_drop_policy": "moe_token_drop_policy",
+    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "shared_expert_gate": "moe_shared_expert_gate", "grouped_gemm": "moe_grouped_gemm",
+    "token_dispatcher_type": "moe_token_dispatcher_type",
+}
 
 
 def _number(value) -> str:
@@ -59,7 +78,25 @@ def model_flags(config: GPTConfig) -> list[str]:
     if config.attention_softmax_in_fp32:
         flags.append("--attention-softmax-in-fp32")
     flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
+    if config.moe is not None:
+        flags += moe_flags(config.moe)
     return flags + mla_flags(config) + kernel_flags(config)
+
+
+def moe_flags(moe: MoEConfig) -> list[str]:
+    """Flags giving `moe`: the expert count, width and layer pattern always, the rest where they
+    differ from Megatron's defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEArgs)}
+    flags = []
+    for field in dataclasses.fields(MoEConfig):
+        option, value = MOE_OPTIONS[field.name], getattr(moe, field.name)
+        flag = "--" + option.replace("_", "-")
+        if field.name == "layer_freq":
+            value = str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"
+        elif field.name not in ("num_experts", "ffn_hidden_size") and value == defaults[option]:
+            continue
+        flags += [flag] if value is True else [flag, _number(value)]
+    return flags
 
 
 def kernel_flags(config: GPTConfig) -> list[str]:
@@ -77,6 +114,10 @@ def layout_flags(layout, sequence_parallel: bool = False) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vp > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.vp)]
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.expert_tp != layout.tp:
+        flags += ["--expert-tensor-parallel-size", str(layout.expert_tp)]
     if sequence_parallel and layout.tp > 1:
         flags.append("--sequence-parallel")
     return flags
@@ -107,8 +148,10 @@ def args_dict(flags: list[str]) -> dict:
 
 def hint_text(flags: list[str], layout, vocab_note: str | None = None) -> str:
     """The lines printed after a conversion to megalite."""
-    lines = [f"To train from it ({layout.tp * layout.pp} processes per data-parallel replica):",
-             f"  torchrun --nproc-per-node {layout.tp * layout.pp} -m megalite.pretrain_gpt \\"]
+    replicas = ("per data-parallel replica" if layout.dp == 1 else
+                f"= {layout.dp} data-parallel replicas, the fewest whose ranks the expert grid tiles")
+    lines = [f"To train from it ({layout.world_size} processes {replicas}):",
+             f"  torchrun --nproc-per-node {layout.world_size} -m megalite.pretrain_gpt \\"]
     pairs, i = [], 0
     while i < len(flags):
         take = 2 if i + 1 < len(flags) and not flags[i + 1].startswith("--") else 1

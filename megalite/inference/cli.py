@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence at each step")
     p.add_argument("--tensor-model-parallel-size", type=int, help="TP size (default: the world size)")
+    p.add_argument("--expert-tensor-parallel-size", type=int,
+                   help="MoE checkpoints: ranks each expert's weights are split over (default: the TP size; "
+                        "every rank holds every expert)")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: the checkpoint's")
     p.add_argument("--tokenizer-model")
     p.add_argument("--vocab-file")
@@ -136,7 +139,8 @@ def run(args) -> list[dict]:
     common, _ = read_common(args.load, args.iteration)
     tokenizer = tokenizer_for(args, common)
     pstate, device = _parallel_state(args)
-    model, _ = load_model(args.load, pstate, iteration=args.iteration, device=device)
+    model, _ = load_model(args.load, pstate, iteration=args.iteration, device=device,
+                          expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     results, start, produced = [], time.time(), 0
     for prompt in prompts:

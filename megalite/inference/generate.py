@@ -17,6 +17,7 @@ from megalite.inference.sampling import SamplingParams, sample_next
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel import comm
+from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.state import ParallelState
 from megalite.checkpoint.dcp_checkpoint import load_checkpoint
 
@@ -30,14 +31,29 @@ def inference_config(model_config: dict) -> GPTConfig:
 
 
 def load_model(load_dir, pstate: ParallelState | None = None, *, iteration: int | None = None,
-               device=None) -> tuple[GPTModel, dict]:
+               device=None, expert_tensor_parallel_size: int | None = None) -> tuple[GPTModel, dict]:
     """The whole model (no pipeline split) at `pstate`'s TP size, in eval mode, with the
-    weights of the checkpoint under `load_dir`; and the checkpoint's common state."""
+    weights of the checkpoint under `load_dir`; and the checkpoint's common state.
+
+    A mixture-of-experts model holds every expert on every rank (EP = 1), each expert's weights
+    split over `expert_tensor_parallel_size` ranks (default: the TP size, as in training; 1
+    keeps whole experts on every TP rank). The expert grid is built here, a collective, unless
+    `pstate` already has one."""
     pstate = pstate or ParallelState.single()
     if pstate.pp_size != 1:
         raise ValueError("generation runs without pipeline parallelism (use TP and/or DP only)")
     common, iteration = read_common(load_dir, iteration)
-    model = GPTModel(inference_config(common["model_config"]), pstate, device=device).eval()
+    config = inference_config(common["model_config"])
+    if config.moe is not None and pstate.expert is None:
+        etp = expert_tensor_parallel_size or pstate.tp_size
+        if config.moe.ffn_hidden_size % etp:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} does not divide the experts' width "
+                             f"(moe_ffn_hidden_size {config.moe.ffn_hidden_size})")
+        pstate.expert = ExpertState.create(pstate, 1, config.moe.num_experts,
+                                           expert_tensor_size=expert_tensor_parallel_size)
+    elif expert_tensor_parallel_size is not None and config.moe is None:
+        raise ValueError("--expert-tensor-parallel-size: the checkpoint's model has no experts")
+    model = GPTModel(config, pstate, device=device).eval()
     loaded = load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False, iteration=iteration)
     return model, loaded
 

@@ -7,6 +7,7 @@ A model comes from megalite's own flag parsing (Megatron flags, or a YAML file t
 micro-batch size) are the planner's to choose: given among a model's flags they are refused.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.model.config import GPTConfig
@@ -54,31 +55,6 @@ class Workload:
 
 def _precision_flags(precision: str) -> list[str]:
     return {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[precision]
-
-
-def moe_flags(config: GPTConfig) -> list[str]:
-    """Megatron's --num-experts / --moe-* flags for config.moe (none for a dense model)."""
-    moe = config.moe
-    if moe is None:
-        return []
-    freq = moe.layer_freq if isinstance(moe.layer_freq, int) else str(list(moe.layer_freq)).replace(" ", "")
-    flags = ["--num-experts", str(moe.num_experts), "--moe-ffn-hidden-size", str(moe.ffn_hidden_size),
-             "--moe-router-topk", str(moe.router_topk), "--moe-layer-freq", str(freq),
-             "--moe-token-dispatcher-type", "alltoall"]
-    if moe.shared_expert_intermediate_size:
-        flags += ["--moe-shared-expert-intermediate-size", str(moe.shared_expert_intermediate_size)]
-        if moe.shared_expert_gate:
-            flags.append("--moe-shared-expert-gate")
-    if moe.score_function != "softmax":  # DeepSeek's routing
-        flags += ["--moe-router-score-function", moe.score_function]
-    for flag, value in (("--moe-router-topk-scaling-factor", moe.topk_scaling_factor),
-                        ("--moe-router-num-groups", moe.num_groups), ("--moe-router-group-topk", moe.group_topk),
-                        ("--moe-router-dtype", moe.router_dtype)):
-        if value is not None:
-            flags += [flag, str(value)]
-    flags += [flag for flag, on in (("--moe-router-enable-expert-bias", moe.enable_expert_bias),
-                                    ("--moe-router-pre-softmax", moe.pre_softmax)) if on]
-    return flags
 
 
 def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size: int | None = None) -> Workload:
@@ -132,8 +108,11 @@ def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision
         raise ValueError("--hf-config needs --seq-length and --global-batch-size")
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
     config = config.replace(params_dtype=dtype, max_position_embeddings=max(config.max_position_embeddings, seq_length))
-    flags = [f for f in model_flags(config) if f not in ("--bf16", "--fp16")]
+    # the all-to-all dispatcher: the one the planner's expert-parallel model assumes
+    printed = config if config.moe is None else config.replace(
+        moe=dataclasses.replace(config.moe, token_dispatcher_type="alltoall"))
+    flags = [f for f in model_flags(printed) if f not in ("--bf16", "--fp16")]
     i = flags.index("--seq-length")  # model_flags suggests one; the planner prints the real one
-    flags = flags[:i] + flags[i + 2:] + moe_flags(config) + _precision_flags(precision)
+    flags = flags[:i] + flags[i + 2:] + _precision_flags(precision)
     flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size - 1)]
     return Workload(config, seq_length, global_batch_size, precision, True, flags, source=path)

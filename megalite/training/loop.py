@@ -125,12 +125,31 @@ class Trainer:
                              "training split without documents")
         # Background checkpoint writes get a process group of their own (see save_checkpoint).
         self.save_group = dist.new_group(backend="gloo") if self.ckpt.async_save else None
-        self.valid_iter = data_iterator(run, self.valid_ds, run.consumed_valid_samples)
+        # Every split's loader forks its workers now, before any checkpoint is written (see
+        # data_iterator); the test split's too, though it is read only after the last save.
+        self.valid_iter = self.data_iterator(self.valid_ds, run.consumed_valid_samples)
+        self.test_iter = self.data_iterator(self.test_ds, 0) if self.training.eval_iters > 0 else None
 
     def close(self):
         self.hooks.close()
         self.tensorboard.close()
         self.logger.close()
+
+    def data_iterator(self, dataset, consumed_samples: int):
+        """Micro-batches of `dataset` from `consumed_samples` on (setup_run.data_iterator).
+
+        Its DataLoader forks its worker processes here (persistent: once per loader), and never
+        while --async-save writes a checkpoint in a background thread. fork() copies only the
+        calling thread: a lock that thread holds at that instant (in torch's thread pools,
+        OpenMP or MKL state, the allocator) stays locked forever in the child, and the worker's
+        first act, torch.set_num_threads(1), can wait on it for ever; the rank then waits for
+        a batch that never comes, with the checkpoint still unpublished. So a pending save is
+        finished first (on every rank: they create iterators at the same points), and the
+        Trainer creates all its iterators before the first save. Spawned or forkserver workers
+        would avoid the fork, at the price of importing torch again in every worker and
+        pickling the dataset (its index arrays) into each."""
+        self.finish_pending_save()
+        return data_iterator(self.run, dataset, consumed_samples)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save(self, non_persistent: bool = False, rerun_record: dict | None = None):
@@ -337,7 +356,7 @@ class Trainer:
         """Train until a stop condition; returns why it stopped. `start_time`: when this
         process started (time.time()), the origin of --exit-duration-in-mins."""
         run, training, ckpt = self.run, self.training, self.ckpt
-        iterator = data_iterator(run, self.train_ds, run.consumed_train_samples)
+        iterator = self.data_iterator(self.train_ds, run.consumed_train_samples)
         window_start = time.time()
         losses, skipped, nans, window_iters, grad_norm = [], 0, 0, 0, None
         while run.iteration < training.total_train_iters:

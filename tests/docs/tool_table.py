@@ -82,6 +82,11 @@ TOOLS = {
         Run("doc-convert-megatron", replace=(("{megalite,hf}", "megalite"), ("MEGATRON_SAVE", "megatron/ckpt"),
                                              ("OUT", "checkpoints/from-megatron-ckpt")),
             needs=("megatron",), slow=True, check=checks.printed(r"^To train from it \(1 processes")),
+    "python tools/checkpoint/convert.py --loader hf --saver megalite --load-dir MIXTRAL_DIR --save-dir OUT "
+    "--target-tensor-parallel-size 2 --target-expert-parallel-size 2 --target-expert-tensor-parallel-size 1":
+        Elsewhere(("tests/convert/test_moe_convert.py::test_the_printed_command_trains_from_the_moe_checkpoint",),
+                  "the test converts a tiny random Mixtral built with transformers with these flags and runs the "
+                  "training command convert.py prints"),
     # tools/generate.py and megalite/inference/cli.py
     'python tools/generate.py --load CKPT --prompt "Once upon a time" --max-new-tokens 32 --temperature 0':
         Run("doc-generate", replace=(("CKPT", "checkpoints/llama"),), needs=("readme-convert-to-megalite",), slow=True,

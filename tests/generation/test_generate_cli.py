@@ -99,7 +99,9 @@ def test_bad_input_is_one_line(tmp_path, checkpoint, capsys):
     for extra, expect in ((["--load", str(root / "ckpt")], "give --prompt TEXT or --prompt-file FILE"),
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--top-p", "2"], "--top-p"),
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--prompt-file", str(tmp_path / "no")],
-                           "--prompt-file")):
+                           "--prompt-file"),
+                          (["--load", str(root / "ckpt"), "--prompt", "x", "--expert-tensor-parallel-size", "1"],
+                           "--expert-tensor-parallel-size: the checkpoint's model has no experts")):
         assert generate_main(extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("generate: error:") and expect in err and len(err.strip().splitlines()) == 1, err

@@ -64,9 +64,9 @@ class Ranks:
 
 
 def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = None,
-           separate_stderr: bool = False) -> Ranks:
-    """Start the ranks; each writes stdout and stderr to log_dir/rank<R>.log, or with
-    `separate_stderr` its stderr alone to rank<R>.err."""
+           separate_stderr: bool = False, program: tuple[str, ...] = ("-m", "megalite.pretrain_gpt")) -> Ranks:
+    """Start the ranks (`python *program *args`); each writes stdout and stderr to
+    log_dir/rank<R>.log, or with `separate_stderr` its stderr alone to rank<R>.err."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
@@ -76,14 +76,14 @@ def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = N
                     "PYTHONPATH": str(REPO), **(env or {})}
         log = log_dir / f"rank{rank}.log"
         with open(log, "w") as out, open(log.with_suffix(".err") if separate_stderr else os.devnull, "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-m", "megalite.pretrain_gpt", *args], env=rank_env,
+            procs.append(subprocess.Popen([sys.executable, *program, *args], env=rank_env,
                                           stdout=out, stderr=err if separate_stderr else subprocess.STDOUT, cwd=REPO))
         logs.append(log)
     return Ranks(procs, logs)
 
 
-def run(args: list[str], world_size: int, log_dir: Path, timeout=300) -> Ranks:
-    ranks = launch(args, world_size, log_dir)
+def run(args: list[str], world_size: int, log_dir: Path, timeout=300, **launch_options) -> Ranks:
+    ranks = launch(args, world_size, log_dir, **launch_options)
     codes = ranks.wait(timeout)
     assert codes == [0] * world_size, f"exit codes {codes}:\n{ranks.output()}"
     return ranks

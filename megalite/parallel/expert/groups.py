@@ -225,10 +225,11 @@ def is_expert_param(param) -> bool:
 
 def tensor_split_of(pstate: ParallelState, param) -> tuple:
     """(group, size, rank) over which `param`'s tensor-parallel shards are split: the ETP group
-    for expert weights, the TP group otherwise."""
+    for expert weights, the TP group otherwise. Without an expert grid (`pstate.expert` None) an
+    MoE layer builds its experts on ExpertState.single(): whole on every rank, whatever the TP."""
     expert = pstate.expert
-    if expert is not None and is_expert_param(param):
-        return expert.etp_group, expert.etp_size, expert.etp_rank
+    if is_expert_param(param):
+        return (expert.etp_group, expert.etp_size, expert.etp_rank) if expert is not None else (None, 1, 0)
     return pstate.tp_group, pstate.tp_size, pstate.tp_rank
 
 
