@@ -121,9 +121,11 @@ def _probe_config(config: GPTConfig) -> GPTConfig:
 
 
 def _probe_parameters(config: GPTConfig) -> dict[str, object]:
-    """{parameter name with 'layers.*.': a parameter of the probe model}."""
+    """{parameter (or persistent buffer: the routers' expert biases) name with 'layers.*.': that
+    tensor of the probe model}."""
     probe = GPTModel(_probe_config(config), init_seed=0)
-    return {_LAYER.sub("layers.*.", name): param for name, param in probe.named_parameters()}
+    named = [*probe.named_parameters(), *persistent_buffers(probe)]
+    return {_LAYER.sub("layers.*.", name): tensor for name, tensor in named}
 
 
 def _sharding(params: dict) -> dict[str, tuple[int, int] | None]:
@@ -134,10 +136,7 @@ def _sharding(params: dict) -> dict[str, tuple[int, int] | None]:
 def sharding_by_pattern(config: GPTConfig) -> dict[str, tuple[int, int] | None]:
     """{parameter (or persistent buffer) name with 'layers.*.': (partition_dim, partition_stride) or
     None}."""
-    probe = GPTModel(_probe_config(config), init_seed=0)
-    out = _sharding({_LAYER.sub("layers.*.", name): param for name, param in probe.named_parameters()})
-    out.update((_LAYER.sub("layers.*.", name), None) for name, _ in persistent_buffers(probe))  # expert biases
-    return out
+    return _sharding(_probe_parameters(config))
 
 
 def parameter_of(key: str) -> str:
