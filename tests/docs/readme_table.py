@@ -160,8 +160,28 @@ README = {
     "--seq-length 8192 --micro-batch-size 1 --global-batch-size 128 --lr 3e-4 --train-iters 1 --attention-dropout 0 "
     "--hidden-dropout 0":
         Run("readme-dry-run-405b", slow=True, timeout=900,
-            check=checks.printed(r"^dry run: world 1024 = TP 8 x PP 16", r"peak memory per rank",
-                                 r"^\s+512\s+\(0, 0, 8, 0\)")),
+            check=checks.printed(r"^dry run: world 1024 = TP 8 x PP 16", r"peak memory per pipeline stage",
+                                 r"^\s+512\s+\(0, 0, 8, 0\)", r"^verdict: highest peak")),
+    # DeepSeek-V3 671B: every one of its 16 stages differs, about 15 minutes of CPU
+    'python -m megalite.pretrain_gpt --dry-run --dry-run-world-size 1024 --mock-data --tokenizer-type '
+    'NullTokenizer --vocab-size 129279 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 '
+    '--num-attention-heads 128 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type '
+    'rope --rotary-base 10000 --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout '
+    '0.0 --hidden-dropout 0.0 --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 '
+    '--qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm --rope-type yarn --rotary-scaling-factor 40 '
+    '--mscale 1.0 --mscale-all-dim 1.0 --num-experts 256 --moe-ffn-hidden-size 2048 '
+    '--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 --moe-layer-freq "[0]*3+[1]*58" '
+    '--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 8 '
+    '--moe-router-group-topk 4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 '
+    '--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-token-dispatcher-type '
+    'alltoall --moe-grouped-gemm --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 --tensor-model-parallel-size '
+    '2 --sequence-parallel --pipeline-model-parallel-size 16 --decoder-first-pipeline-num-layers 3 '
+    '--decoder-last-pipeline-num-layers 2 --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 '
+    '--seq-length 4096 --micro-batch-size 1 --global-batch-size 512 --bf16 --use-distributed-optimizer --lr '
+    '2.2e-4 --train-iters 1':
+        Run("readme-dry-run-deepseek-v3", slow=True, timeout=3000,
+            check=checks.printed(r"^dry run: world 1024 = TP 2 x PP 16 \(x1 virtual\) x DP 32; 256 experts top-8, EP 64",
+                                 r"^\s+960\s+\(0, 0, 15, 0\)", r"^verdict: highest peak")),
     # Usage: plan a layout (sizes toy; the finalists' launch lines: test_plan_finalists_run)
     "python tools/plan.py --cluster a100 --num-gpus 1024 -- --num-layers 96 --hidden-size 12288 "
     "--num-attention-heads 96 --seq-length 2048 --global-batch-size 1536 --bf16 --tokenizer-type NullTokenizer "
