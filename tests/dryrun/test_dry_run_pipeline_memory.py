@@ -47,6 +47,7 @@ def test_tracker_keeps_no_input_of_a_stage_alive(tracker, recompute):
     assert any(name.endswith("layers.0") for name in seen_in_backward), seen_in_backward
 
 
+@pytest.mark.slow
 def test_interleaved_stage_holds_the_same_activations_for_any_number_of_micro_batches():
     peaks = {}
     for m in (4, 8, 16):

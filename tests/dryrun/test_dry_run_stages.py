@@ -113,6 +113,7 @@ def test_dry_run_reports_every_distinct_stage_and_the_highest_that_does_not_fit(
     assert "measuring 5 of 6 pipeline stages" in out.stderr
 
 
+@pytest.mark.slow
 def test_members_of_a_distinct_stage_measure_the_same():
     """The grouping's claim checked: with every stage measured (--dry-run-all-stages), the
     stages of one group hold the same bytes at the peak, at most at once and after the step,

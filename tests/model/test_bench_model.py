@@ -62,6 +62,7 @@ def _check_rows(rows, row_keys, batch_of):
         assert len(firsts) == 1, f"{model}: megalite rows disagree on the initial loss {firsts}"
 
 
+@pytest.mark.slow
 def test_cpu_smoke_rows_without_triton(tmp_path):
     report = tmp_path / "report.md"
     keys = ["no-kernels", "no-kernels-compile"]

@@ -72,7 +72,7 @@ def distopt_checkpoint(tmp_path_factory, single_process):
     return _saved_at_cp2(tmp_path_factory.mktemp("distopt_cp2"), single_process, ["--use-distributed-optimizer"])
 
 
-@pytest.mark.parametrize("world, cp", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)],
+@pytest.mark.parametrize("world, cp", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow), pytest.param(4, 4, marks=pytest.mark.slow)],
                          ids=["cp1-single", "cp2-dp1", "cp4"])
 def test_distributed_optimizer_checkpoint_at_cp2_resumes_at_other_cp_sizes(tmp_path, single_process,
                                                                            distopt_checkpoint, world, cp):

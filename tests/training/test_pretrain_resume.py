@@ -58,6 +58,7 @@ def test_exact_resume_after_sigterm_to_one_rank(tmp_path, uninterrupted):
     _resume_and_compare(tmp_path, uninterrupted, stopped)
 
 
+@pytest.mark.slow
 def test_exact_resume_after_sigkill_following_a_checkpoint(tmp_path, uninterrupted):
     ranks = launch(_args(tmp_path, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"), 4, tmp_path / "logs")
     wait_for(lambda: read_tracker(tmp_path / "ckpt") == 3 and len(train_losses(tmp_path / "metrics.jsonl")) >= 4,
@@ -67,6 +68,7 @@ def test_exact_resume_after_sigkill_following_a_checkpoint(tmp_path, uninterrupt
     _resume_and_compare(tmp_path, uninterrupted, stopped)
 
 
+@pytest.mark.slow
 def test_reshard_tp2_pp2_to_tp1_dp4_with_distributed_optimizer(tmp_path):
     common = BASE + ["--train-iters", str(ITERS), "--eval-interval", "4", "--eval-iters", "2",
                      "--hidden-dropout", "0", "--attention-dropout", "0"]
