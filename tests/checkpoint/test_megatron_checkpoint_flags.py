@@ -198,6 +198,7 @@ def _save_replicated(rank, world, root):
     return rank
 
 
+@pytest.mark.slow
 def test_ckpt_fully_parallel_save_spreads_the_writes(tmp_path):
     from tests.distributed import run_distributed
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.kernels import triton_common
@@ -48,12 +49,11 @@ def test_sm_count_is_asked_once_per_device(monkeypatch):
     assert len(asked) == 1 + 3  # the cached lookup once; the live one (operator path, dry runs) every time
 
 
+@pytest.mark.slow
 def test_host_overhead_benchmark_prints_its_table():
     """tools/benchmarks/bench_host_overhead.py runs without a GPU (launches stubbed) and prints one
     row per op; its numbers are reported, not asserted."""
     if torch.cuda.is_available():
-        import pytest
-
         pytest.skip("a GPU is present: the benchmark would time real launches (run it by hand)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -30,6 +30,7 @@ def _saved_optimizer_steps(ckpt, iteration: int) -> int:
     return json.loads((iteration_dir(ckpt, iteration) / "common.json").read_text())["optimizer"]["step"]
 
 
+@pytest.mark.slow
 def test_no_load_optim_no_load_rng_and_exit_duration(trained_run, tmp_path):
     """From iteration 4: weights, iteration and consumed samples load; optimizer, scheduler
     (as in Megatron) and RNG start afresh. The tiny --exit-duration-in-mins (counted from the

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tools" / "benchmarks" / "bench_data_parallel.py"
 SMOKE = ["--layers", "1", "--hidden", "64", "--vocab", "256", "--seq", "16", "--rounds", "2", "--bucket-size", "10000"]
@@ -30,6 +32,7 @@ def _rows(stdout: str, names) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_both_tables_from_the_measured_numbers(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
