@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-import triton
 
 from megalite.kernels import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference
+from megalite.kernels.activations_triton import bias_gelu_backward_launch
 from tests.kernels.checks import (assert_forward_close, assert_grad_close, assert_row_sum_close, grads_fp64,
-                                  rows_with_several_blocks_per_program, summation_depth)
+                                  summation_depth)
 
 # Under the interpreter sigmoid's exp(-x) overflows to inf for very negative x (numpy warns); the
 # result, 1 / (1 + inf) = 0, is the right one.
@@ -56,18 +56,16 @@ def test_bias_gelu(shape, dtype, with_bias, approximate, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("f", [130, 1100], ids=["one_column_block", "two_column_blocks"])
-def test_bias_gelu_backward_programs_loop_over_row_blocks(f, dtype, device):
-    """The backward's programs each take several row blocks, the last one partial: their running
-    dbias sums add up every block (per column block when f spans more than one). In fp32 dbias, a
-    sum over thousands of rows of the kernel's own dx values, is held to the bound on summing in
-    another order (checks.assert_row_sum_close)."""
-    from megalite.kernels import activations_triton
-    from megalite.kernels.triton_common import sm_count
-
-    sms = sm_count(torch.device(device))
-    rows = rows_with_several_blocks_per_program(
-        lambda n: activations_triton.bias_gelu_backward_launch(n, f, True, sms)[0:3:2])
+@pytest.mark.parametrize("f", [100, 1100], ids=["one_column_block", "several_column_blocks"])
+def test_bias_gelu_backward_sums_row_blocks(f, dtype, device):
+    """The backward's programs each take one tile and write its dbias column sums; torch sums
+    them over row blocks, the last block partial (per column block when f spans several). In
+    fp32 dbias, a sum over hundreds of rows of the kernel's own dx values, is held to the bound on
+    summing in another order (checks.assert_row_sum_close)."""
+    _, _, block_m, _, _ = bias_gelu_backward_launch(1024, f, True)
+    rows = 5 * block_m + 3
+    row_blocks, col_blocks, block_m, block_n, _ = bias_gelu_backward_launch(rows, f, True)
+    assert row_blocks == 6 and (col_blocks > 1) == (f > block_n)
     g = torch.Generator().manual_seed(rows + f)
     x = _randn((rows, f), dtype, device, g, scale=3.0).requires_grad_()
     bias = _randn((f,), dtype, device, g).requires_grad_()
@@ -81,9 +79,19 @@ def test_bias_gelu_backward_programs_loop_over_row_blocks(f, dtype, device):
     if dtype != torch.float32:
         assert_grad_close(dbias, want_dbias, dtype, f"{name} dbias")
         return
-    programs, _, block_m = activations_triton.bias_gelu_backward_launch(rows, f, True, sms)[:3]
-    depth = summation_depth(block_m, triton.cdiv(rows, block_m), programs)
+    depth = summation_depth(block_m, row_blocks, row_blocks)
     assert_row_sum_close(dbias, want_dbias, dx.double(), depth, f"{name} dbias")
+
+
+def test_bias_gelu_backward_tile_fits_the_register_budget():
+    """The backward's tile is 2048 elements at 8 a thread (8 warps) with a bias, at most 128
+    columns wide so that the dbias partials stay <= 1/8 of dx's bytes (the sm_90 compile test
+    checks the registers)."""
+    for rows, f in ((16384, 3072), (16384, 14336), (8, 64), (4096, 16384)):
+        row_blocks, col_blocks, block_m, block_n, num_warps = bias_gelu_backward_launch(rows, f, True)
+        assert block_m * block_n <= 2048 and block_n <= 128 and num_warps <= 8
+        assert row_blocks * f * 4 <= rows * f * 2 / 8 or row_blocks == 1
+        assert row_blocks * block_m >= rows and col_blocks * block_n >= f
 
 
 def test_swiglu_3d_strided(device):

@@ -64,3 +64,19 @@ def test_host_overhead_benchmark_prints_its_table():
     assert [r[0].strip() for r in rows[1:]] == ["rms_norm", "swiglu"]
     assert all(r[3].strip() == "1" and r[6].strip() == "1" for r in rows[1:])  # one launch forward, one backward
     assert "trivial Triton launch:" in proc.stdout
+
+
+def test_host_overhead_rows_without_a_launch_counter():
+    """On a real GPU launches are not counted (the counter gives None): the first H100 run crashed
+    subtracting None from None. measure() must give None launches and markdown() print '-'."""
+    sys.path.insert(0, str(ROOT / "tools" / "benchmarks"))
+    try:
+        import bench_host_overhead as bench
+    finally:
+        sys.path.remove(str(ROOT / "tools" / "benchmarks"))
+    x = torch.randn(4, 8, requires_grad=True)
+    row = bench.measure("double", [x], torch.ones(4, 8), lambda t: t * 2, calls=2, counter=lambda: None)
+    assert row["fwd_launches"] is None and row["bwd_launches"] is None
+    assert row["fwd_us"] > 0
+    line = bench.markdown([dict(row, impl="megalite triton")], trivial=1.0, round_trip=1.0).splitlines()[-1]
+    assert line.split("|")[4].strip() == "-" and line.split("|")[7].strip() == "-"

@@ -56,6 +56,17 @@ def test_issue23_runs_predicted_beside_measured(name):
     assert predicted_ms(name, preset("h100", 1)) > predicted_ms(name, preset("h200", 1))
 
 
+# The first H100 run (2026-11-26, gpu_check.sh: H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0,
+# the kernels and host path rebuilt since the H200 run): ms per step, median of iterations 3-8.
+H100_MEASURED = {"1.1B": 316.7, "8B layers, DO": 416.0, "1.1B full recompute": 396.5}
+
+
+@pytest.mark.parametrize("name", H100_MEASURED)
+def test_h100_runs_within_5_percent(name):
+    """Issue 23's planner target, met on an H100 with the h100 preset (-0.2%, +2.2%, -0.6% then)."""
+    assert predicted_ms(name, preset("h100", 1)) == pytest.approx(H100_MEASURED[name], rel=0.05)
+
+
 @pytest.mark.xfail(strict=True, reason="issue 23's 5% target for the 1.1B run is not met (-7%): about 20 ms of "
                                        "its 300 ms step are not kernel time in this model (see notes)")
 def test_1p1b_within_5_percent():

@@ -167,14 +167,15 @@ def measure(name: str, inputs, grad_out, fn, calls: int, counter) -> dict:
     def forward_backward():
         torch.autograd.grad(fn(*inputs), inputs, grad_out)
 
-    launches = []
+    launches = []  # None where launches are not counted (a real GPU)
     for step in (forward, forward_backward):
         before = counter()
         step()
-        launches.append(counter() - before)
+        launches.append(None if before is None else counter() - before)
     fwd = per_call_us(forward, calls)
     both = per_call_us(forward_backward, calls)
-    return dict(op=name, fwd_us=fwd, fwd_launches=launches[0], bwd_us=both - fwd, bwd_launches=launches[1] - launches[0])
+    bwd_launches = None if launches[0] is None else launches[1] - launches[0]
+    return dict(op=name, fwd_us=fwd, fwd_launches=launches[0], bwd_us=both - fwd, bwd_launches=bwd_launches)
 
 
 class _NoOp(torch.autograd.Function):

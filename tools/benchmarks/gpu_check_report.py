@@ -130,13 +130,33 @@ def parse_steps(logs: Path) -> list[dict]:
     return rows
 
 
+_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_TEST_ID = re.compile(r"(tests/\S+::\S+)")
+
+
+def log_summary(log: Path) -> str:
+    """A pytest run killed before it wrote its --junitxml: the outcomes its verbose log (-v, one
+    line per test, with or without xdist's [gwN] prefix) names, the failures by name."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    outcomes = {}
+    for line in lines:
+        outcome, test = _OUTCOME.search(line), _TEST_ID.search(line)
+        if outcome and test and not line.startswith(("FAILED ", "ERROR ")):  # not the short summary
+            outcomes[test.group(1)] = outcome.group(1)
+    if not outcomes:
+        return f"no result file; the log ends: {lines[-1].strip()[:200]}" if lines else "no result file"
+    count = {k: sum(v == k for v in outcomes.values()) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    failed = [t.split("/")[-1] for t, v in outcomes.items() if v in ("FAILED", "ERROR")]
+    text = (f"killed before the end: {count['PASSED']} passed, {count['FAILED'] + count['ERROR']} failed, "
+            f"{count['SKIPPED']} skipped")
+    return text + (": " + ", ".join(failed[:12]) + (" ..." if len(failed) > 12 else "") if failed else "")
+
+
 def junit_summary(path: Path) -> str:
-    """Passed, failed and skipped tests of a --junitxml file (a run killed before writing it: the
-    last line of its log)."""
+    """Passed, failed and skipped tests of a --junitxml file (a run killed before writing it: what
+    its log says)."""
     if not path.exists():
-        log = path.with_suffix(".log")
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
-        return f"no result file; the log ends: {tail[-1].strip()[:200]}" if tail else "no result file"
+        return log_summary(path.with_suffix(".log"))
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
