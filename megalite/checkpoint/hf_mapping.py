@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megalite.checkpoint.hf_config_fields import cfg as _cfg
+from megalite.checkpoint.hf_config_fields import llama_style_fields
+from megalite.checkpoint.hf_config_fields import refuse as _refuse
 from megalite.model.config import GPTConfig
 from megalite.checkpoint import hf_mapping_deepseek as deepseek
 from megalite.checkpoint.hf_mapping_moe import (MOE_MODEL_TYPES, config_from_hf_moe, hf_config_dict_moe, moe_family_of,
@@ -22,15 +25,6 @@ Get = Callable[[str], torch.Tensor]
 
 DENSE_ROPE_FAMILIES = ("llama", "qwen3")  # rotary, dense MLP; the MoE families map their MLP in hf_mapping_moe
 _GPT2_ACTIVATIONS = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}
-
-
-def _cfg(hf_config, name, default=None):
-    value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
-    return default if value is None else value
-
-
-def _refuse(field: str, value, expected: str):
-    raise ValueError(f"unsupported Hugging Face config: {field}={value!r} (megalite supports {expected})")
 
 
 def family_of(config: GPTConfig) -> str:
@@ -145,16 +139,8 @@ def config_from_hf(hf_config) -> GPTConfig:
             theta = rope.get("rope_theta", theta)
         heads = _cfg(hf_config, "num_attention_heads")
         return GPTConfig(
-            num_layers=_cfg(hf_config, "num_hidden_layers"), hidden_size=_cfg(hf_config, "hidden_size"),
-            num_attention_heads=heads, num_query_groups=_cfg(hf_config, "num_key_value_heads", heads),
-            kv_channels=_cfg(hf_config, "head_dim"), ffn_hidden_size=_cfg(hf_config, "intermediate_size"),
-            vocab_size=_cfg(hf_config, "vocab_size"), max_position_embeddings=_cfg(hf_config, "max_position_embeddings"),
-            position_embedding_type="rope", rotary_base=float(theta), normalization="RMSNorm",
-            norm_epsilon=_cfg(hf_config, "rms_norm_eps", 1e-6), activation="swiglu",
-            add_bias_linear=bool(_cfg(hf_config, "attention_bias", False)),
-            untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
-            init_method_std=_cfg(hf_config, "initializer_range", 0.02),
-            attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
+            **llama_style_fields(hf_config, theta), num_query_groups=_cfg(hf_config, "num_key_value_heads", heads),
+            kv_channels=_cfg(hf_config, "head_dim"), add_bias_linear=bool(_cfg(hf_config, "attention_bias", False)),
             qk_layernorm=model_type == "qwen3", **scaling,
         )
     _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', " + ", ".join(map(repr, MOE_MODEL_TYPES))

@@ -25,6 +25,9 @@ from collections.abc import Iterator
 
 import torch
 
+from megalite.checkpoint.hf_config_fields import cfg as _cfg
+from megalite.checkpoint.hf_config_fields import llama_style_fields
+from megalite.checkpoint.hf_config_fields import refuse as _refuse
 from megalite.model.config import GPTConfig
 from megalite.model.mla_config import MLAConfig
 from megalite.model.moe_config import MoEConfig
@@ -34,15 +37,6 @@ _ATTENTION = (("linear_q_proj", "q_proj"), ("linear_q_down_proj", "q_a_proj"), (
               ("linear_q_up_proj", "q_b_proj"), ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
               ("kv_layernorm", "kv_a_layernorm"), ("linear_kv_up_proj", "kv_b_proj"), ("linear_proj", "o_proj"))
 _MTP = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_layernorm", "shared_head.norm"))
-
-
-def _cfg(hf_config, name, default=None):
-    value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
-    return default if value is None else value
-
-
-def _refuse(field: str, value, expected: str):
-    raise ValueError(f"unsupported Hugging Face config: {field}={value!r} (megalite supports {expected})")
 
 
 def _mla_from_hf(hf_config) -> MLAConfig:
@@ -97,18 +91,11 @@ def config_from_hf_deepseek(hf_config) -> GPTConfig:
                             ("pretraining_tp", 1)):
         if _cfg(hf_config, field, expected) != expected:
             _refuse(field, _cfg(hf_config, field), repr(expected))
-    heads, layers = _cfg(hf_config, "num_attention_heads"), _cfg(hf_config, "num_hidden_layers")
+    layers = _cfg(hf_config, "num_hidden_layers")
     rope = _cfg(hf_config, "rope_parameters") or {}
     theta = rope.get("rope_theta", _cfg(hf_config, "rope_theta", 10000.0))
     return GPTConfig(
-        num_layers=layers, hidden_size=_cfg(hf_config, "hidden_size"), num_attention_heads=heads,
-        ffn_hidden_size=_cfg(hf_config, "intermediate_size"), vocab_size=_cfg(hf_config, "vocab_size"),
-        max_position_embeddings=_cfg(hf_config, "max_position_embeddings"), position_embedding_type="rope",
-        rotary_base=float(theta), normalization="RMSNorm", norm_epsilon=_cfg(hf_config, "rms_norm_eps", 1e-6),
-        activation="swiglu", add_bias_linear=False, qk_layernorm=True,
-        untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
-        init_method_std=_cfg(hf_config, "initializer_range", 0.02),
-        attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0,
+        **llama_style_fields(hf_config, theta), add_bias_linear=False, qk_layernorm=True,
         mla=_mla_from_hf(hf_config), moe=_moe_from_hf(hf_config, layers),
         mtp_num_layers=_cfg(hf_config, "num_nextn_predict_layers", _cfg(hf_config, "num_mtp_layers", 0)) or None)
 

@@ -18,19 +18,13 @@ from collections.abc import Iterator
 
 import torch
 
+from megalite.checkpoint.hf_config_fields import cfg as _cfg
+from megalite.checkpoint.hf_config_fields import llama_style_fields
+from megalite.checkpoint.hf_config_fields import refuse as _refuse
 from megalite.model.config import GPTConfig
 from megalite.model.moe_config import MoEConfig
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
-def _cfg(hf_config, name, default=None):
-    value = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
-    return default if value is None else value
-
-
-def _refuse(field: str, value, expected: str):
-    raise ValueError(f"unsupported Hugging Face config: {field}={value!r} (megalite supports {expected})")
 
 
 def moe_family_of(config: GPTConfig) -> str | None:
@@ -95,15 +89,8 @@ def config_from_hf_moe(hf_config) -> GPTConfig:
             _refuse("qkv_bias", False, "True for Qwen2-MoE")
         qkv_bias = not qwen3
     return GPTConfig(
-        num_layers=layers, hidden_size=_cfg(hf_config, "hidden_size"), num_attention_heads=heads,
-        num_query_groups=_cfg(hf_config, "num_key_value_heads", heads), kv_channels=_cfg(hf_config, "head_dim"),
-        ffn_hidden_size=_cfg(hf_config, "intermediate_size"), vocab_size=_cfg(hf_config, "vocab_size"),
-        max_position_embeddings=_cfg(hf_config, "max_position_embeddings"), position_embedding_type="rope",
-        rotary_base=float(theta), normalization="RMSNorm", norm_epsilon=_cfg(hf_config, "rms_norm_eps", 1e-6),
-        activation="swiglu", add_bias_linear=False, add_qkv_bias=qkv_bias,
-        untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
-        init_method_std=_cfg(hf_config, "initializer_range", 0.02),
-        attention_dropout=_cfg(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0, moe=moe,
+        **llama_style_fields(hf_config, theta), num_query_groups=_cfg(hf_config, "num_key_value_heads", heads),
+        kv_channels=_cfg(hf_config, "head_dim"), add_bias_linear=False, add_qkv_bias=qkv_bias, moe=moe,
         qk_layernorm=model_type == "qwen3_moe")
 
 
