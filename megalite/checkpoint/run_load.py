@@ -26,6 +26,7 @@ from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError
 from megalite.checkpoint.dcp_checkpoint import (TRACKER, load_checkpoint, load_optimizer_state,
                                                  published_iteration_dir, read_tracker)
 from megalite.checkpoint.integrity import verify_integrity_manifest
+from megalite.checkpoint.model_match import check_model_matches, stored_model_config
 from megalite.checkpoint.megatron_resume import load_optimizer, open_optimizer_state, restore_rng, scheduler_state
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,11 @@ def load_for_run(ckpt, chunks, pstate, tracker) -> dict | None:
                                    pstate, iteration, tracker)
         else:
             check_format(ckpt, load_dir, iteration)
+            notes = check_model_matches(stored_model_config(load_dir, iteration), chunks[0].config, load_dir,
+                                        new_run=ckpt.finetune or pretrained)
+            if pstate.rank == 0:
+                for note in notes:
+                    print(note, flush=True)
             no_rng = ckpt.no_load_rng or ckpt.finetune or pretrained
             common = load_checkpoint(load_dir, chunks=chunks, pstate=pstate, rng_tracker=tracker, load_rng=not no_rng,
                                      fallback=ckpt.ckpt_fallback_to_previous and iteration is None, iteration=iteration)

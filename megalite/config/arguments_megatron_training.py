@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from megalite.parallel.pipeline.schedules import validate_schedule
 from megalite.config.arguments_field import arg, on_cpu
-from megalite.config.schedules import batch_schedule_from_args, parse_threshold
+from megalite.config.schedules import batch_schedule_from_args
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
@@ -76,7 +76,12 @@ class MegatronTrainingArgs:
         "reproduced, the run stops (exit 17, a possible transient fault); reproduced, it saves a checkpoint "
         "and stops (exit 16) so that a job resumed on another device tells a persistent fault (exit 17) "
         "from a correct result. report_stats: every step runs twice and the differences are reported every --log-interval. "
-        "disabled: a NaN step is only counted.", choices=RERUN_MODES)
+        "disabled: nothing is re-run (--check-for-nan-in-loss-and-grad still stops at a NaN step).",
+        choices=RERUN_MODES)
+    check_for_nan_in_loss_and_grad: bool | None = arg(
+        True, "Stop the run at a step whose gradients hold a NaN or Inf (its update not applied), as Megatron "
+        "does; off, such a step is skipped and counted. Off by itself with --fp16's dynamic loss scaling, "
+        "where such steps lower the scale.", negative_flag="--no-check-for-nan-in-loss-and-grad")
     error_injection_rate: int = arg(
         0, "Reject one in this many result validations on purpose (0: none), as Megatron's fault injection "
         "does, to exercise --rerun-mode validate_results; each loss-computing rank validates each micro-batch's "
@@ -328,6 +333,9 @@ def megatron_training_notes(args) -> list[str]:
     if args.error_injection_rate and args.rerun_mode != "validate_results":
         notes.append(f"--error-injection-rate {args.error_injection_rate}: no effect with --rerun-mode "
                      f"{args.rerun_mode} (Megatron injects only where results are validated, validate_results)")
+    if args.fp16 and args.loss_scale is None and args.check_for_nan_in_loss_and_grad:
+        notes.append("--fp16 with dynamic loss scaling: a step with NaN or Inf gradients lowers the scale and is "
+                     "skipped, not stopped (Megatron turns --check-for-nan-in-loss-and-grad off there too)")
     if args.use_pytorch_profiler:
         notes.append("--use-pytorch-profiler: megalite's --profile always uses torch.profiler")
     if args.enable_cuda_graph:

@@ -297,6 +297,7 @@ class TrainingConfig:
     exit_duration_in_mins: float | None
     exit_reason_file: str | None
     rerun_mode: str
+    check_for_nan_in_loss_and_grad: bool  # resolved: off under --fp16's dynamic loss scaling, as Megatron
     error_injection_rate: int
     error_injection_type: str
     test_mode: bool
@@ -316,7 +317,9 @@ class TrainingConfig:
     @classmethod
     def from_args(cls, args) -> "TrainingConfig":
         return _options(cls, args, cuda_graph_impl=cuda_graph_impl_of(args),
-                        cuda_graph_scope=cuda_graph_scope_of(args))
+                        cuda_graph_scope=cuda_graph_scope_of(args),
+                        check_for_nan_in_loss_and_grad=bool(args.check_for_nan_in_loss_and_grad)
+                        and not (args.fp16 and args.loss_scale is None))
 
 
 @dataclass(frozen=True)

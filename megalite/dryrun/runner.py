@@ -23,7 +23,6 @@ from megalite.dryrun.step_tracker import AcyclicModTracker, StepMemTracker
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.moe import moe_layers
-from megalite.parallel import comm
 from megalite.parallel.context import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.expert.dispatch import AllToAllDispatcher

@@ -15,6 +15,7 @@ all-gather runs while the other chunks are updated.
 """
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,10 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
                                self.loss_scaler.scale)
                 return False, None, None
         grad_norm = self.global_grad_norm()
+        if not math.isfinite(grad_norm):  # every rank sees the same global norm: all skip together
+            logger.warning("inf/NaN in the gradients (norm %s), skipping this step (iteration %d)", grad_norm,
+                           iteration or self.num_attempts)
+            return False, grad_norm, None
         if self.clip_grad > 0:
             coeff = self.clip_grad / (grad_norm + 1e-6)
             if coeff < 1.0:

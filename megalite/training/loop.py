@@ -110,7 +110,8 @@ class Trainer:
         injector = ErrorInjector(training.error_injection_rate, training.error_injection_type, run.pstate.rank,
                                  training.seed + 100 * run.pstate.pp_rank)
         self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say,
-                                rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True))
+                                rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True),
+                                check_nan=training.check_for_nan_in_loss_and_grad)
         if run.loaded_from and not self.ckpt.finetune:  # (run.rerun_record is None after a pretrained load)
             self.rerun.load(run.rerun_record, run.pstate.world_size,
                             run.checkpoint_layout in (None, layout_record(run.pstate)))
@@ -282,6 +283,12 @@ class Trainer:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
+            if not ok and grad_norm is not None and self.training.check_for_nan_in_loss_and_grad:
+                raise RerunFault(
+                    f"iteration {run.iteration + 1}: the gradients hold NaN or Inf (norm {grad_norm}"
+                    + ("" if loss is None else f", loss {loss}") + "); the step was not applied. Megatron stops "
+                    "here too (--check-for-nan-in-loss-and-grad, on by default); --no-check-for-nan-in-loss-and-grad "
+                    "skips such steps instead")
             update_expert_bias(run.models, run.pstate.dp_cp_group)
         if ok:
             run.scheduler.step(batch)

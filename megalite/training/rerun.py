@@ -15,7 +15,8 @@ rerun_state_machine.py), to tell a transient fault from a persistent one or a co
                           device, exit 16 again (Megatron's "rescheduled on the same GPU").
     report_stats      every step is run twice; every --log-interval one line reports how many
                       re-runs gave a different loss and the largest difference.
-    disabled          nothing is re-run (a NaN iteration is counted, as megalite always does).
+    disabled          nothing is re-run; a step with NaN or Inf gradients still stops the run
+                      (exit 17) unless --no-check-for-nan-in-loss-and-grad, which skips it.
 
 The step's micro-batches are kept (a list of this step's batches, only on ranks that read data)
 and the RNG states (torch's CPU and CUDA generators and the model-parallel tracker) are saved
@@ -26,8 +27,7 @@ import math
 
 import torch
 
-from megalite.training.rerun_injection import (ERROR_NAMES, INF_MESSAGE, NAN_MESSAGE, ErrorInjector,
-                                               compare_floats, device_identity)
+from megalite.training.rerun_injection import ERROR_NAMES, INF_MESSAGE, NAN_MESSAGE, ErrorInjector, device_identity
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # Megatron's exit codes
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
@@ -50,10 +50,12 @@ def finite(loss) -> bool:
 
 class RerunState:
     def __init__(self, mode: str, tracker, device, agree, say, *, rank: int = 0, injector: ErrorInjector | None = None,
-                 log=print, identity=None):
+                 log=print, identity=None, check_nan: bool = True):
         """`agree(values) -> values`: the element-wise maximum over all ranks; `say`: rank 0's
-        print; `log`: this rank's print; `identity()`: the (node, device) this rank runs on."""
+        print; `log`: this rank's print; `identity()`: the (node, device) this rank runs on;
+        `check_nan`: a NaN or Inf loss is a rejected result (--check-for-nan-in-loss-and-grad)."""
         self.mode, self.tracker, self.device, self.agree, self.say = mode, tracker, device, agree, say
+        self.check_nan = check_nan
         self.rank, self.log = rank, log
         self.injector = injector or ErrorInjector(rank=rank)
         self.identity = identity or (lambda: device_identity(torch.device(device)))
@@ -98,7 +100,7 @@ class RerunState:
             injected = self.injector.maybe_inject()
             if injected:
                 self.log(f"Injecting error type {ERROR_NAMES[self.injector.kind]}")
-            if injected or (math.isnan(loss) if call % 2 == 0 else math.isinf(loss)):
+            if injected or self.check_nan and (math.isnan(loss) if call % 2 == 0 else math.isinf(loss)):
                 where = f" invocation #{call // 2 + 1}" if injected else ""
                 self.log(f"Unexpected result {loss} on rank {self.rank} at iteration #{iteration}{where} "
                          f"(message='{message}')")

@@ -159,7 +159,7 @@ README = {
     "--position-embedding-type rope --rotary-base 500000 --disable-bias-linear --untie-embeddings-and-output-weights "
     "--seq-length 8192 --micro-batch-size 1 --global-batch-size 128 --lr 3e-4 --train-iters 1 --attention-dropout 0 "
     "--hidden-dropout 0":
-        Run("readme-dry-run-405b", slow=True, timeout=900,
+        Run("readme-dry-run-405b", slow=True, timeout=1800,
             check=checks.printed(r"^dry run: world 1024 = TP 8 x PP 16", r"peak memory per pipeline stage",
                                  r"^\s+512\s+\(0, 0, 8, 0\)", r"^verdict: highest peak")),
     # DeepSeek-V3 671B: every one of its 16 stages differs, about 15 minutes of CPU

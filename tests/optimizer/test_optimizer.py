@@ -15,6 +15,8 @@ test_data_parallel.py: max|ours - reference| / max|reference| per tensor, within
 import contextlib
 import logging
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +74,24 @@ def test_clipping_uses_the_global_norm_and_decay_skips_1d_params():
     plain_ids = {id(p) for p in plain["params"]}
     names = {m.name for m in optimizer.mains if id(m.main) in plain_ids}
     assert names == {n for n, p in chunk.module.named_parameters() if p.ndim == 1}
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_a_nan_gradient_skips_the_step_without_touching_the_parameters(params_dtype):
+    """No loss scaler (bf16, fp32): a NaN gradient made the global norm NaN, the clipping factor
+    NaN, and every parameter NaN with `ok` True. The step is now skipped (the loop stops the run
+    unless --no-check-for-nan-in-loss-and-grad) and nothing changes."""
+    chunk, optimizer = build(SINGLE, "gpt2", clip_grad=1.0, params_dtype=params_dtype)
+    before = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
+    mains = [m.main.detach().clone() for m in optimizer.mains]
+    tokens, labels, mask = (t[:4] for t in micro_batches(0, 0, 1, GLOBAL_BATCH)[0])
+    masked_mean_loss(chunk(tokens, labels=labels), mask).backward()
+    finalize_model_grads([chunk], SINGLE)
+    next(p for p in chunk.module.parameters() if p.ndim == 2).main_grad.view(-1)[3] = float("nan")
+    ok, norm, zeros = optimizer.step(iteration=1)
+    assert not ok and math.isnan(norm) and zeros is None
+    assert all(torch.equal(p, before[n]) for n, p in chunk.module.named_parameters())
+    assert all(torch.equal(m.main, old) for m, old in zip(optimizer.mains, mains))
 
 
 def test_sgd_matches_torch_sgd_and_counts_zero_gradients():

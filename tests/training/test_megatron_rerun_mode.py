@@ -23,10 +23,10 @@ from megalite.parallel.random import seed_everything
 from tests.training.launch import BASE, drop_flags, launch, run
 
 
-def _state(mode, injector=None, identity=("node", "cpu:0")):
+def _state(mode, injector=None, identity=("node", "cpu:0"), check_nan=True):
     said = []
     state = RerunState(mode, None, torch.device("cpu"), lambda values: values, said.append, injector=injector,
-                       log=said.append, identity=lambda: identity)
+                       log=said.append, identity=lambda: identity, check_nan=check_nan)
     return state, said
 
 
@@ -63,6 +63,18 @@ def test_validate_results_follows_megatrons_state_machine():
         "the tolerance (2.25 != inf)!",
         "Rank 0, node node, device cpu:0, iteration #2: Possible transient error!!",
         "Exiting now. The job can be resumed from a previous checkpoint"]
+
+
+def test_without_the_nan_check_a_nan_loss_is_not_a_rejected_result():
+    """--no-check-for-nan-in-loss-and-grad: Megatron validates no loss for NaN or Inf, so nothing
+    is re-run; an injected rejection still is."""
+    state, said = _state("validate_results", check_nan=False)
+    for iteration, loss in ((1, 1.0), (2, math.nan), (3, math.inf)):
+        assert state.check(iteration, loss, lambda: pytest.fail("re-ran an unchecked NaN")) is None
+    assert said == ["Result validation enabled"]
+    injected, _ = _state("validate_results", ErrorInjector(1, "transient_error", 0, 0), check_nan=False)
+    injected.check(1, 1.0, lambda: pytest.fail("the first iteration is not validated"))
+    assert _fault(injected, 2, 1.0, 2.0).exit_code == 17
 
 
 def test_report_stats_and_disabled_say_nothing_of_validation():
@@ -150,7 +162,7 @@ DIVERGING = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
              "--distributed-backend", "gloo", "--train-iters", "6", "--eval-iters", "0"]
 
 
-def test_persistent_nan_checkpoints_and_exits_16_and_disabled_counts_it(tmp_path):
+def test_persistent_nan_checkpoints_and_exits_16_and_disabled_stops_or_skips(tmp_path):
     ranks = launch(DIVERGING + ["--save", str(tmp_path / "ckpt")], 1, tmp_path / "default")  # validate_results
     assert ranks.wait() == [16]
     log = ranks.logs[0].read_text()
@@ -162,12 +174,21 @@ def test_persistent_nan_checkpoints_and_exits_16_and_disabled_counts_it(tmp_path
     assert common["rerun_state_machine"]["iteration"] == stopped_at
     assert common["rerun_state_machine"]["ranks"][0]["failed"]["message"] == \
         "found NaN in local forward loss calculation"
-    run(DIVERGING + ["--rerun-mode", "disabled", "--metrics-file", str(tmp_path / "m.jsonl")], 1,
-        tmp_path / "disabled")
-    assert "Result validation enabled" not in (tmp_path / "disabled" / "rank0.log").read_text()
+    # disabled: nothing is re-run, but --check-for-nan-in-loss-and-grad (Megatron's default) stops
+    # the run at the step, its update not applied (before, the NaN update was applied and the run went on)
+    ranks = launch(DIVERGING + ["--rerun-mode", "disabled"], 1, tmp_path / "disabled", separate_stderr=True)
+    assert ranks.wait() == [17]
+    assert "Result validation enabled" not in ranks.logs[0].read_text()
+    [line] = ranks.stderr(0).strip().splitlines()[-1:]
+    assert line.startswith(f"pretrain_gpt: error: iteration {stopped_at}: the gradients hold NaN or Inf (norm nan, "
+                           "loss nan); the step was not applied."), line
+    assert line.endswith("--no-check-for-nan-in-loss-and-grad skips such steps instead")
+    # --no-check-for-nan-in-loss-and-grad: no rejected result even in validate_results, the step is skipped
+    run(DIVERGING + ["--no-check-for-nan-in-loss-and-grad", "--metrics-file", str(tmp_path / "m.jsonl")], 1,
+        tmp_path / "unchecked")
     records = read_metrics(str(tmp_path / "m.jsonl"))[0]
     assert sorted(records) == list(range(1, 7)) and sum(r["nan_iterations"] for r in records.values()) >= 1
-    assert not math.isfinite(records[stopped_at]["lm_loss"])
+    assert records[stopped_at]["skipped_iterations"] == 1 and not math.isfinite(records[stopped_at]["lm_loss"])
     assert all(math.isfinite(records[i]["lm_loss"]) for i in range(1, stopped_at))
 
 

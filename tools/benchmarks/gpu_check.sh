@@ -175,7 +175,8 @@ if wants tests; then
     KERNEL_TESTS=(tests/kernels/test_to_dtype.py); TP_FILTER="cuda or rng_tracker_streams"
   fi
   TRITON_INTERPRET=$([ "$MODE" = gpu ] && echo 0 || echo 1) step tests-kernels "$(budget $(( ${BUDGET_TESTS:-200} * 3 / 4 )))" \
-    "$PY" -m pytest -v -rfE -p no:cacheprovider -p no:benchmark "${KERNEL_TESTS[@]}" --junitxml="$LOGS/tests-kernels.xml"
+    "$PY" -m pytest -v -rfE --durations 15 -p no:cacheprovider -p no:benchmark "${KERNEL_TESTS[@]}" \
+    --junitxml="$LOGS/tests-kernels.xml"
   TRITON_INTERPRET=$([ "$MODE" = gpu ] && echo 0 || echo 1) step tests-tp-cuda "$(budget $(( ${BUDGET_TESTS:-200} / 4 )))" \
     "$PY" -m pytest -q -p no:cacheprovider tests/model/test_gpt_tp.py tests/parallel/tensor/test_tp_layers.py \
     -k "$TP_FILTER" --junitxml="$LOGS/tests-tp-cuda.xml"

@@ -18,8 +18,7 @@ does; see actions.py).
 
 from collections import deque
 
-from megalite.parallel.pipeline.actions import (B, F, W, Action, with_aligned_leading_receives,
-                                                with_communication, with_communication_between_steps)
+from megalite.parallel.pipeline.actions import B, F, W, Action, with_aligned_leading_receives, with_communication
 
 PIPELINE_FLAG = "--pipeline-model-parallel-size"
 VIRTUAL_FLAG = "--num-virtual-stages-per-pipeline-rank"
