@@ -20,8 +20,10 @@
     megatron_pickle     Megatron's pickles through an allowlist       read (the safe unpickler)
     megatron_resume     Megatron-LM optimizer, schedule, RNG -> a run read
     run_load            --load for a run, whatever wrote it           read
+    model_match         --load's model against the stored one         read (refuses a reinterpretation)
     hf_reader           a Hugging Face model directory                read
     hf_mapping(_moe)    Hugging Face family names and configs         both
+    hf_config_fields    a Hugging Face config's fields, read once     read
     hf_mapping_deepseek Hugging Face DeepseekV3ForCausalLM (MLA, MTP) both
     hf_weights          Hugging Face state dicts <-> a model chunk    both, in memory
     safetensors_io      safetensors files, one tensor at a time       both

@@ -22,7 +22,7 @@ from megalite.checkpoint.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor
-from megalite.training.rerun import WILL_RERUN_FROM_CHECKPOINT, RerunFault, RerunState
+from megalite.training.rerun import WILL_RERUN_FROM_CHECKPOINT, RerunFault, RerunState, non_finite_gradients
 from megalite.training.rerun_injection import ErrorInjector
 from megalite.training.run_hooks import RunHooks
 from megalite.training.setup_run import Run, build_data, data_iterator
@@ -284,11 +284,7 @@ class Trainer:
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
             if not ok and grad_norm is not None and self.training.check_for_nan_in_loss_and_grad:
-                raise RerunFault(
-                    f"iteration {run.iteration + 1}: the gradients hold NaN or Inf (norm {grad_norm}"
-                    + ("" if loss is None else f", loss {loss}") + "); the step was not applied. Megatron stops "
-                    "here too (--check-for-nan-in-loss-and-grad, on by default); --no-check-for-nan-in-loss-and-grad "
-                    "skips such steps instead")
+                raise non_finite_gradients(run.iteration + 1, grad_norm, loss)
             update_expert_bias(run.models, run.pstate.dp_cp_group)
         if ok:
             run.scheduler.step(batch)

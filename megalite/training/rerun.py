@@ -44,6 +44,15 @@ class RerunFault(RuntimeError):
         self.exit_code, self.save_checkpoint = exit_code, save_checkpoint
 
 
+def non_finite_gradients(iteration: int, grad_norm: float, loss) -> RerunFault:
+    """--check-for-nan-in-loss-and-grad: the step whose global gradient norm is NaN or Inf (the
+    optimizer did not apply it) stops the run, as Megatron's check does."""
+    return RerunFault(f"iteration {iteration}: the gradients hold NaN or Inf (norm {grad_norm}"
+                      + ("" if loss is None else f", loss {loss}") + "); the step was not applied. Megatron stops "
+                      "here too (--check-for-nan-in-loss-and-grad, on by default); --no-check-for-nan-in-loss-and-grad "
+                      "skips such steps instead")
+
+
 def finite(loss) -> bool:
     return loss is None or math.isfinite(loss)
 
