@@ -211,11 +211,12 @@ def check_run(results: list[dict], layouts: dict, run) -> None:
     assert compare([r[f"{layout}/{dispatcher}/{router}"] for r in results], ref) == []
 
 
-def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
+def layer_errors(pstate: ParallelState, dispatcher: str, expert_bias: list[float] | None = None, **moe) -> dict:
     """One MoE layer at this EP size against the EP = 1 layer on the same tokens, a different
     number of tokens on each rank (3 + rank sequences positions): relative errors of the output,
     the input gradient, the router gradient and each local expert's gradient (the EP = 1
-    gradients summed over the EP group, as every rank's tokens reach the expert)."""
+    gradients summed over the EP group, as every rank's tokens reach the expert).
+    `expert_bias`: both routers' (with moe enable_expert_bias), to steer tokens off experts."""
     from megalite.model.moe import MoELayer
     from tests.model.moe_reference import tiny_config
 
@@ -225,6 +226,8 @@ def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
         for name, module in model.named_modules():
             if hasattr(module, "reset_parameters") and module is not model:
                 module.reset_parameters(torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name))))
+        if expert_bias is not None:
+            model.router.expert_bias.copy_(torch.tensor(expert_bias))
     g = torch.Generator().manual_seed(pstate.rank)
     x = torch.randn(3 + pstate.rank, 2, HIDDEN, generator=g)
     grad = torch.randn(x.shape, generator=g)
