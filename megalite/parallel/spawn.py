@@ -6,22 +6,24 @@ benchmarks and experiments on one machine; training runs use torchrun or srun).
 calls fn(rank, world_size, arg1, arg2) in each process (fn must be a module-level function)
 and returns the per-rank return values. A failure on any rank raises here with that rank's
 traceback, a rank that dies without one (killed, or a crash outside Python) at once; a hang is
-killed after `timeout` seconds without a result. The process group's
-timeout is `timeout` too, or gloo's default (30 min) if that is longer, so a rank may wait in
-a collective as long as run_distributed waits for it.
+killed after `timeout` seconds without a result. A rank waiting longer than `collective_timeout`
+seconds in one collective or transfer, on any group (those `fn` creates included), fails with
+gloo's timeout error and its traceback: a deadlock names where each rank waits instead of
+running into `timeout` or the test's.
 """
 
 import io
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.constants import default_pg_timeout
+from torch.distributed import distributed_c10d
 
 from megalite.parallel.state import ParallelLayout, ParallelState
 
@@ -40,13 +42,16 @@ def pair_state(rank: int) -> ParallelState:
     return ParallelState(ParallelLayout(2), rank % 2, {"dp": group, "world": group})
 
 
-def _worker(rank, world_size, port, timeout, fn, args, results):
+def _worker(rank, world_size, port, collective_timeout, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=max(timedelta(seconds=timeout), default_pg_timeout))
+        wait = timedelta(seconds=collective_timeout)
+        # Groups made without a timeout (ParallelState.create's, a test's own new_group) take
+        # torch's default, not the world group's: set that default too, in this process only.
+        distributed_c10d.default_pg_timeout = wait
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=wait)
         out = fn(rank, world_size, *args)
         # Tensors go by value: a queue would share their storage with a process about to exit.
         buffer = io.BytesIO()
@@ -59,25 +64,29 @@ def _worker(rank, world_size, port, timeout, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300):
+def run_distributed(fn, world_size: int, *args, timeout: float = 300, collective_timeout: float = 300):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out = {}
+    out, errors, deadline = {}, {}, None
     try:
         waited = 0.0
-        while len(out) < world_size:
+        while len(out) + len(errors) < world_size:
             try:
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
                 waited += 1.0
                 # a rank that died without reporting (killed, crashed in C++) would leave the others
                 # waiting in a collective: say so now instead of after the whole timeout
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in out and r not in errors and p.exitcode is not None]
                 if dead and results.empty():
                     raise RuntimeError(f"{fn.__name__}: rank {dead[0][0]} exited with status {dead[0][1]} without a "
                                        "result or a traceback (killed, or crashed outside Python)")
@@ -86,9 +95,17 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
                                        f"{sorted(set(range(world_size)) - set(out))} within {timeout}s")
                 continue
             waited = 0.0
-            if status == "error":
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
+            if status == "ok":
+                out[rank] = torch.load(io.BytesIO(value), weights_only=True)
+                continue
+            errors[rank] = value
+            if "Timed out" not in value:
+                break
+            # A collective timed out: in a deadlock every rank's wait does, each traceback naming
+            # where that rank waits; collect them for a while
+            deadline = deadline or time.monotonic() + collective_timeout + 10
+        if errors:
+            raise RuntimeError("\n".join(f"{fn.__name__} failed on rank {r}:\n{tb}" for r, tb in errors.items()))
     finally:
         for p in procs:
             p.join(timeout=10)

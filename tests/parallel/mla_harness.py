@@ -5,24 +5,22 @@ one dense layer, two multi-token prediction depths) for STEPS Adam steps at any 
 single-process run: per-step losses and logged MTP and auxiliary losses, the first step's full
 gradients, the final full parameters and expert biases, and eval logits."""
 
-import contextlib
-
 import torch
 
 from megalite.model.config import GPTConfig
-from megalite.model.moe import reduce_logged_losses, set_loss_backward_scale, update_expert_bias
+from megalite.model.moe import reduce_logged_losses, update_expert_bias
 from megalite.model.moe_config import MoEConfig
 from megalite.model.mtp import reduce_mtp_losses
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.mixed_precision import build_optimizer
-from megalite.parallel import comm
-from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.per_token_loss import PerTokenLoss, scale_main_grads, token_factor
+from megalite.training.per_token_loss import PerTokenLoss
 from tests.numerics import rel_error
 from tests.parallel.expert.ep_harness import HIDDEN, OPTIM, SEQ, VOCAB, compare, eval_logits, full_state, rank_batches
+from tests.parallel.train_step import train_step
 
 STEPS, NUM_LAYERS, MTP_DEPTHS = 6, 4, 2
 
@@ -75,25 +73,7 @@ def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt
     out = {"losses": [], "mtp": [], "aux": []}
     for step in range(steps):
         optimizer.zero_grad()
-        set_loss_backward_scale(models, 1.0 / m, per_token_loss=per_token)
-        if per_token:
-            forward_step.tokens = 0
-        if executor is not None:
-            loss = executor.run(batches_of(step))
-        else:
-            loss = 0.0
-            for i, batch in enumerate(batches_of(step)):
-                with contextlib.nullcontext() if i == m - 1 else chunks[0].no_sync():
-                    micro = forward_step(chunks[0], batch, None) / m
-                    micro.backward()
-                loss += float(micro.detach())
-        finalize_model_grads(chunks, pstate)
-        if per_token:
-            factor = token_factor(forward_step, pstate, m, torch.device("cpu"))
-            scale_main_grads(chunks, factor)
-            if loss is not None:  # each CP rank's is the sum over its own tokens
-                loss = float(comm.all_reduce(torch.tensor(loss * factor, dtype=torch.float64), pstate.cp_group))
-        out["losses"].append(None if loss is None else float(loss))
+        out["losses"].append(train_step(chunks, pstate, batches_of(step), forward_step, executor, per_token))
         world = pstate.world_group
         out["mtp"].append(reduce_mtp_losses(models, MTP_DEPTHS, world))
         out["aux"].append(reduce_logged_losses(models, NUM_LAYERS + MTP_DEPTHS, world))

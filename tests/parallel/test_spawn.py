@@ -1,5 +1,7 @@
 """run_distributed (megalite/parallel/spawn.py): a rank that dies without reporting is named at
-once, not after the whole timeout while the other ranks wait in a collective."""
+once, not after the whole timeout while the other ranks wait in a collective; a rank waiting in
+a collective its peer never joins, on a group the function made itself, fails after the
+collective timeout with gloo's error and its traceback."""
 
 import os
 import time
@@ -22,6 +24,22 @@ def _rank_sum(rank, world_size):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return t
+
+
+def _rank_1_never_joins(rank, world_size):
+    group = dist.new_group([0, 1])  # no timeout given: the default, which run_distributed sets
+    if rank == 1:
+        time.sleep(15)  # alive past rank 0's timeout, so its wait ends by that, not by a closed connection
+        return torch.ones(1)
+    dist.all_reduce(torch.ones(1), group=group)
+    return torch.ones(1)
+
+
+def test_a_rank_that_waits_for_good_fails_after_the_collective_timeout():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)_rank_1_never_joins failed on rank 0:.*all_reduce.*Timed out"):
+        run_distributed(_rank_1_never_joins, 2, timeout=120, collective_timeout=2)
+    assert time.monotonic() - started < 60
 
 
 def test_a_rank_that_dies_silently_is_named_at_once():

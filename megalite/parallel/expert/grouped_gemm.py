@@ -20,6 +20,8 @@ def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: list[int], use_gr
     if use_grouped and torch_grouped_mm_usable(x, weights):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weights, offs=offsets)
-    if x.shape[0] == 0:
-        return x.new_zeros((0, weights.shape[-1]))
+    # No shortcut for zero rows: the empty products keep the output in the autograd graph, so a
+    # rank whose experts got no tokens still runs the backward's dispatcher collectives (its
+    # all-to-all, gathers and reduce-scatters) with the ranks that did; a fresh empty tensor
+    # would cut them out of its backward and leave those ranks waiting there.
     return torch.cat([rows @ w for rows, w in zip(x.split(counts), weights.unbind(0))])

@@ -2,13 +2,11 @@
 expert-parallel tests compare with the single-process EP = 1 run: per-step losses, the first
 step's full gradients, the final full parameters (and expert biases) and eval logits."""
 
-import contextlib
-
 import torch
 
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import masked_mean_loss
-from megalite.model.moe import set_loss_backward_scale, update_expert_bias
+from megalite.model.moe import update_expert_bias
 from megalite.model.moe_config import MoEConfig
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.memory_report import memory_report
@@ -16,14 +14,15 @@ from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, split_sequence
 from megalite.parallel.context.split import local_positions
-from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import FSDPChunk, apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState, tensor_split_of
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.training.per_token_loss import PerTokenLoss, scale_main_grads, token_factor
+from megalite.training.per_token_loss import PerTokenLoss
 from tests.numerics import rel_error
+from tests.parallel.train_step import train_step
 
 VOCAB, SEQ, MICRO, GLOBAL, HIDDEN, STEPS = 64, 8, 2, 8, 16, 2
 OPTIM = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, clip_grad=1.0)
@@ -111,25 +110,7 @@ def train(pstate: ParallelState, config: GPTConfig, dist_opt=False, steps=STEPS,
     result = {"losses": []}
     for step in range(steps):
         optimizer.zero_grad()
-        set_loss_backward_scale(models, 1.0 / m, per_token_loss=per_token)
-        if per_token:
-            forward_step.tokens = 0
-        if executor is not None:
-            loss = executor.run(batches_of(step))
-        else:
-            loss = 0.0
-            for i, batch in enumerate(batches_of(step)):
-                with contextlib.nullcontext() if i == m - 1 else chunks[0].no_sync():
-                    micro_loss = forward_step(chunks[0], batch, None) / m
-                    micro_loss.backward()
-                loss += float(micro_loss.detach())
-        finalize_model_grads(chunks, pstate)
-        if per_token:
-            factor = token_factor(forward_step, pstate, m, torch.device("cpu"))
-            scale_main_grads(chunks, factor)
-            if loss is not None:  # each CP rank's is the sum over its own tokens
-                loss = float(comm.all_reduce(torch.tensor(loss * factor, dtype=torch.float64), pstate.cp_group))
-        result["losses"].append(None if loss is None else float(loss))
+        result["losses"].append(train_step(chunks, pstate, batches_of(step), forward_step, executor, per_token))
         if step == 0 and not dist_opt:
             result["grads"] = full_state(chunks, pstate, grads=True)
         optimizer.step()
@@ -211,11 +192,12 @@ def check_run(results: list[dict], layouts: dict, run) -> None:
     assert compare([r[f"{layout}/{dispatcher}/{router}"] for r in results], ref) == []
 
 
-def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
+def layer_errors(pstate: ParallelState, dispatcher: str, expert_bias: list[float] | None = None, **moe) -> dict:
     """One MoE layer at this EP size against the EP = 1 layer on the same tokens, a different
     number of tokens on each rank (3 + rank sequences positions): relative errors of the output,
     the input gradient, the router gradient and each local expert's gradient (the EP = 1
-    gradients summed over the EP group, as every rank's tokens reach the expert)."""
+    gradients summed over the EP group, as every rank's tokens reach the expert).
+    `expert_bias`: both routers' (with moe enable_expert_bias), to steer tokens off experts."""
     from megalite.model.moe import MoELayer
     from tests.model.moe_reference import tiny_config
 
@@ -225,6 +207,8 @@ def layer_errors(pstate: ParallelState, dispatcher: str, **moe) -> dict:
         for name, module in model.named_modules():
             if hasattr(module, "reset_parameters") and module is not model:
                 module.reset_parameters(torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name))))
+        if expert_bias is not None:
+            model.router.expert_bias.copy_(torch.tensor(expert_bias))
     g = torch.Generator().manual_seed(pstate.rank)
     x = torch.randn(3 + pstate.rank, 2, HIDDEN, generator=g)
     grad = torch.randn(x.shape, generator=g)

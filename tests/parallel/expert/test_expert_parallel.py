@@ -6,7 +6,8 @@ per-step losses, the first step's gradients, the final parameters and expert bia
 logits all equal the reference within 1e-5 relative. One MoE layer at EP = 4 with a different
 token count on each rank, capacity dropping on (pad and position policies) and off, equals the
 EP = 1 layer on the same tokens (outputs, input, router and expert gradients). One spawn of 4
-processes runs them all."""
+processes runs them all. An EP rank whose experts receive no token still joins the backward's
+collectives (a spawn of 2, failing in 30 s should it wait in one)."""
 
 import math
 
@@ -63,3 +64,22 @@ def test_layer_at_ep4_with_variable_tokens_per_rank(results, dispatcher, case):
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
 def test_expert_parallel_equals_ep1(results, run):
     check_run(results, LAYOUTS, run)
+
+
+def _starved_worker(rank, world_size):
+    state = expert_state(ep=2)
+    # Sigmoid routing with expert bias: the bias picks the experts, so no token picks 4 to 7 (EP rank 1's)
+    steer = dict(score_function="sigmoid", enable_expert_bias=True, expert_bias=[0.0] * 4 + [-1e3] * 4)
+    return {dispatcher: layer_errors(state, dispatcher, **steer) for dispatcher in ("alltoall", "allgather")}
+
+
+def test_rank_whose_experts_get_no_tokens():
+    """EP = 2: EP rank 1's experts receive no rows from either rank. Its backward still runs the
+    dispatcher's collectives (it used to skip them, the other rank waiting there for good), its
+    experts get zero gradients, and everything equals EP = 1."""
+    for rank, r in enumerate(run_distributed(_starved_worker, 2, timeout=120, collective_timeout=30)):
+        for dispatcher, errors in r.items():
+            errors = dict(errors)
+            counts = errors.pop("counts")
+            assert (counts == [0] * 4) == (rank == 1), (rank, dispatcher, counts)
+            assert all(err <= TOL for err in errors.values()), (rank, dispatcher, errors)

@@ -1,5 +1,5 @@
 """grouped_mm: the loop of matmuls equals per-expert matmuls (empty experts included, gradients
-too); on a CUDA device of compute capability 9.0 with bf16 (faked: FakeTensorMode, no GPU
+too; with no rows at all its output stays in the autograd graph); on a CUDA device of compute capability 9.0 with bf16 (faked: FakeTensorMode, no GPU
 needed) --moe-grouped-gemm takes torch._grouped_mm with int32 cumulative offsets, and without
 the flag the loop."""
 
@@ -26,7 +26,17 @@ def test_loop_matches_per_expert_matmuls():
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
     assert torch.equal(gw[1], torch.zeros(6, 7))
-    assert grouped_mm(x[:0], w, [0, 0, 0, 0]).shape == (0, 7)
+
+
+def test_no_rows_stay_in_the_graph():
+    """A rank whose experts got no tokens: the empty output still depends on the rows and the
+    weights, so that rank's backward runs the dispatcher's collectives as its EP peers do."""
+    x = torch.randn(10, 6, requires_grad=True)
+    w = torch.randn(4, 6, 7, requires_grad=True)
+    y = grouped_mm(x[:0], w, [0, 0, 0, 0])
+    assert y.shape == (0, 7) and y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(10, 6)) and torch.equal(w.grad, torch.zeros(4, 6, 7))
 
 
 def test_cuda_path_uses_torch_grouped_mm():
