@@ -171,3 +171,16 @@ def test_a_killed_test_run_names_its_failures_from_the_verbose_log(tmp_path):
     assert text == "killed before the end: 2 passed, 1 failed, 1 skipped: test_rotary.py::test_b[cuda]"
     (tmp_path / "tests-kernels.log").write_text("......F...\n")
     assert report.junit_summary(tmp_path / "tests-kernels.xml") == "no result file; the log ends: ......F..."
+
+
+def test_the_graphed_run_is_held_against_its_compiled_twin(tmp_path):
+    """The compiled 1.1B runs differ in the CUDA graphs alone (both without dropout): the report
+    gives their largest relative loss difference (the first H100 run, dropout in one of them
+    only, left their losses 10x apart)."""
+    for name, losses in (("1b-compile", [10.0, 8.0, 4.0]), ("1b-compile-graphs", [10.0, 8.0, 4.4])):
+        (tmp_path / f"run-{name}.jsonl").write_text("\n".join(json.dumps(
+            {"iteration": i, "lm_loss": loss, "elapsed_ms_per_iteration": 300.0, "mfu": 0.4, "memory_mb": 1.0,
+             "memory_kind": "cuda_max_allocated"}) for i, loss in enumerate(losses, 1)))
+    row = report.run_row(tmp_path, "1b-compile-graphs", "h100")
+    assert row.endswith("; losses against 1b-compile: largest relative difference 1.0e-01 over 3 iterations")
+    assert "losses against" not in report.run_row(tmp_path, "1b-compile", "h100")

@@ -239,7 +239,24 @@ def run_row(logs: Path, name: str, cluster: str) -> str:
     text = (f"measured {measured}; dry run {_against(dry_run_peak(logs / f'dry-{name}.log'), memory, 'MiB')}; "
             f"planner ({cluster}) {_against(plan_ms(logs / f'plan-{name}.json'), ms, 'ms')}")
     fresh = plan_ms(logs / f"plan-rates-{name}.json")
-    return text + (f"; planner with this GPU's rates {_against(fresh, ms, 'ms')}" if fresh is not None else "")
+    text += f"; planner with this GPU's rates {_against(fresh, ms, 'ms')}" if fresh is not None else ""
+    twin = TWINS.get(name)
+    return text + (f"; {loss_difference(logs / f'run-{name}.jsonl', logs / f'run-{twin}.jsonl', twin)}" if twin else "")
+
+
+# runs that differ from their twin in one setting only: their losses should agree
+TWINS = {"1b-compile-graphs": "1b-compile"}
+
+
+def loss_difference(path: Path, twin_path: Path, twin: str) -> str:
+    """The largest relative difference between two runs' per-iteration losses."""
+    losses = [{r["iteration"]: r["lm_loss"] for r in map(json.loads, p.read_text().splitlines()) if "lm_loss" in r}
+              if p.exists() else {} for p in (path, twin_path)]
+    common = sorted(set(losses[0]) & set(losses[1]))
+    if not common:
+        return f"losses against {twin}: n/a"
+    worst = max(abs(losses[0][i] - losses[1][i]) / abs(losses[1][i]) for i in common)
+    return f"losses against {twin}: largest relative difference {worst:.1e} over {len(common)} iterations"
 
 
 def profile_row(logs: Path) -> str:
