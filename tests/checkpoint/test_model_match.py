@@ -4,9 +4,6 @@ line naming the flag, before any tensor is read; the context-extension knobs are
 --finetune every difference is noted and the run goes on."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import asdict, replace
 
 import pytest
@@ -16,8 +13,7 @@ from megalite.checkpoint.model_match import check_model_matches, model_differenc
 from megalite.model.config import GPTConfig
 from megalite.model.mla_config import MLAConfig
 from megalite.model.moe_config import MoEConfig
-from tests.distributed import free_port
-from tests.training.launch import BASE, REPO, drop_flags
+from tests.training.launch import BASE, drop_flags, launch
 
 
 def _stored(config: GPTConfig) -> dict:
@@ -73,28 +69,28 @@ def test_a_field_the_checkpoint_does_not_store_is_not_compared():
     assert check_model_matches(None, run, "ckpt", new_run=False) == []
 
 
-def _pretrain(*extra):
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _pretrain(log_dir, *extra):
+    """(exit status, ranks) of a one-process run on BASE with `extra` flags replacing its own."""
     args = [*drop_flags(BASE, *(flag for flag in extra if flag.startswith("--"))), "--train-iters", "4",
             "--eval-iters", "0", *extra]
-    return subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
+    ranks = launch(args, 1, log_dir, separate_stderr=True)
+    return ranks.wait()[0], ranks
 
 
 def test_pretrain_gpt_refuses_a_resume_with_more_heads_of_the_same_shape(tmp_path):
     """8 heads of 8 channels instead of 4 of 16: every tensor has the checkpoint's shape, so only
     the stored model_config can tell (before this check the run resumed, computing another model)."""
     ckpt = tmp_path / "ckpt"
-    assert _pretrain("--save", str(ckpt)).returncode == 0
+    code, ranks = _pretrain(tmp_path / "save", "--save", str(ckpt))
+    assert code == 0, ranks.output()
     heads = ["--num-attention-heads", "8", "--num-query-groups", "4"]
-    proc = _pretrain("--load", str(ckpt), *heads)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+    code, ranks = _pretrain(tmp_path / "refused", "--load", str(ckpt), *heads)
+    assert code == 2, ranks.output()
+    assert ranks.stderr(0).strip().splitlines() == [
         f"pretrain_gpt: error: --load {ckpt}: the checkpoint's model has num_attention_heads=4 but this run's has 8 "
         "(--num-attention-heads) (and 2 more): its weights would compute another model; give the checkpoint's "
         "value, or --finetune to start a new run from these weights"]
-    proc = _pretrain("--load", str(ckpt), *heads, "--finetune")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, ranks = _pretrain(tmp_path / "finetune", "--load", str(ckpt), *heads, "--finetune")
+    assert code == 0, ranks.output()
     assert (f"--load {ckpt}: num_attention_heads was 4 in the checkpoint, 8 in this run (--num-attention-heads; "
-            "a new run from these weights)") in proc.stdout
+            "a new run from these weights)") in ranks.logs[0].read_text()

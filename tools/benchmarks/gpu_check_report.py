@@ -249,9 +249,11 @@ TWINS = {"1b-compile-graphs": "1b-compile"}
 
 
 def loss_difference(path: Path, twin_path: Path, twin: str) -> str:
-    """The largest relative difference between two runs' per-iteration losses."""
-    losses = [{r["iteration"]: r["lm_loss"] for r in map(json.loads, p.read_text().splitlines()) if "lm_loss" in r}
-              if p.exists() else {} for p in (path, twin_path)]
+    """The largest relative difference between two runs' per-iteration training losses."""
+    from megalite.training.metrics import read_metrics
+
+    losses = [{i: r["lm_loss"] for i, r in read_metrics(str(p))[0].items() if "lm_loss" in r} if p.exists() else {}
+              for p in (path, twin_path)]
     common = sorted(set(losses[0]) & set(losses[1]))
     if not common:
         return f"losses against {twin}: n/a"
