@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megalite.config.arguments import parse_args  # noqa: E402
-from megalite.checkpoint.dcp_format import CheckpointError  # noqa: E402
-from megalite.checkpoint.dcp_storage import dcp_failure  # noqa: E402
+from megalite.checkpoint.dcp.format import CheckpointError  # noqa: E402
+from megalite.checkpoint.dcp.storage import dcp_failure  # noqa: E402
 from megalite.training.rerun import RerunFault  # noqa: E402
 
 
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             _failed(error)
     dist.barrier()
     if args.exit_reason_file and dist.get_rank() == 0:
-        from megalite.checkpoint.dcp_checkpoint import write_text_atomic
+        from megalite.checkpoint.dcp.checkpoint import write_text_atomic
 
         Path(args.exit_reason_file).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.exit_reason_file), reason + "\n")

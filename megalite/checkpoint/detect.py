@@ -5,7 +5,7 @@ given and what to run instead, rather than that a file of its own format is miss
 import shlex
 from pathlib import Path
 
-from megalite.checkpoint.megatron_reader import TRACKER, megatron_format
+from megalite.checkpoint.megatron.reader import TRACKER, megatron_format
 
 LOADERS = {"megalite": "megalite", "Megatron-LM torch": "megatron", "Megatron-LM torch_dist": "megatron",
            "Hugging Face": "hf"}  # convert.py's --loader for each kind

@@ -15,12 +15,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.config import GPTConfig
-from megalite.checkpoint.dcp_format import (
+from megalite.checkpoint.dcp.format import (
     CheckpointError, and_more, read_metadata_file, single_process_dcp, verify_files,
 )
-from megalite.checkpoint.dcp_storage import SafeFileSystemReader, dcp_failure, first_sentence, read_record
+from megalite.checkpoint.dcp.storage import SafeFileSystemReader, dcp_failure, first_sentence, read_record
 from megalite.checkpoint.detect import checkpoint_kind, convert_first
-from megalite.checkpoint.dcp_checkpoint import TRACKER, published_iteration_dir, read_tracker
+from megalite.checkpoint.dcp.checkpoint import TRACKER, published_iteration_dir, read_tracker
 
 
 def read_common(load_dir, iteration: int | None = None) -> tuple[dict, int]:

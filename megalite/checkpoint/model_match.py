@@ -15,8 +15,8 @@ weights, where Megatron compares nothing) every difference is noted.
 import json
 from dataclasses import asdict
 
-from megalite.checkpoint.dcp_checkpoint import published_iteration_dir, read_tracker
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.dcp.checkpoint import published_iteration_dir, read_tracker
+from megalite.checkpoint.dcp.format import CheckpointError
 from megalite.model.config import GPTConfig
 
 # GPTConfig fields whose change reinterprets the weights, with the flag that sets each

@@ -3,9 +3,9 @@ Megatron-LM (torch or torch_dist), with Megatron's checkpoint policies: --ckpt-f
 --auto-detect-ckpt-format, --ckpt-step, --pretrained-checkpoint, --use-checkpoint-args,
 --dist-ckpt-strictness, the scheduler flags, and --save-retain-interval's pruning.
 
-A Megatron checkpoint is read with megalite.checkpoint.megatron_reader: every rank reads the full
+A Megatron checkpoint is read with megalite.checkpoint.megatron.reader: every rank reads the full
 tensors of its own parameters and keeps its TP slice; its optimizer state, schedule and RNG
-states follow Megatron's rules (megatron_resume.py): a full resume where the layout is
+states follow Megatron's rules (megatron/resume.py): a full resume where the layout is
 readable, a refusal naming the file otherwise.
 """
 
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.megatron_pickle import safe_torch_load
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint, megatron_format, megatron_iteration_dir
+from megalite.checkpoint.megatron.safe_pickle import safe_torch_load
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint, megatron_format, megatron_iteration_dir
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.weights import load_full_weights
-from megalite.checkpoint.dcp_format import VOCAB_PARAMS, CheckpointError
-from megalite.checkpoint.dcp_checkpoint import (TRACKER, load_checkpoint, load_optimizer_state,
+from megalite.checkpoint.dcp.format import VOCAB_PARAMS, CheckpointError
+from megalite.checkpoint.dcp.checkpoint import (TRACKER, load_checkpoint, load_optimizer_state,
                                                  published_iteration_dir, read_tracker)
-from megalite.checkpoint.integrity import verify_integrity_manifest
+from megalite.checkpoint.dcp.integrity import verify_integrity_manifest
 from megalite.checkpoint.model_match import check_model_matches, stored_model_config
-from megalite.checkpoint.megatron_resume import load_optimizer, open_optimizer_state, restore_rng, scheduler_state
+from megalite.checkpoint.megatron.resume import load_optimizer, open_optimizer_state, restore_rng, scheduler_state
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def restore_scheduler(scheduler, state: dict, ckpt) -> None:
     default), this run's (--override-opt_param-scheduler) or the checkpoint's
     (--use-checkpoint-opt_param-scheduler)."""
     if ckpt.use_checkpoint_opt_param_scheduler:
-        from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
+        from megalite.config.run import DECAY_STYLES, WSD_DECAY_STYLES
 
         scheduler.max_lr, scheduler.min_lr, scheduler.init_lr = state["max_lr"], state["min_lr"], state["init_lr"]
         scheduler.warmup_steps, scheduler.decay_steps = state["warmup_steps"], state["decay_steps"]

@@ -20,23 +20,23 @@ from dataclasses import asdict, dataclass, fields
 import yaml
 
 from megalite.model.config import GPTConfig
-from megalite.config.arguments_context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
-from megalite.config.arguments_dist_opt import DistOptArgs
-from megalite.config.arguments_dry_run import DryRunArgs
-from megalite.config.arguments_field import MEGALITE, arg, flag_of
-from megalite.config.arguments_megatron_data import MegatronDataArgs
-from megalite.config.arguments_megatron_fim import MegatronFimArgs
-from megalite.config.arguments_megatron_logging import MegatronLoggingArgs
-from megalite.config.arguments_megatron_model import MegatronModelArgs, megatron_model_fields
-from megalite.config.arguments_megatron_training import MegatronTrainingArgs
-from megalite.config.arguments_model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
-from megalite.config.arguments_megatron_checkpoint import MegatronCheckpointArgs
-from megalite.config.arguments_mla import MLAArgs, mla_model_fields
-from megalite.config.arguments_moe import MoEArgs, moe_config_from_args
-from megalite.config.arguments_mup import MupArgs, mup_model_fields
-from megalite.config.arguments_run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
+from megalite.config.context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
+from megalite.config.dist_opt import DistOptArgs
+from megalite.config.dry_run import DryRunArgs
+from megalite.config.field import MEGALITE, arg, flag_of
+from megalite.config.megatron.data import MegatronDataArgs
+from megalite.config.megatron.fim import MegatronFimArgs
+from megalite.config.megatron.logs import MegatronLoggingArgs
+from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fields
+from megalite.config.megatron.training import MegatronTrainingArgs
+from megalite.config.model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
+from megalite.config.megatron.checkpoint import MegatronCheckpointArgs
+from megalite.config.mla import MLAArgs, mla_model_fields
+from megalite.config.moe import MoEArgs, moe_config_from_args
+from megalite.config.mup import MupArgs, mup_model_fields
+from megalite.config.run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
-from megalite.config.arguments_validate import (default_ffn_hidden_size, layout_from_args,
+from megalite.config.validate import (default_ffn_hidden_size, layout_from_args,
                                                   validate_args)
 
 __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "validate_args",

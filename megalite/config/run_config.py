@@ -19,18 +19,18 @@ from dataclasses import dataclass, fields
 import torch
 
 from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
-from megalite.config.arguments_dist_opt import data_parallel_plan, dist_opt_notes, tp_comm_overlap_settings
-from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
-from megalite.config.arguments_megatron_data import megatron_data_notes
-from megalite.config.arguments_megatron_fim import fim_notes, fim_transform_from_args
-from megalite.config.arguments_megatron_logging import megatron_logging_notes
-from megalite.config.arguments_megatron_model import start_up_notes, tokenizer_from_args
-from megalite.config.arguments_megatron_training import (cuda_graph_impl_of, cuda_graph_scope_of,
+from megalite.config.dist_opt import data_parallel_plan, dist_opt_notes, tp_comm_overlap_settings
+from megalite.config.megatron.checkpoint import checkpoint_flag_notes
+from megalite.config.megatron.data import megatron_data_notes
+from megalite.config.megatron.fim import fim_notes, fim_transform_from_args
+from megalite.config.megatron.logs import megatron_logging_notes
+from megalite.config.megatron.model import start_up_notes, tokenizer_from_args
+from megalite.config.megatron.training import (cuda_graph_impl_of, cuda_graph_scope_of,
                                                          interleaved_group_size, megatron_training_notes,
                                                          split_accounting)
-from megalite.config.arguments_mla import mla_notes
-from megalite.config.arguments_moe import dense_expert_notes
-from megalite.config.arguments_mup import mup_notes, mup_width_mult
+from megalite.config.mla import mla_notes
+from megalite.config.moe import dense_expert_notes
+from megalite.config.mup import mup_notes, mup_width_mult
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
 from megalite.parallel.state import ParallelLayout
@@ -238,7 +238,7 @@ class CheckpointConfig:
 
     @classmethod
     def from_args(cls, args) -> "CheckpointConfig":
-        # Megatron-FSDP's fsdp_dtensor is written as megalite's DCP checkpoints (arguments_dist_opt.py)
+        # Megatron-FSDP's fsdp_dtensor is written as megalite's DCP checkpoints (dist_opt.py)
         return _options(cls, args, ckpt_format="dcp" if args.ckpt_format == "fsdp_dtensor" else args.ckpt_format)
 
 

@@ -7,7 +7,7 @@ holds the conversions and their command line (tools/checkpoint/convert.py, megal
 """
 
 from megalite.checkpoint.publish import ConversionError
-from megalite.checkpoint.target_layout import TargetLayout
+from megalite.checkpoint.dcp.target_layout import TargetLayout
 from megalite.convert.converters import Summary, hf_to_megalite, megalite_to_hf, megalite_to_megalite
 
 __all__ = ["ConversionError", "Summary", "TargetLayout", "hf_to_megalite", "megalite_to_hf", "megalite_to_megalite"]

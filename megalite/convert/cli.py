@@ -22,9 +22,9 @@ from megalite.convert.hints import hint_text
 from megalite.checkpoint.megalite_reader import read_common
 from megalite.convert.megatron_converters import megatron_to_hf, megatron_to_megalite
 from megalite.checkpoint.publish import ConversionError
-from megalite.checkpoint.safetensors_io import parse_size
-from megalite.checkpoint.target_layout import TargetLayout
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.hf.safetensors_io import parse_size
+from megalite.checkpoint.dcp.target_layout import TargetLayout
+from megalite.checkpoint.dcp.format import CheckpointError
 from megalite.checkpoint.detect import LOADERS, checkpoint_kind
 
 

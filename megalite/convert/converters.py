@@ -14,19 +14,19 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.dcp_writer import StreamingDCPWriter
-from megalite.checkpoint.hf_reader import HFCheckpoint
+from megalite.checkpoint.dcp.writer import StreamingDCPWriter
+from megalite.checkpoint.hf.reader import HFCheckpoint
 from megalite.convert.hints import args_dict, training_flags
 from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from megalite.checkpoint.publish import ConversionError, staged_output
-from megalite.checkpoint.safetensors_io import SafetensorsWriter, plan_shards
-from megalite.checkpoint.target_layout import TargetLayout, TensorPlacement
+from megalite.checkpoint.hf.safetensors_io import SafetensorsWriter, plan_shards
+from megalite.checkpoint.dcp.target_layout import TargetLayout, TensorPlacement
 from megalite.convert.tokenizer_files import (
     copy_hf_tokenizer, export_tokenizer, relocate_tokenizer, resolved_entry, tokenizer_eod,
 )
-from megalite.checkpoint import hf_mapping
-from megalite.checkpoint.dcp_format import and_more
-from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir, write_text_atomic
+from megalite.checkpoint.hf import mapping as hf_mapping
+from megalite.checkpoint.dcp.format import and_more
+from megalite.checkpoint.dcp.checkpoint import TRACKER, iteration_dir, write_text_atomic
 
 PARAMS_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

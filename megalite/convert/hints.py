@@ -10,8 +10,8 @@ import shlex
 from megalite.model.config import GPTConfig
 from megalite.model.moe_config import MoEConfig
 from megalite.config.arguments import parse_args
-from megalite.config.arguments_mla import mla_flags
-from megalite.config.arguments_moe import MoEArgs
+from megalite.config.mla import mla_flags
+from megalite.config.moe import MoEArgs
 
 # MoEConfig field -> the MoEArgs option (Megatron's flag) that sets it
 MOE_OPTIONS = {

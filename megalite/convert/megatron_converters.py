@@ -15,15 +15,15 @@ from pathlib import Path
 from megalite.convert.converters import (
     PARAMS_DTYPES, Summary, _hf_config, _meta_getter, _publish_checkpoint, _stream_to_dcp, write_hf_weights,
 )
-from megalite.checkpoint.dcp_writer import StreamingDCPWriter
+from megalite.checkpoint.dcp.writer import StreamingDCPWriter
 from megalite.convert.hints import args_dict, training_flags
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from megalite.checkpoint.publish import ConversionError, staged_output
-from megalite.checkpoint.target_layout import TargetLayout, TensorPlacement
+from megalite.checkpoint.dcp.target_layout import TargetLayout, TensorPlacement
 from megalite.convert.tokenizer_files import NO_TOKENIZER
-from megalite.checkpoint import hf_mapping
-from megalite.checkpoint.dcp_format import CheckpointError
-from megalite.checkpoint.dcp_checkpoint import iteration_dir
+from megalite.checkpoint.hf import mapping as hf_mapping
+from megalite.checkpoint.dcp.format import CheckpointError
+from megalite.checkpoint.dcp.checkpoint import iteration_dir
 
 
 def _open(load_dir) -> MegatronCheckpoint:

@@ -16,7 +16,7 @@ from megalite.dryrun.report import format_report
 from megalite.dryrun.runner import run_rank
 from megalite.dryrun.stages import distinct_stages, every_stage, stage_name
 from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
-from megalite.config.arguments_megatron_model import tokenizer_from_args
+from megalite.config.megatron.model import tokenizer_from_args
 
 
 def stages_to_measure(args, layout, vocab_size: int) -> list[list[int]]:

@@ -5,7 +5,7 @@ the verdict: the highest peak, its stage, and whether it fits the GPU's memory."
 from megalite.dryrun.balanced_routing import ASSUMPTION
 from megalite.dryrun.runner import CATEGORIES
 from megalite.dryrun.stages import stage_label, stage_name
-from megalite.config.arguments_context import cp_comm_types_of
+from megalite.config.context import cp_comm_types_of
 
 MIB = 1024 ** 2
 GIB = 1024 ** 3

@@ -30,7 +30,7 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import layout_from_args, model_config_from_args
-from megalite.config.arguments_megatron_training import interleaved_group_size, split_accounting
+from megalite.config.megatron.training import interleaved_group_size, split_accounting
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, compute_dtype
 from megalite.training.setup_run import build_optimizer_and_schedule, wrap_chunks
 

@@ -18,7 +18,7 @@ other where their warm-up differs.
 from megalite.dryrun.pipeline_sends import send_completion_times
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.stage_layout import stage_layers
-from megalite.config.arguments_megatron_training import interleaved_group_size, split_accounting
+from megalite.config.megatron.training import interleaved_group_size, split_accounting
 
 
 def _send_release_points(args, p: int, v: int, rank: int) -> tuple:

@@ -28,8 +28,8 @@ from megalite.inference.generate import generate_tokens, load_model
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.config.arguments import accept_negative_numbers
-from megalite.config.arguments_megatron_model import tokenizer_options
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.config.megatron.model import tokenizer_options
+from megalite.checkpoint.dcp.format import CheckpointError
 
 
 class _Parser(argparse.ArgumentParser):

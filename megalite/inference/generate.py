@@ -19,7 +19,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel import comm
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.state import ParallelState
-from megalite.checkpoint.dcp_checkpoint import load_checkpoint
+from megalite.checkpoint.dcp.checkpoint import load_checkpoint
 
 
 def inference_config(model_config: dict) -> GPTConfig:

@@ -90,7 +90,7 @@ def _child(argv: list[str]) -> int:
     from megalite.dryrun.runner import run_rank
     from megalite.dryrun.stages import first_middle_last
     from megalite.config.arguments import layout_from_args, validate_args
-    from megalite.config.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.megatron.model import tokenizer_from_args
 
     world = args.dry_run_world_size
     validate_args(args, world)

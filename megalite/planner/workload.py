@@ -61,7 +61,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
     """A Workload from pretrain_gpt's flags (Megatron names; `--config file.yaml` allowed). The
     vocabulary is the tokenizer's: `--vocab-size` with NullTokenizer, or the tokenizer files."""
     from megalite.config.arguments import model_config_from_args, parse_args
-    from megalite.config.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.megatron.model import tokenizer_from_args
 
     args = parse_args(argv)
     defaults = parse_args([])
@@ -97,7 +97,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
 def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:
     """A Workload from a Hugging Face config.json (the architectures megalite converts)."""
     from megalite.convert.hints import model_flags
-    from megalite.checkpoint.hf_mapping import config_from_hf
+    from megalite.checkpoint.hf.mapping import config_from_hf
 
     hf = read_json(path, "--hf-config")
     try:

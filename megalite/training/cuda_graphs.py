@@ -16,7 +16,7 @@ the next replay overwrites: megalite's DDP wrapper, which every run without FSDP
 to main_grad and drops .grad at once (its post-accumulate-grad hook), so nothing holds it
 across replays.
 
-What the validation (config/arguments_megatron_training.py) refuses is what a capture cannot
+What the validation (config/megatron/training.py) refuses is what a capture cannot
 hold: RNG state swaps (the tensor-parallel dropout stream, recompute), several micro-batches
 in flight (pipeline parallelism), data-dependent shapes (MoE), hooks around layers (FSDP2,
 overlapped parameter gathers).

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megalite.model.moe import set_loss_backward_scale, update_expert_bias
 from megalite.model.mtp import auxiliary_losses
 from megalite.parallel.data.ddp import finalize_model_grads
-from megalite.checkpoint.dcp_checkpoint import save_checkpoint
-from megalite.checkpoint.rng_state import layout_record
+from megalite.checkpoint.dcp.checkpoint import save_checkpoint
+from megalite.checkpoint.dcp.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
 from megalite.training.metrics import MetricsLogger, TrainingRecord, memory_usage_mb, throughput
 from megalite.training.per_token_loss import scale_main_grads, token_factor

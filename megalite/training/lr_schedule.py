@@ -18,7 +18,7 @@ sample-based schedules are the same object (see megalite.config.schedules.schedu
 
 import math
 
-from megalite.config.arguments_run import DECAY_STYLES, WSD_DECAY_STYLES
+from megalite.config.run import DECAY_STYLES, WSD_DECAY_STYLES
 
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.run_load import checkpoint_args_of, load_for_run, resume_optimizer
-from megalite.config.arguments_megatron_checkpoint import apply_checkpoint_args
+from megalite.config.megatron.checkpoint import apply_checkpoint_args
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, RunConfig, run_config
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step

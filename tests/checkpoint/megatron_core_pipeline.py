@@ -110,7 +110,7 @@ def megalite_pipeline_logits(rank: int, world: int, load_dirs: list[str], vp: in
 
 
 def _pipeline_logits(world: int, load_dir: str, vp: int):
-    from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+    from megalite.checkpoint.megatron.reader import MegatronCheckpoint
     from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.state import ParallelLayout, ParallelState
     from megalite.config.arguments import parse_args

@@ -66,7 +66,7 @@ OTHER_ARGUMENTS = dict(
     tokenizer_type=None, legacy_tokenizer=False, seq_length=None, params_dtype=torch.float32,
 )
 # HEAD: arguments added since core_v0.16.1 (the last two mark the ModelBuilder era, see
-# megalite.checkpoint.megatron_args), and those it removed.
+# megalite.checkpoint.megatron.args), and those it removed.
 HEAD_ARGUMENTS = dict(
     yarn_original_max_position_embeddings=None, yarn_beta_fast=None, yarn_beta_slow=None,
     yarn_correction_range_round_to_int=True, mla_down_proj_fusion=False, hybrid_layer_pattern=None,

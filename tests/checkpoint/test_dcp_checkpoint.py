@@ -16,8 +16,8 @@ from megalite.model.gpt import GPTModel
 from megalite.model.pipeline_chunks import build_model_chunks
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.checkpoint.dcp_format import CheckpointError, file_digest, tp_chunks
-from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
+from megalite.checkpoint.dcp.format import CheckpointError, file_digest, tp_chunks
+from megalite.checkpoint.dcp.checkpoint import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
 
@@ -287,7 +287,7 @@ import sys, time
 import torch.distributed.checkpoint as dcp
 from megalite.model.gpt import GPTModel
 from megalite.parallel.state import ParallelState
-from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 from tests.model.test_gpt_tp import make_config
 
 root, state = sys.argv[1], ParallelState.single()

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import iteration_dir, save_checkpoint
-from megalite.checkpoint.dcp_format import CheckpointError
-from megalite.checkpoint.integrity import MANIFEST, save_integrity_manifest, verify_integrity_manifest
+from megalite.checkpoint.dcp.checkpoint import iteration_dir, save_checkpoint
+from megalite.checkpoint.dcp.format import CheckpointError
+from megalite.checkpoint.dcp.integrity import MANIFEST, save_integrity_manifest, verify_integrity_manifest
 from megalite.checkpoint.run_load import load_for_run
 from megalite.model.gpt import GPTModel
 from megalite.parallel.state import ParallelState

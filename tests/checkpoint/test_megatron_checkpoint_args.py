@@ -28,7 +28,7 @@ import dataclasses
 
 import pytest
 
-from megalite.checkpoint.megatron_args import config_from_megatron_args, megatron_args_notes, vocab_size_of
+from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.mla_config import MLAConfig
 from tests.checkpoint.megatron_lm_args import HEAD_ARGUMENTS, HEAD_CONFIG_FIELDS, OTHER_ARGUMENTS, megatron_lm_args

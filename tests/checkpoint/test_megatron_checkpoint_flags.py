@@ -14,13 +14,13 @@ import torch
 from megalite.model.gpt import GPTModel
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import parse_args, validate_args
-from megalite.config.arguments_megatron_checkpoint import checkpoint_flag_notes
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.config.megatron.checkpoint import checkpoint_flag_notes
+from megalite.checkpoint.dcp.format import CheckpointError
 from megalite.training.lr_schedule import LRScheduler
 from megalite.checkpoint.run_load import (
     checkpoint_args_of, load_for_run, non_persistent_dir, prune_checkpoints, restore_scheduler,
 )
-from megalite.config.arguments_megatron_checkpoint import apply_checkpoint_args
+from megalite.config.megatron.checkpoint import apply_checkpoint_args
 from megalite.config.run_config import CheckpointConfig
 from tests.checkpoint.megatron_files import CONFIG, megatron_args, write_megatron_torch
 from tests.distributed import free_port
@@ -188,7 +188,7 @@ def test_retain_interval_non_persistent_local_and_resume(tmp_path):
 def _save_replicated(rank, world, root):
     from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.state import ParallelLayout
-    from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+    from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 
     state = ParallelState.create(ParallelLayout(world))  # DP = 2: every tensor replicated
     chunks = build_model_chunks(CONFIG, state, init_seed=2)

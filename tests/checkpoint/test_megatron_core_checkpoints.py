@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from tests.checkpoint.megatron_core_fixture import ITERATION, VOCAB, tokens, write_megatron_checkpoints
 from tests.checkpoint.megatron_core_pipeline import megalite_pipeline_logits
 from tests.distributed import free_port, run_distributed

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from tests.checkpoint.megatron_core_fixture import tokens
 from tests.checkpoint.megatron_core_mla_fixture import ITERATION, VOCAB, labels_and_mask, write_mla_checkpoint
 from tests.distributed import run_distributed
@@ -26,7 +26,7 @@ def megatron_dir(tmp_path_factory):
 
 def _megalite_losses(rank, world, load_dir):
     """(per-token losses [b, s], MTP depth losses) of the converted checkpoint at TP=world."""
-    from megalite.checkpoint.dcp_checkpoint import load_checkpoint
+    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
     from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.state import ParallelLayout, ParallelState

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.megatron_optimizer import MegatronOptimizerState
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.megatron.optimizer import MegatronOptimizerState
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
+from megalite.checkpoint.dcp.format import CheckpointError
 from tests.checkpoint.megatron_core_training import (
     CLIP, DECAY, GLOBAL_BATCH, ITERATION, LR, MIN_LR, SEQ, STEPS_AFTER, STEPS_SAVED, VOCAB, WARMUP, WEIGHT_DECAY,
     batches, save_bucket_layout_probe, train_and_save,

@@ -8,7 +8,7 @@ Megatron loads it."""
 import pytest
 import torch
 
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from tests.checkpoint.megatron_core_fixture import ITERATION
 from tests.checkpoint.megatron_core_pipeline import megalite_pipeline_logits, write_megatron_vp_checkpoints
 from tests.distributed import run_distributed

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from megalite.config.arguments import Arguments, model_config_from_args, parse_args
 from megalite.convert.cli import main
 from megalite.convert.hints import model_flags

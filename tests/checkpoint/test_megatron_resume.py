@@ -13,7 +13,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import parse_args
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.dcp.format import CheckpointError
 from megalite.checkpoint.run_load import load_for_run, resume_optimizer
 from megalite.config.run_config import CheckpointConfig, OptimizerConfig
 from megalite.training.setup_run import build_optimizer_and_schedule

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megalite.convert.cli import main
-from megalite.checkpoint.megatron_pickle import MegatronObject, safe_torch_load
-from megalite.checkpoint.megatron_reader import MegatronCheckpoint, megatron_format
+from megalite.checkpoint.megatron.safe_pickle import MegatronObject, safe_torch_load
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint, megatron_format
 from megalite.checkpoint.publish import ConversionError
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.dcp.format import CheckpointError
 from tests.checkpoint.megatron_files import megatron_args, write_megatron_torch
 
 

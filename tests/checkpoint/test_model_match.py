@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from megalite.checkpoint.dcp_format import CheckpointError
+from megalite.checkpoint.dcp.format import CheckpointError
 from megalite.checkpoint.model_match import check_model_matches, model_differences
 from megalite.model.config import GPTConfig
 from megalite.model.mla_config import MLAConfig

@@ -19,11 +19,11 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-import megalite.checkpoint.dcp_checkpoint as dcp_checkpoint
-import megalite.checkpoint.dcp_storage as dcp_storage
-from megalite.checkpoint.dcp_storage import dcp_failure
-from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
-from megalite.checkpoint.dcp_format import CheckpointError, verify_files
+import megalite.checkpoint.dcp.checkpoint as dcp_checkpoint
+import megalite.checkpoint.dcp.storage as dcp_storage
+from megalite.checkpoint.dcp.storage import dcp_failure
+from megalite.checkpoint.dcp.checkpoint import TRACKER, iteration_dir, load_checkpoint, read_tracker, save_checkpoint
+from megalite.checkpoint.dcp.format import CheckpointError, verify_files
 from megalite.model.gpt import GPTModel
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import free_port, run_distributed

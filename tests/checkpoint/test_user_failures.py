@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.checkpoint.dcp_checkpoint import iteration_dir
-from megalite.checkpoint.dcp_format import file_digest, read_metadata_file
-from megalite.checkpoint.dcp_storage import first_sentence, load_failure
+from megalite.checkpoint.dcp.checkpoint import iteration_dir
+from megalite.checkpoint.dcp.format import file_digest, read_metadata_file
+from megalite.checkpoint.dcp.storage import first_sentence, load_failure
 from megalite.convert.cli import main as convert_main
 from megalite.inference.cli import main as generate_main
 from tests.checkpoint.megatron_files import write_megatron_torch

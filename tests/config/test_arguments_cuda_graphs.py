@@ -5,7 +5,7 @@ graphs cannot capture, each one line naming the flag, and the typed config the l
 
 import pytest
 
-from megalite.config import arguments_megatron_training
+from megalite.config.megatron import training as megatron_training
 from megalite.config.run_config import run_config
 from tests.config.test_arguments import parsed, refused
 
@@ -15,7 +15,7 @@ LOCAL = "--cuda-graph-impl local --attention-dropout 0"
 @pytest.fixture
 def on_gpu(monkeypatch):
     """Validation as on a machine with CUDA (CPU runs are refused: CUDA graphs need CUDA)."""
-    monkeypatch.setattr(arguments_megatron_training, "on_cpu", lambda args: False)
+    monkeypatch.setattr(megatron_training, "on_cpu", lambda args: False)
 
 
 def test_flags_parse_with_megatron_defaults():

@@ -6,8 +6,8 @@ with one line naming the flag."""
 import pytest
 
 from megalite.config.arguments import model_config_from_args
-from megalite.config.arguments_mla import mla_flags, mla_notes
-from megalite.config.arguments_validate import validate_args
+from megalite.config.mla import mla_flags, mla_notes
+from megalite.config.validate import validate_args
 from tests.config.test_arguments import parsed, refused
 
 MLA = "--multi-latent-attention"

@@ -10,7 +10,7 @@ it, bf16) and print one start-up line per flag megalite serves another way."""
 import math
 
 from megalite.config.arguments import model_config_from_args, parse_args
-from megalite.config.arguments_validate import validate_args
+from megalite.config.validate import validate_args
 from megalite.config.run_config import startup_notes
 
 SOURCE_COMMIT = "ab16414a20a539d9530d8f0986d35423ccb95025"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.checkpoint.safetensors_io import read_header
+from megalite.checkpoint.hf.safetensors_io import read_header
 from tests.convert.hf_models import convert, hf_model, hf_to_megalite, save_hf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def _copy_without(src: Path, dst: Path, drop_tensor=None, config_changes=None) -
     import torch
     from safetensors.torch import save_file
 
-    from megalite.checkpoint.safetensors_io import read_tensor
+    from megalite.checkpoint.hf.safetensors_io import read_tensor
 
     dst.mkdir()
     header, start = read_header(src / "model.safetensors")
@@ -90,7 +90,7 @@ def _save_megalite(directory: Path, family: str, add_parameter: str | None = Non
     import torch
 
     from megalite.model.gpt import GPTModel
-    from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+    from megalite.checkpoint.dcp.checkpoint import save_checkpoint
     from tests.model.test_gpt_tp import make_config
 
     config = make_config(family, **config_changes)

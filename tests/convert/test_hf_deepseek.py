@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict
-from megalite.checkpoint.hf_weights import load_hf_weights
+from megalite.checkpoint.hf.mapping import config_from_hf, hf_config_dict
+from megalite.checkpoint.hf.weights import load_hf_weights
 from megalite.model.gpt import GPTModel
 from tests.numerics import rel_error
 
@@ -66,7 +66,7 @@ def _mtp_tensors(hf) -> dict:
     """DeepSeek-V3's MTP layer as its files hold it: a decoder layer (here a MoE one, drawn as
     transformers draws layer 1) numbered num_hidden_layers, its own norms and projection, and
     copies of the embedding and the head."""
-    from megalite.checkpoint.hf_mapping_deepseek import split_fused_deepseek_experts
+    from megalite.checkpoint.hf.mapping_deepseek import split_fused_deepseek_experts
 
     state = split_fused_deepseek_experts(hf.state_dict())  # per-expert tensors, as the files hold them
     layer = f"model.layers.{LAYERS}."
@@ -118,7 +118,7 @@ def test_converter_round_trip_is_bit_identical(hf_dir, tmp_path, tp, pp):
 
 
 def test_converted_checkpoint_gives_transformers_logits(hf_dir, tmp_path):
-    from megalite.checkpoint.dcp_checkpoint import load_checkpoint
+    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
     from tests.convert.hf_models import hf_to_megalite
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.model.gpt import GPTModel
-from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict, megalite_to_hf
-from megalite.checkpoint.hf_mapping_moe import split_fused_experts
+from megalite.checkpoint.hf.mapping import config_from_hf, hf_config_dict, megalite_to_hf
+from megalite.checkpoint.hf.mapping_moe import split_fused_experts
 from megalite.model.pipeline_chunks import build_model_chunks
-from megalite.checkpoint.hf_weights import load_hf_weights
+from megalite.checkpoint.hf.weights import load_hf_weights
 from megalite.model.weights import gather_full_weights
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.state import ParallelLayout, ParallelState

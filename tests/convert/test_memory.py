@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.checkpoint.safetensors_io import SafetensorsWriter
+from megalite.checkpoint.hf.safetensors_io import SafetensorsWriter
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20

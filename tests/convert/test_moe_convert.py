@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.checkpoint.hf_mapping import config_from_hf
+from megalite.checkpoint.hf.mapping import config_from_hf
 from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-from megalite.checkpoint.target_layout import TargetLayout, TensorPlacement
+from megalite.checkpoint.dcp.target_layout import TargetLayout, TensorPlacement
 from megalite.config.arguments import model_config_from_args, parse_args, validate_args
 from megalite.convert.hints import MOE_OPTIONS, training_flags
 from megalite.model.moe_config import MoEConfig

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megalite.parallel.state import ParallelState
-from megalite.checkpoint.dcp_format import read_metadata_file
-from megalite.checkpoint.dcp_checkpoint import iteration_dir, read_tracker
+from megalite.checkpoint.dcp.format import read_metadata_file
+from megalite.checkpoint.dcp.checkpoint import iteration_dir, read_tracker
 from tests.convert.hf_models import FAMILIES, hf_model, hf_to_megalite, save_hf, tokens
 from tests.convert.workers import NEW_TOKENS, PROMPT, megalite_outputs, tp2_parity_worker
 from tests.distributed import run_distributed

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-from megalite.checkpoint.safetensors_io import read_header
+from megalite.checkpoint.hf.safetensors_io import read_header
 from megalite.model.gpt import GPTModel
-from megalite.checkpoint.dcp_checkpoint import iteration_dir, load_checkpoint
+from megalite.checkpoint.dcp.checkpoint import iteration_dir, load_checkpoint
 from tests.convert.hf_models import (FAMILIES, convert, hf_model, hf_to_megalite, megalite_to_hf, save_hf,
                                      write_gpt2_bpe_files)
 

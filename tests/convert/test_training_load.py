@@ -31,7 +31,7 @@ def test_printed_flags_rebuild_the_model_config(family, dtype):
 
 
 def hf_model_config(family) -> dict:
-    from megalite.checkpoint.hf_mapping import config_from_hf
+    from megalite.checkpoint.hf.mapping import config_from_hf
 
     return config_from_hf(hf_model(family, num_layers=2).config).to_dict()
 

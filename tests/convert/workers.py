@@ -6,7 +6,7 @@ import torch
 from megalite.inference import SamplingParams, generate_tokens, load_model
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.checkpoint.dcp_checkpoint import save_checkpoint
+from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 from tests.convert.hf_models import VOCAB, tokens
 
 PROMPT, NEW_TOKENS = [5, 17, 42, 7, 99, 3], 24

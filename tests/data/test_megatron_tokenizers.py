@@ -10,7 +10,7 @@ import sentencepiece as spm
 
 from megalite.data.tokenizers import TIKTOKEN_PATTERNS, build_tokenizer
 from megalite.config.arguments import parse_args
-from megalite.config.arguments_megatron_model import tokenizer_options
+from megalite.config.megatron.model import tokenizer_options
 
 TEXTS = ["def fibonacci(n):\n    return n", "import os, sys", ""]
 

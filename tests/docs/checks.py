@@ -73,7 +73,7 @@ def inspected(documents_from: str):
 def trained(save: str, iteration: int, metrics: str | None = None):
     """A checkpoint at `iteration` under `save` and, in `metrics`, every iteration up to it logged."""
     def check(ws, proc):
-        from megalite.checkpoint.dcp_checkpoint import read_tracker
+        from megalite.checkpoint.dcp.checkpoint import read_tracker
 
         assert read_tracker(str(ws.path(save))) == iteration, proc.stdout[-2000:]
         if metrics:

@@ -10,7 +10,7 @@ from megalite.dryrun.cli import measured_rank, stages_to_measure
 from megalite.dryrun.fake_cuda import exit_now
 from megalite.dryrun.runner import run_rank
 from megalite.config.arguments import layout_from_args, parse_args, validate_args
-from megalite.config.arguments_megatron_model import tokenizer_from_args
+from megalite.config.megatron.model import tokenizer_from_args
 
 
 def reports(argv):

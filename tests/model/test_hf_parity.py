@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite.model.gpt import GPTModel
-from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict, hf_to_megalite
-from megalite.checkpoint.hf_weights import export_hf_weights, load_hf_weights
+from megalite.checkpoint.hf.mapping import config_from_hf, hf_config_dict, hf_to_megalite
+from megalite.checkpoint.hf.weights import export_hf_weights, load_hf_weights
 from megalite.model.weights import gather_full_weights
 from megalite.parallel import comm
 from megalite.parallel.state import ParallelLayout, ParallelState

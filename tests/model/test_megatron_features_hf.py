@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megalite.model.gpt import GPTModel
-from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict
+from megalite.checkpoint.hf.mapping import config_from_hf, hf_config_dict
 from megalite.model.rope import rotary_inv_freq
-from megalite.checkpoint.hf_weights import export_hf_weights, load_hf_weights
+from megalite.checkpoint.hf.weights import export_hf_weights, load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 

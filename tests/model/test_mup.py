@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from megalite.checkpoint.hf_mapping import family_of
+from megalite.checkpoint.hf.mapping import family_of
 from megalite.config.arguments import model_config_from_args
 from megalite.config.run_config import OptimizerConfig, startup_notes
 from megalite.model.gpt import GPTModel

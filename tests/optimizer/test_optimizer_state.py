@@ -24,9 +24,9 @@ from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.sharding import gather_tp_full
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.checkpoint.dcp_format import flat_boxes
-import megalite.checkpoint.dcp_checkpoint as checkpointing
-from megalite.checkpoint.dcp_checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
+from megalite.checkpoint.dcp.format import flat_boxes
+import megalite.checkpoint.dcp.checkpoint as checkpointing
+from megalite.checkpoint.dcp.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
 from tests.parallel.data.test_data_parallel import OPTIM, train_step

@@ -19,6 +19,19 @@ FORBIDDEN = {
     "model": ("megalite.optimizer", "megalite.checkpoint", "megalite.config") + _TOP,
     "config": ("megalite.checkpoint",) + _TOP,
     "checkpoint": _TOP,
+    # One sub-package per checkpoint format (megalite/checkpoint/__init__.py): megalite's own
+    # imports no other format; Megatron's and Hugging Face's may read DCP, never each other.
+    "checkpoint/dcp": ("megalite.checkpoint.megatron", "megalite.checkpoint.hf", "megalite.checkpoint.run_load",
+                       "megalite.checkpoint.detect", "megalite.checkpoint.model_match",
+                       "megalite.checkpoint.megalite_reader") + _TOP,
+    "checkpoint/megatron": ("megalite.checkpoint.hf", "megalite.checkpoint.run_load",
+                            "megalite.checkpoint.detect", "megalite.checkpoint.model_match",
+                            "megalite.checkpoint.megalite_reader") + _TOP,
+    "checkpoint/hf": ("megalite.checkpoint.megatron", "megalite.checkpoint.run_load",
+                      "megalite.checkpoint.detect", "megalite.checkpoint.model_match",
+                      "megalite.checkpoint.megalite_reader") + _TOP,
+    # megalite's own option families never need Megatron's compatibility families
+    "config/megatron": ("megalite.checkpoint",) + _TOP,
     "training": ("megalite.convert", "megalite.dryrun", "megalite.planner", "megalite.inference",
                  "megalite.pretrain_gpt"),
 }
@@ -69,7 +82,9 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
 
 def test_one_package_per_parallel_dimension_imports():
     for name in ("megalite.parallel.tensor", "megalite.parallel.pipeline", "megalite.parallel.data",
-                 "megalite.optimizer", "megalite.checkpoint", "megalite.config"):
+                 "megalite.optimizer", "megalite.checkpoint", "megalite.checkpoint.dcp",
+                 "megalite.checkpoint.megatron", "megalite.checkpoint.hf", "megalite.config",
+                 "megalite.config.megatron"):
         module = importlib.import_module(name)
         assert module.__doc__, f"{name} has no docstring saying what lives there"
 
@@ -133,17 +148,30 @@ def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles(graph) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("package", ["checkpoint", "config"])
+@pytest.mark.parametrize("package", ["checkpoint", "checkpoint/dcp", "checkpoint/megatron", "checkpoint/hf",
+                                     "config", "config/megatron"])
 def test_every_module_of_the_one_concern_packages_says_what_it_holds(package):
     """megalite/checkpoint/: each module's docstring says which format and which direction
-    (the package docstring tabulates them); megalite/config/: which options or which step."""
+    (the package docstring tabulates them, sub-packages by dotted name); megalite/config/: which
+    options or which step."""
     bare = []
     for path in sorted((PACKAGE_ROOT / package).glob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
         if not doc or len(doc.split()) < 5:
             bare.append(path.name)
     assert bare == []
-    table = importlib.import_module("megalite.checkpoint").__doc__
-    for path in (PACKAGE_ROOT / "checkpoint").glob("*.py"):
-        if path.stem != "__init__":
-            assert path.stem.removesuffix("_moe") in table, f"{path.stem} missing from megalite.checkpoint's table"
+    if package.startswith("checkpoint"):
+        table = importlib.import_module("megalite.checkpoint").__doc__
+        prefix = "" if package == "checkpoint" else package.split("/")[1] + "."
+        for path in (PACKAGE_ROOT / package).glob("*.py"):
+            if path.stem != "__init__":
+                name = prefix + path.stem.removesuffix("_moe")
+                assert name in table, f"{name} missing from megalite.checkpoint's table"
+
+
+def test_the_checkpoint_and_config_packages_have_no_flat_prefixes():
+    """The format prefixes became sub-packages and the arguments_ prefix is gone."""
+    flat = [p.name for p in (PACKAGE_ROOT / "checkpoint").glob("*.py")
+            if p.stem.startswith(("dcp_", "megatron_", "hf_"))]
+    flat += [p.name for p in (PACKAGE_ROOT / "config").rglob("*.py") if p.stem.startswith("arguments_")]
+    assert flat == []

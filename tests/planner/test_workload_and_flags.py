@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megalite.checkpoint.hf_mapping import config_from_hf, hf_config_dict
+from megalite.checkpoint.hf.mapping import config_from_hf, hf_config_dict
 from megalite.planner.layouts import Space, enumerate_layouts
 from megalite.planner.workload import from_flags, from_hf_config
 from megalite.config.arguments import layout_from_args, model_config_from_args, parse_args, validate_args

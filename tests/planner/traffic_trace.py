@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     import megalite.dryrun.runner as runner
     from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
     from megalite.config.arguments import parse_args, validate_args
-    from megalite.config.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.megatron.model import tokenizer_from_args
 
     traffic, phase = {}, ["step"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import read_tracker
+from megalite.checkpoint.dcp.checkpoint import read_tracker
 from tests.data.conftest import load_tool
 from tests.slurm.cluster import CLIENTS, DAEMONS, TERMINAL, missing
 from tests.slurm.watchdog import processes_with

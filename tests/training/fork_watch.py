@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.utils.data import dataloader  # noqa: E402
 
 from megalite import pretrain_gpt  # noqa: E402
-from megalite.checkpoint.dcp_storage import CheckedFileSystemWriter  # noqa: E402
+from megalite.checkpoint.dcp.storage import CheckedFileSystemWriter  # noqa: E402
 
 FORKED_DURING_SAVE = 3
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-from megalite.checkpoint.dcp_checkpoint import TRACKER, iteration_dir
+from megalite.checkpoint.dcp.checkpoint import TRACKER, iteration_dir
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
 

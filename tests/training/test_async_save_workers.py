@@ -10,7 +10,7 @@ deterministically without the fix. The slow one repeats the plain job as the iss
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import TRACKER, read_tracker
+from megalite.checkpoint.dcp.checkpoint import TRACKER, read_tracker
 from tests.training.launch import BASE, drop_flags, eval_losses, run
 
 ITERS = 4

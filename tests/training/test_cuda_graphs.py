@@ -14,7 +14,7 @@ numbers -- is the GPU check's (see the report of the change that added this file
 import pytest
 import torch
 
-from megalite.config import arguments_megatron_training
+from megalite.config.megatron import training as megatron_training
 from megalite.config.arguments import parse_args
 from megalite.model.gpt import GPTModel, masked_mean_loss
 from megalite.parallel.state import ParallelState
@@ -138,7 +138,7 @@ def test_training_with_graphs_captures_after_the_warm_up_steps_and_matches(monke
     reference, _ = _train(monkeypatch, [])
     stand_in = StandIn()
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
-    monkeypatch.setattr(arguments_megatron_training, "on_cpu", lambda args: False)
+    monkeypatch.setattr(megatron_training, "on_cpu", lambda args: False)
     losses, run = _train(monkeypatch, ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"])
     assert len(run.cuda_graphs) == 1 and len(stand_in.captures) == 1
     assert len(stand_in.captures[0][0]) == 4  # every layer of the chunk, in one capture

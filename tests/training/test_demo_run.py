@@ -19,7 +19,7 @@ import torch
 from megalite.data.tokenizers import build_tokenizer
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import Arguments
-from megalite.checkpoint.dcp_checkpoint import iteration_dir, read_tracker
+from megalite.checkpoint.dcp.checkpoint import iteration_dir, read_tracker
 from megalite.training.metrics import read_metrics
 from megalite.training.setup_run import build_data
 from tests.training.launch import REPO, script_env

@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import iteration_dir, read_tracker
+from megalite.checkpoint.dcp.checkpoint import iteration_dir, read_tracker
 from megalite.training.metrics import read_metrics
 from tests.training.launch import BASE, checkpoint_norm, copy_checkpoint, launch, run, train_losses, wait_for
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megalite.checkpoint.hf_mapping import config_from_hf
+from megalite.checkpoint.hf.mapping import config_from_hf
 from megalite.model.gpt import GPTModel
 from megalite.model.mla_config import MLAConfig
 from megalite.training.flops import (activation_bytes_per_layer, attention_score_flops, flops_per_token,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import read_tracker
+from megalite.checkpoint.dcp.checkpoint import read_tracker
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
 from tests.training.launch import (REPO, SCRIPT_BASE, TRAINED_ITERS, checkpoint_norm, drop_flags, eval_losses,

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megalite.config.arguments import build_parser
-from megalite.checkpoint.dcp_checkpoint import read_tracker
+from megalite.checkpoint.dcp.checkpoint import read_tracker
 from megalite.training.metrics import read_metrics
 from tests.training.launch import REPO, launch, run
 

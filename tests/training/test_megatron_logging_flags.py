@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megalite.checkpoint.dcp_checkpoint import iteration_dir
+from megalite.checkpoint.dcp.checkpoint import iteration_dir
 from megalite.config.arguments import parse_args
 from megalite.config.run_config import LoggingConfig, TrainingConfig
 from megalite.training.metrics import MetricsLogger, read_metrics

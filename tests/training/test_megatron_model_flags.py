@@ -10,7 +10,7 @@ from megalite import kernels
 from megalite.model import gpt as gpt_module
 from megalite.model.gpt import GPTModel
 from megalite.config.arguments import model_config_from_args, validate_args
-from megalite.config.arguments_megatron_model import start_up_notes
+from megalite.config.megatron.model import start_up_notes
 from tests.config.test_arguments import parsed, refused
 
 ROPE = "--position-embedding-type rope "

@@ -18,7 +18,7 @@ from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.config.arguments import model_config_from_args, parse_args, validate_args
-from megalite.config.arguments_megatron_training import interleaved_group_size
+from megalite.config.megatron.training import interleaved_group_size
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args
 from megalite.config.schedules import schedule_lengths_from_args
 from megalite.training.lr_schedule import LRScheduler

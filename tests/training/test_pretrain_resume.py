@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megalite.checkpoint.dcp_checkpoint import read_tracker
+from megalite.checkpoint.dcp.checkpoint import read_tracker
 from tests.training.launch import BASE, eval_losses, launch, run, train_losses, wait_for
 
 ITERS = 8

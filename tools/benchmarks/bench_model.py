@@ -20,7 +20,7 @@ Rows per model, in this order: megalite with its Triton kernels (fused_kernels=T
 with --torch-compile (GPTModel.compile_regions, the driver's own call: the embedding, each
 transformer layer and the output layer with the loss compiled),
 the peer: transformers' GPT2LMHeadModel / LlamaForCausalLM built from
-megalite.checkpoint.hf_mapping.hf_config_dict(config) (random weights, nothing downloaded),
+megalite.checkpoint.hf.mapping.hf_config_dict(config) (random weights, nothing downloaded),
 attn_implementation="sdpa", the whole model torch.compile'd; then megalite with the plain-torch
 reference ops (False), eager and compiled.
 
@@ -73,7 +73,7 @@ from bench_model_report import (  # noqa: E402,F401 - table and targets are part
 
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
-from megalite.checkpoint.hf_mapping import hf_config_dict  # noqa: E402
+from megalite.checkpoint.hf.mapping import hf_config_dict  # noqa: E402
 from megalite.training.flops import flops_per_token, model_flops_utilization, peak_flops  # noqa: E402
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.model.config import GPTConfig
-from megalite.checkpoint.hf_mapping import family_of
+from megalite.checkpoint.hf.mapping import family_of
 from megalite.training.flops import flops_per_token
 
 PEER_SPEEDUP_TARGET = 1.2  # issue 7: >= 1.2x the peer's tokens/s
@@ -170,7 +170,7 @@ def report(specs, results, device, peak, args, kernels_text: str | None = None) 
              "one micro-batch, same tokens, dropout off",
              f"- timing: {args.warmup} warm-up step(s) (compilation included) excluded, median of "
              f"{args.steps} step(s), each between torch.cuda.synchronize calls",
-             "- peer: transformers' model built from megalite.checkpoint.hf_mapping.hf_config_dict(config) (random "
+             "- peer: transformers' model built from megalite.checkpoint.hf.mapping.hf_config_dict(config) (random "
              'weights, nothing downloaded), attn_implementation="sdpa"',
              f"- compile: backend {args.compile_backend}{mode}; megalite --torch-compile compiles the embedding, "
              "each transformer layer and the output layer with the loss (GPTModel.compile_regions), the peer "

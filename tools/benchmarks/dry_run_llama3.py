@@ -50,7 +50,7 @@ def run(name: str) -> tuple[list[str], str]:
     from megalite.dryrun.runner import run_rank
     from megalite.dryrun.stages import stage_label
     from megalite.config.arguments import layout_from_args, parse_args, validate_args
-    from megalite.config.arguments_megatron_model import tokenizer_from_args
+    from megalite.config.megatron.model import tokenizer_from_args
 
     model, layout_name, flags = RUNS[name]
     args = parse_args(f"{COMMON} {flags}".split())

@@ -17,7 +17,7 @@ get_transformer_layer_offset: the embedding and the loss count as one layer each
 stage gets (L + 1 [+ 1]) / (p*v) of them, and virtual stage 0 (rank 0, chunk 0) builds one
 transformer layer fewer for the embedding, the last (rank p-1, chunk v-1) one fewer for the
 loss; either may hold no transformer layer at all. (Without virtual stages megalite writes that
-split as --decoder-first/last-pipeline-num-layers: config.arguments_megatron_training.) Layers keep their global numbers,
+split as --decoder-first/last-pipeline-num-layers: config.megatron.training.) Layers keep their global numbers,
 so a stage holding layers 8-15 still calls them layers.8 ... layers.15.
 """
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.dcp_checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
+from megalite.checkpoint.dcp.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from megalite.model.pipeline_chunks import build_model_chunks
 from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer

@@ -1,0 +1,336 @@
+"""A checkpoint Megatron-LM saved (Megatron-Core GPTModel), read one full tensor at a time in
+megalite's names, whatever TP x PP (x virtual stages) layout wrote it.
+
+    <load>/latest_checkpointed_iteration.txt              the iteration, or 'release'
+    torch:      <load>/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   one torch.save per TP x PP rank
+    torch_dist: <load>/iter_0000100/metadata.json, common.pt, .metadata, __R_I.distcp   (DCP)
+
+In `torch` files each rank holds its TP slices of its stage's layers, numbered from 0 within
+each model chunk ('model', or 'model0', 'model1', ... with virtual stages); layers are assigned
+chunk-major (every stage's first chunk, then every stage's second). In `torch_dist` every tensor
+is stored at its full shape, the layers of `decoder.layers.*` stacked along a leading axis.
+Files are unpickled only through safe_pickle's allowlist.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
+from megalite.checkpoint.megatron.names import megatron_candidates, model_names, tp_rule
+from megalite.checkpoint.megatron.safe_pickle import read_dist_metadata, safe_torch_load
+from megalite.checkpoint.publish import ConversionError
+from megalite.checkpoint.dcp.target_layout import sharding_by_pattern
+from megalite.checkpoint.dcp.format import VOCAB_PARAMS, CheckpointError, and_more
+from megalite.checkpoint.dcp.storage import read_record
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def megatron_iteration_dir(root, iteration: int | None = None) -> tuple[Path, int] | None:
+    """(iteration folder, iteration) that Megatron's tracker file under `root` points at (or of
+    `iteration`), or None when `root` holds no Megatron checkpoint (megalite's own have
+    common.json there)."""
+    root = Path(root)
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip() if iteration is None else str(iteration)
+    if text == "release":
+        folder, iteration = root / "release", 0
+    elif text.isdigit():
+        folder, iteration = root / f"iter_{int(text):07d}", int(text)
+    else:
+        return None
+    if (folder / "common.json").exists() or not folder.is_dir():
+        return None
+    if (folder / "metadata.json").exists() or any(_RANK_DIR.match(p.name) for p in folder.iterdir()):
+        return folder, iteration
+    return None
+
+
+def megatron_format(root, iteration: int | None = None) -> str | None:
+    """'torch' or 'torch_dist' for a Megatron checkpoint directory, None otherwise."""
+    found = megatron_iteration_dir(root, iteration)
+    if found is None:
+        return None
+    return "torch_dist" if (found[0] / "metadata.json").exists() else "torch"
+
+
+def _merge_tp(pieces: list[torch.Tensor], rule) -> torch.Tensor:
+    if rule is None or len(pieces) == 1:
+        return pieces[0]
+    dim, blocks = rule
+    split = [p.chunk(blocks, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([s[b] for s in split], dim=dim) for b in range(blocks)], dim=dim)
+
+
+class _TorchFiles:
+    """Legacy `torch` format: one model_optim_rng.pt per (TP rank, PP rank)."""
+
+    def __init__(self, folder: Path):
+        ranks = {}
+        for path in sorted(folder.iterdir()):
+            match = _RANK_DIR.match(path.name)
+            if match:
+                ranks[(int(match.group(1)), int(match.group(2) or 0))] = path / "model_optim_rng.pt"
+        if not ranks:
+            extra = [p.name for p in folder.iterdir() if p.name.startswith("mp_rank_")]
+            raise CheckpointError(f"{folder}: no mp_rank_TT[_PPP] folders" + (f" ({extra[0]}: expert-parallel "
+                                  "checkpoints are not read)" if extra else ""))
+        self.tp = 1 + max(t for t, _ in ranks)
+        self.pp = 1 + max(p for _, p in ranks)
+        for t in range(self.tp):
+            for p in range(self.pp):
+                if (t, p) not in ranks or not ranks[(t, p)].is_file():
+                    raise CheckpointError(f"{folder / f'mp_rank_{t:02d}_{p:03d}' / 'model_optim_rng.pt'}: missing "
+                                          f"(the checkpoint has {self.tp} TP x {self.pp} PP ranks)")
+        self.paths = ranks
+        self.states = {key: safe_torch_load(path) for key, path in ranks.items()}  # memory-mapped
+        self.state = self.states[(0, 0)]
+        self.chunk_keys = sorted((k for k in self.state if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+        if not self.chunk_keys:
+            raise CheckpointError(f"{self.paths[(0, 0)]}: no 'model' entry")
+        self.layers = []  # global layer -> (pp rank, chunk key, local number)
+        for key in self.chunk_keys:
+            for p in range(self.pp):
+                model = self._model(0, p, key)
+                local = sorted({int(m.group(1)) for m in map(_LOCAL_LAYER.match, model) if m})
+                self.layers += [(p, key, j) for j in local]
+        self.has_optimizer = "optimizer" in self.state or any(
+            (path.parent / "distrib_optim.pt").exists() for path in ranks.values())
+
+    def _model(self, t: int, p: int, key: str) -> dict:
+        model = self.states[(t, p)].get(key)
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{self.paths[(t, p)]}: no {key!r} state dict")
+        return model
+
+    def _where(self, name: str):
+        """(pp rank, chunk key, name within that chunk) of a global Megatron name."""
+        match = _LOCAL_LAYER.match(name)
+        if match:
+            number = int(match.group(1))
+            if number >= len(self.layers):
+                return None
+            p, key, local = self.layers[number]
+            return p, key, f"decoder.layers.{local}.{match.group(2)}"
+        if name.startswith("embedding."):
+            return 0, self.chunk_keys[0], name
+        return self.pp - 1, self.chunk_keys[-1], name
+
+    def names(self) -> list[str]:
+        out = []
+        for number, (p, key, local) in enumerate(self.layers):
+            prefix = f"decoder.layers.{local}."
+            out += [f"decoder.layers.{number}.{n[len(prefix):]}" for n in self._model(0, p, key) if n.startswith(prefix)]
+        for p, key in ((0, self.chunk_keys[0]), (self.pp - 1, self.chunk_keys[-1])):
+            out += [n for n in self._model(0, p, key) if not n.startswith("decoder.layers.") and n not in out]
+        return [n for n in out if not n.endswith("._extra_state")]
+
+    def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
+        where = self._where(name)
+        if where is None:
+            return None
+        p, key, local = where
+        piece = self._model(0, p, key).get(local)
+        if not isinstance(piece, torch.Tensor):
+            return None
+        shape = list(piece.shape)
+        if rule is not None:
+            shape[rule[0]] *= self.tp
+        return shape, piece.dtype
+
+    def read(self, name: str, rule, lookup=None) -> torch.Tensor | None:
+        """The full tensor of Megatron's global `name`: the model's, or what `lookup(tp rank, pp
+        rank, chunk key, name in that chunk)` returns for each TP rank (an optimizer state)."""
+        where = self._where(name)
+        if where is None:
+            return None
+        p, key, local = where
+        lookup = lookup or (lambda t, p, key, local: self._model(t, p, key).get(local))
+        pieces = [lookup(t, p, key, local) for t in range(self.tp)]
+        if any(not isinstance(piece, torch.Tensor) for piece in pieces):
+            return None
+        return _merge_tp(pieces, rule)
+
+
+class _DistFiles:
+    """`torch_dist` format: DCP files, every tensor at its full shape, layers stacked."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.metadata = read_dist_metadata(folder / ".metadata")
+        self.state = safe_torch_load(folder / "common.pt") if (folder / "common.pt").exists() else {}
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
+                        if isinstance(v, TensorStorageMetadata)}
+        self.has_optimizer = any(k.startswith("optimizer.") for k in self.metadata.state_dict_metadata)
+
+    def names(self) -> list[str]:
+        out = []
+        for key, meta in self.tensors.items():
+            if key.startswith("optimizer.") or key.endswith("._extra_state") or "/" in key:
+                continue
+            if key.startswith("decoder.layers."):
+                rest = key[len("decoder.layers."):]
+                out += [f"decoder.layers.{i}.{rest}" for i in range(meta.size[0])]
+            else:
+                out.append(key)
+        return out
+
+    def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
+        match = _LOCAL_LAYER.match(name)
+        key = f"decoder.layers.{match.group(2)}" if match else name
+        meta = self.tensors.get(key)
+        if meta is None or (match and int(match.group(1)) >= meta.size[0]):
+            return None
+        return list(meta.size)[1 if match else 0:], meta.properties.dtype
+
+    def read(self, name: str, rule, prefix: str = "") -> torch.Tensor | None:
+        """The full tensor stored for Megatron's global `name` under `prefix` (the model's: none)."""
+        match = _LOCAL_LAYER.match(name)
+        key, layer = (f"decoder.layers.{match.group(2)}", int(match.group(1))) if match else (name, None)
+        key = prefix + key
+        meta = self.tensors.get(key)
+        if meta is None or (layer is not None and layer >= meta.size[0]):
+            return None
+        shape = list(meta.size)
+        lo, hi = (layer, layer + 1) if layer is not None else (0, shape[0] if shape else 1)
+        out = torch.empty([hi - lo, *shape[1:]] if shape else [], dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            start, size = (chunk.offsets[0], chunk.sizes[0]) if shape else (0, 1)
+            first, last = max(start, lo), min(start + size, hi)
+            if first >= last:
+                continue
+            piece = self._record(key, chunk)
+            if shape:
+                piece = piece[first - start:last - start]
+                region = out[(slice(first - lo, last - lo),) + tuple(slice(o, o + s) for o, s in
+                                                                     zip(chunk.offsets[1:], chunk.sizes[1:]))]
+                region.copy_(piece)
+                covered += piece.numel()
+            else:
+                out.copy_(piece)
+                covered = 1
+        if covered != out.numel():
+            raise CheckpointError(f"{self.folder}: the stored chunks of tensor {key} do not cover its shape {shape}")
+        return out[0] if layer is not None else out
+
+    def stored_object(self, key: str):
+        """A pickled entry of the checkpoint (a Megatron ShardedObject such as
+        'rng_state/shard_0.1_1.2'), unpickled through the allowlist; None when there is none."""
+        info = self.metadata.storage_data.get(MetadataIndex(key))
+        if info is None:
+            return None
+        path = self.folder / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            stored = safe_torch_load(path, f.read(info.length))
+        return stored[0] if isinstance(stored, list) and len(stored) == 1 else stored  # saved as [object]
+
+    def _record(self, key: str, chunk) -> torch.Tensor:
+        info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{self.folder}: tensor {key} chunk at {list(chunk.offsets)} has no plain record")
+        path = self.folder / info.relative_path
+        piece = read_record(path, info, f"tensor {key}")
+        if list(piece.shape) != list(chunk.sizes):
+            raise CheckpointError(f"{path}: tensor {key} chunk at {list(chunk.offsets)} has shape "
+                                  f"{list(piece.shape)}, expected {list(chunk.sizes)}")
+        return piece
+
+
+class MegatronCheckpoint:
+    """The latest (or `release`) checkpoint under a Megatron --save directory. `vocab_size`: the
+    unpadded vocabulary (a run's tokenizer); default what the checkpoint's args and embedding say
+    (args.vocab_size_of). `iteration`: that iteration's checkpoint instead of the
+    tracker's. `notes`: arguments the checkpoint's model did not use, one line each."""
+
+    def __init__(self, load_dir, vocab_size: int | None = None, iteration: int | None = None):
+        self.root = Path(load_dir)
+        found = megatron_iteration_dir(self.root, iteration)
+        if found is None:
+            raise CheckpointError(f"{self.root}: not a Megatron checkpoint directory (no {TRACKER} pointing at an "
+                                  "iter_* folder with mp_rank_* files or metadata.json)")
+        self.path, self.iteration = found
+        self.format = "torch_dist" if (self.path / "metadata.json").exists() else "torch"
+        self.files = _DistFiles(self.path) if self.format == "torch_dist" else _TorchFiles(self.path)
+        self.state = self.files.state
+        self.args = self.state.get("args")
+        if "iteration" in self.state:
+            self.iteration = int(self.state["iteration"])
+        where = self.path if self.format == "torch_dist" else self.files.paths[(0, 0)]
+        embedding = self.files.spec("embedding.word_embeddings.weight", (0, 1))
+        if embedding is None:
+            legacy = " (Megatron's legacy GPT model: language_model.*; megalite reads Megatron-Core's)" if any(
+                n.split(".")[0] == "language_model" for n in self.files.names()) else ""
+            raise CheckpointError(f"{where}: no embedding.word_embeddings.weight{legacy}")
+        self.padded_vocab = embedding[0][0]
+        vocab = vocab_size or vocab_size_of(self.args, self.padded_vocab)
+        try:
+            self.config = config_from_megatron_args(self.args, vocab, str(where))
+        except ConversionError:
+            raise  # names the file already
+        except (ValueError, TypeError) as e:
+            raise ConversionError(f"{where}: {e}") from None
+        self.notes = megatron_args_notes(self.args)
+        if vocab > self.padded_vocab:
+            raise CheckpointError(f"{where}: the vocabulary has {vocab} tokens but the checkpoint's embedding only "
+                                  f"{self.padded_vocab} rows")
+        self.sharding = sharding_by_pattern(self.config)
+        self.stored = self.files.names()
+        self.used: set[str] = set()
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.files.has_optimizer
+
+    def names(self) -> list[str]:
+        return model_names(self.config)
+
+    def get(self, name: str, what: str = "", **source) -> torch.Tensor:
+        """The full tensor of megalite's parameter `name` (vocabulary tensors without padding);
+        with `source` (the files' read options: a `lookup` or a `prefix`), an optimizer state of
+        it that `what` names in errors."""
+        rule = tp_rule(self.config, self.sharding, name)
+        for candidate in megatron_candidates(name):
+            tensor = self.files.read(candidate, rule, **source)
+            if tensor is not None:
+                if not source:
+                    self.used.add(candidate)
+                return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
+        raise ConversionError(f"{self.path}: the Megatron checkpoint has no {what}{' or '.join(megatron_candidates(name))} "
+                              f"(for megalite's {name})")
+
+    def spec(self, name: str) -> tuple[tuple, torch.dtype]:
+        """(full shape, dtype) of megalite's `name` without reading its data; it counts as used."""
+        rule = tp_rule(self.config, self.sharding, name)
+        for candidate in megatron_candidates(name):
+            found = self.files.spec(candidate, rule)
+            if found is not None:
+                self.used.add(candidate)
+                shape, dtype = found
+                if name in VOCAB_PARAMS:
+                    shape[0] = self.config.vocab_size
+                return tuple(shape), dtype
+        raise ConversionError(f"{self.path}: the Megatron checkpoint has no {' or '.join(megatron_candidates(name))} "
+                              f"(for megalite's {name})")
+
+    def unused(self) -> list[str]:
+        """Stored model tensors that have no place in megalite's model, in stored order (every
+        name's `spec` is looked up first: metadata only)."""
+        for name in self.names():
+            self.spec(name)
+        tied_copy = None if self.config.untie_embeddings_and_output_weights else "output_layer.weight"
+        return [n for n in self.stored if n not in self.used and n != tied_copy]
+
+    def check_all_used(self) -> None:
+        """Refuse a checkpoint with model tensors megalite has no place for (q/k norms, experts, ...)."""
+        unused = self.unused()
+        if unused:
+            raise ConversionError(f"{self.path}: tensor {unused[0]} has no place in megalite's model{and_more(unused)}")
