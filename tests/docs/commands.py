@@ -1,6 +1,6 @@
 """The commands the project prints for its users, found in the documents themselves: the
-```bash (or sh) blocks and inline code spans of README.md and examples/README.md, and the
-example lines of the tools' usage docstrings (tools/**/*.py and the megalite/*/cli.py modules a
+```bash (or sh) blocks and inline code spans of every document (README.md and each *.md under
+megalite/, tools/, scripts/, examples/ and tests/: markdown_documents()), and the example lines of the tools' usage docstrings (tools/**/*.py and the megalite/*/cli.py modules a
 tool runs; a tool's --help shows its docstring's first paragraph, the examples are in the rest).
 
 A command is one shell command line: backslash continuations joined, a trailing `# comment`
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MARKDOWN = ("README.md", "examples/README.md")
+# Where documents live: README.md at the top, and any *.md file under these folders (a document
+# added there is read without being listed anywhere).
+DOCUMENT_FOLDERS = ("megalite", "tools", "scripts", "examples", "tests")
 PROGRAMS = ("python", "python3", "bash", "torchrun", "sbatch", "srun", "pip")
 _ENV = r"[A-Z_][A-Z0-9_]*=\S*\s+"
 _COMMAND_START = re.compile(rf"^(\.\.\.\s|({_ENV})*({'|'.join(PROGRAMS)})(\s|$))")
@@ -162,11 +164,21 @@ def tool_modules() -> list[Path]:
     return tools + sorted(clis)
 
 
+def markdown_documents() -> list[Path]:
+    """README.md and every *.md file under DOCUMENT_FOLDERS, in path order (hidden folders, such as
+    a tool's cache, left out)."""
+    found = [REPO / "README.md"]
+    for folder in DOCUMENT_FOLDERS:
+        found += sorted(p for p in (REPO / folder).rglob("*.md")
+                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(REPO).parts))
+    return found
+
+
 def documented_commands() -> list[Command]:
     """Every command of the documents, in document order (a command written twice, twice)."""
     found = []
-    for name in MARKDOWN:
-        found += markdown_commands(REPO / name)
+    for path in markdown_documents():
+        found += markdown_commands(path)
     for path in tool_modules():
         found += docstring_commands(path)
     return found
