@@ -14,8 +14,8 @@ formulas.md's 18 (or 6 + 12/d) bytes per parameter exactly.
 context-parallel rank's share), micro-batch, hidden size, heads, TP size, sequence parallelism
 and recompute, without the 5·a·s/h term of the s x s scores: a dry run attends with flash or memory-efficient attention as an sm80+ GPU would (the explicit
 math backends, --attention-backend unfused/local, store the scores and keep the term), with
-multi-latent attention's terms (README, "FLOPs and memory of MLA and MTP"). Times the
-layers this rank holds in flight at the worst moment of its pipeline schedule (the last stage's
+multi-latent attention's terms (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP").
+Times the layers this rank holds in flight at the worst moment of its pipeline schedule (the last stage's
 last chunk counting each MTP depth as a layer plus its own inputs): each forward of
 a chunk adds the chunk's layers, each backward frees them (1F1B: p - r micro-batches on stage
 r; interleaved 1F1B: formulas.md's 1 + (p-1)/(p·v) on stage 0). The formula is for 16-bit

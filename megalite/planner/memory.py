@@ -13,7 +13,7 @@ Beyond formulas.md's table, and labelled so:
 - 32-bit activations take twice the table's 16-bit bytes (dropout masks included: an upper
   bound);
 - multi-latent attention's terms, and each MTP depth on the last stage as one more layer plus
-  its own inputs and logits (README, "FLOPs and memory of MLA and MTP").
+  its own inputs and logits (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP").
 """
 
 from dataclasses import dataclass

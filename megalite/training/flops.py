@@ -6,9 +6,9 @@
     MoE layers: k*h*f becomes h*E + topk*k*h*f_moe (+ k*h*f_shared + h): activated experts only
     MFU     = F_token * tokens/s per GPU / peak FLOP/s
 
-Multi-latent attention (README "FLOPs and memory of MLA and MTP"): a layer's attention weights
-are h*r_q + r_q*a*d_q (or h*a*d_q without a query latent) + h*(r_kv + d_r) + r_kv*a*(d_c + d_v)
-+ a*d_v*h, with d_c the per-head query/key width without rotation, d_r the rotary one,
+Multi-latent attention (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP"): a layer's
+attention weights are h*r_q + r_q*a*d_q (or h*a*d_q without a query latent) + h*(r_kv + d_r)
++ r_kv*a*(d_c + d_v) + a*d_v*h, with d_c the per-head query/key width without rotation, d_r the rotary one,
 d_q = d_c + d_r; its scores and context cost 6*s*a*(d_q + d_v) per token and layer instead of
 12*s*h. Multi-token prediction adds per depth one layer, eh_proj (2*h*h) and the output layer
 (h*V) to P_mm, and the layer's attention term.

@@ -1,6 +1,7 @@
 """tools/merge_datasets.py takes a glob over dataset prefixes itself (no file is named like a
 prefix, so a shell passes such a pattern on, or refuses it), merges the matches in partition
-order, and refuses an incomplete set of partitions. README's command as written, through bash:
+order, and refuses an incomplete set of partitions. megalite/data/README.md's command as written, through
+bash:
 tests/docs/test_readme_commands.py."""
 
 import os

@@ -1,5 +1,6 @@
-"""README.md's and examples/README.md's commands, each as printed (the key) -> how it runs at toy
-scale (tests/docs/workspace.py: Run, SameAs, Elsewhere, CannotRun, Checked, Prose).
+"""The commands of the documents (README.md, examples/README.md and the topic documents under
+megalite/, tools/, scripts/ and tests/: tests/docs/commands.py finds them), each as printed (the
+key) -> how it runs at toy scale (tests/docs/workspace.py: Run, SameAs, Elsewhere, CannotRun, Checked, Prose).
 
 Toy scale changes sizes and paths only: a 0.3 MB corpus, a 500-piece SentencePiece model, models
 of 2-4 layers and hidden 64, 2 iterations, 4 partitions instead of 64, absolute paths made
@@ -48,7 +49,7 @@ GPT3_AT_TOY_SIZE = (("--num-gpus 1024", "--num-gpus 2"), ("--num-layers 96", "--
 PIP = Checked("installs into this environment from the network", _pip_install)
 
 README = {
-    # Quickstart
+    # README.md: quickstart, performance, contributing; scripts/README.md
     'pip install torch==2.13.0 -e ".[plot]"': PIP,
     "bash scripts/pretrain_gpt.sh": Elsewhere((DEMO,), "the embedded default end to end (slow): corpus, tokenizer, "
                                               "data, TP=2 PP=2 training, plot, summary"),
@@ -62,13 +63,13 @@ README = {
     "srun": Prose("names Slurm's launcher"),
     "sbatch": Prose("names Slurm's submit command; the sbatch lines below run"),
     "python -m megalite.pretrain_gpt ... --mock-data": Prose(
-        "the form of the GPU driver runs, whose flags the README spells out; gpu_check.sh runs them"),
+        "the form of the GPU driver runs, whose flags tools/benchmarks/README.md spells out; gpu_check.sh runs them"),
     "python -m tests.docs.test_readme_commands": Elsewhere(
         ("tests/docs/test_readme_commands.py::test_the_listing_the_readme_points_to_runs",),
         "the listing of this table, run from the checkout"),
     "NPROC_PER_NODE=8 NNODES=... bash scripts/pretrain_gpt.sh <flags>": Prose(
         "the form of plan.py's printed launch lines, which test_plan_finalists_run runs"),
-    # Usage: prepare data
+    # megalite/data/README.md: prepare data (and tools/README.md)
     "python tools/train_tokenizer.py --input corpus.jsonl --json-keys text --vocab-size 32000 --model-prefix tokenizer":
         Run("readme-train-tokenizer", replace=(("--vocab-size 32000", "--vocab-size 500"),), needs=("corpus",),
             check=checks.sentencepiece(500, "tokenizer.model")),
@@ -96,13 +97,13 @@ README = {
     "--tokenizer-model tok.model --show 3":
         Run("readme-inspect", replace=(("/data/", "cluster/"),), needs=("readme-merge",),
             check=checks.inspected("cluster/tok/fineweb_text_document")),
-    # Usage: train
+    # megalite/training/README.md: train
     "bash scripts/pretrain_gpt.sh --config examples/gpt2_124m.yaml --data-path data/corpus_text_document "
     "--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --save checkpoints/gpt2 "
     "--load checkpoints/gpt2":
         Run("readme-train-gpt2", append=TINY_GPT2, needs=("readme-preprocess",),
             check=checks.trained("checkpoints/gpt2", 2, "checkpoints/gpt2_124m/metrics.jsonl")),
-    # Usage: coming from Megatron-LM (a TP=1 Megatron `torch` checkpoint of 2 layers, hidden 16)
+    # megalite/config/README.md: coming from Megatron-LM (a TP=1 Megatron `torch` checkpoint of 2 layers, hidden 16)
     "torchrun --nproc-per-node 2 -m megalite.pretrain_gpt --load /megatron/ckpt --auto-detect-ckpt-format "
     "--use-checkpoint-args --tensor-model-parallel-size 2 ...data, batch and LR flags":
         Run("readme-megatron-continue", replace=(
@@ -121,8 +122,9 @@ README = {
     "ml_ckpt --target-tensor-parallel-size 2":
         Run("readme-megatron-to-megalite-tp2", replace=(("/megatron/", "megatron/"),), needs=("megatron",), slow=True,
             check=checks.printed(r"^To train from it \(2 processes")),
-    # Usage: long context, experts and dry runs. The 7B file's TP=4 PP=2 with CP=4 is 32 processes:
-    # at toy scale TP=1 PP=1 (one chunk), so CP=4 a2a+p2p with groups 2 x 2 runs on 4.
+    # megalite/parallel/README.md: long context and experts; megalite/dryrun/README.md: dry runs.
+    # The 7B file's TP=4 PP=2 with CP=4 is 32 processes: at toy scale TP=1 PP=1 (one chunk), so CP=4
+    # a2a+p2p with groups 2 x 2 runs on 4.
     "bash scripts/pretrain_gpt.sh --config examples/llama_7b_3d.yaml --context-parallel-size 4 --cp-comm-type "
     "a2a+p2p --hierarchical-context-parallel-sizes 2 2 --seq-length 32768 --reset-attention-mask "
     "--reset-position-ids ...":
@@ -182,7 +184,7 @@ README = {
         Run("readme-dry-run-deepseek-v3", slow=True, timeout=3000,
             check=checks.printed(r"^dry run: world 1024 = TP 2 x PP 16 \(x1 virtual\) x DP 32; 256 experts top-8, EP 64",
                                  r"^\s+960\s+\(0, 0, 15, 0\)", r"^verdict: highest peak")),
-    # Usage: plan a layout (sizes toy; the finalists' launch lines: test_plan_finalists_run)
+    # megalite/planner/README.md: plan a layout (sizes toy; the finalists' launch lines: test_plan_finalists_run)
     "python tools/plan.py --cluster a100 --num-gpus 1024 -- --num-layers 96 --hidden-size 12288 "
     "--num-attention-heads 96 --seq-length 2048 --global-batch-size 1536 --bf16 --tokenizer-type NullTokenizer "
     "--vocab-size 51199":
@@ -201,7 +203,7 @@ README = {
     "--seq-length 256 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 4095":
         Run("readme-plan-cpu", needs=("readme-calibrate",), slow=True,
             check=checks.printed(r"^   NPROC_PER_NODE=2 bash scripts/pretrain_gpt.sh ")),
-    # Usage: convert and generate (a random 2-layer Llama; its run: test_convert_hint_runs)
+    # megalite/checkpoint/README.md: convert and generate (a random 2-layer Llama; its run: test_convert_hint_runs)
     "python tools/checkpoint/convert.py --loader hf --saver megalite --load-dir llama-hf/ --save-dir checkpoints/llama "
     "--target-tensor-parallel-size 2 --target-pipeline-parallel-size 2":
         Run("readme-convert-to-megalite", needs=("llama-hf",),

@@ -1,11 +1,11 @@
 """Every command the project prints for its users runs (issue 22, item 3): the commands of
-README.md, examples/README.md and the tools' usage docstrings are found in the documents
-(tests/docs/commands.py), each has an entry in tests/docs/readme_table.py or tool_table.py, and
-each entry runs at toy scale, through bash, in a workspace that looks like a checkout
-(tests/docs/workspace.py), or names the tests that run it, or says why it cannot run here. A
-command added to a document, or changed there, without an entry fails the first test. The
-commands the tools themselves print (convert.py's "To train from it", plan.py's finalists) run
-too, from the tools' own output.
+README.md, every *.md document under megalite/, tools/, scripts/, examples/ and tests/, and the
+tools' usage docstrings are found in the documents (tests/docs/commands.py), each has an entry
+in tests/docs/readme_table.py or tool_table.py, and each entry runs at toy scale, through bash,
+in a workspace that looks like a checkout (tests/docs/workspace.py), or names the tests that run
+it, or says why it cannot run here. A command added to a document, or changed there, without an
+entry fails the first test. The commands the tools themselves print (convert.py's "To train from
+it", plan.py's finalists) run too, from the tools' own output.
 
 `python -m tests.docs.test_readme_commands` prints which entries run in the default suite, which
 are slow, which are covered elsewhere and which cannot run here.
@@ -48,7 +48,7 @@ def test_every_documented_command_has_an_entry():
 
 
 def test_the_listing_the_readme_points_to_runs():
-    """`python -m tests.docs.test_readme_commands`, as README's Tests section gives it."""
+    """`python -m tests.docs.test_readme_commands`, as README.md's contributing section gives it."""
     import subprocess
     import sys
 

@@ -1,7 +1,7 @@
-"""The commands of the tools' usage docstrings, and the benchmark commands of README.md's
-Performance section, each as printed (the key) -> how it runs at toy scale (see readme_table.py
-for the rules). Placeholders (CKPT, HF_DIR, P, N, `[--option X]`, `{a,b}`) become the
-workspace's files and one of the choices."""
+"""The commands of the tools' usage docstrings (also printed by tools/README.md), and the benchmark
+commands of tools/benchmarks/README.md and the dry-run and planner documents, each as printed
+(the key) -> how it runs at toy scale (see readme_table.py for the rules). Placeholders (CKPT,
+HF_DIR, P, N, `[--option X]`, `{a,b}`) become the workspace's files and one of the choices."""
 
 import os
 
@@ -103,7 +103,7 @@ TOOLS = {
         Run("doc-generate-cli-tp2", replace=(("CKPT", "checkpoints/llama"),),
             needs=("readme-convert-to-megalite", "prompts"), slow=True,
             check=checks.printed(r"^def fibonacci\(n\):", r"^import os")),
-    # megalite/planner/cli.py (its first and third lines are README's)
+    # megalite/planner/cli.py (its first and third lines are megalite/planner/README.md's)
     "python tools/plan.py --cluster h100 --num-gpus 64 --hf-config llama3_8b/config.json --seq-length 8192 "
     "--global-batch-size 512":
         Run("doc-plan-hf", replace=(("--num-gpus 64", "--num-gpus 2"), ("llama3_8b/", "llama3-8b/"),
@@ -126,7 +126,7 @@ TOOLS = {
 }
 
 BENCHMARKS = {
-    # README.md, Performance
+    # tools/benchmarks/README.md, megalite/dryrun/README.md, megalite/planner/README.md
     "python tools/benchmarks/bench_model.py --time-limit 540 --output bench_model.md": CannotRun(GPU, (
         BENCH_MODEL + "test_without_gpu_says_so_and_exits_0",
         BENCH_MODEL + "test_time_limit_skips_rows_that_would_not_fit",
@@ -165,7 +165,7 @@ BENCHMARKS = {
         "the planner reading a rates file gpu_check_report.py wrote"),
     "python tools/benchmarks/dry_run_llama3.py": Elsewhere(
         ("run:doc-dry-run-llama3", "run:readme-dry-run-405b"), "all four models take minutes of CPU: one (8B, TP1) "
-        "runs through the same runner, and the 405B layout as README writes it"),
+        "runs through the same runner, and the 405B layout as megalite/dryrun/README.md writes it"),
     "python tools/benchmarks/bench_plan.py --json out.json": Elsewhere(
         ("run:doc-bench-plan",), "the docstring's --world-sizes/--json entry runs the benchmark at one world size "
         "and 2 iterations"),

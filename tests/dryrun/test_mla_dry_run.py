@@ -1,8 +1,8 @@
 """Multi-latent attention and multi-token prediction on the fake CUDA device (a dry run, as an
 H100 would run them: values narrower than queries take memory-efficient attention there, the
 flash kernel needing one head width): the most activations each pipeline stage holds against
-the activation formula with MLA's terms, and each MTP depth counted on the last stage (README,
-"FLOPs and memory of MLA and MTP"), within 10%; held bytes equal formulas.md's, the routers'
+the activation formula with MLA's terms, and each MTP depth counted on the last stage
+(megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP"), within 10%; held bytes equal formulas.md's, the routers'
 expert biases included. A dense MLA model (DeepSeek-V3's head widths and latent ranks scaled
 down, Korthikanti's MLP term being a dense MLP's) at TP=2 PP=2, with and without sequence
 parallelism."""

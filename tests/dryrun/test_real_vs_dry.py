@@ -72,7 +72,7 @@ def test_dry_run_peak_memory_matches_real_run(name):
     slack = 2 * _pipeline_message_bytes(parse_args(argv))
     for d in dry:
         r = real[d.rank]
-        print(f"{name} rank {d.rank}: dry {d.peak} real {r['peak']}")  # the README table (-s)
+        print(f"{name} rank {d.rank}: dry {d.peak} real {r['peak']}")  # megalite/dryrun/README.md's table (-s)
         assert r["resident"] == d.resident, (name, d.rank)
         for category, value in d.peak.items():
             assert abs(value - r["peak"][category]) <= TOL * max(r["peak"][category], 1) + slack, \

@@ -10,9 +10,10 @@ the a100-megatron2021 preset, whose one calibrated constant comes from the paper
 1 (re-derived here). Asserted, so that a drift in the memory or time model fails: the paper's
 layout fits, its predicted throughput (counted as the paper counts) is within 20% of 140, it is
 within 10% of the planner's best, and the planner's own ranking (its best layout's TP, PP, DP)
-is what README.md reports. The planner does NOT rank the paper's layout in its top three: it
+is what megalite/planner/README.md reports. The planner does NOT rank the paper's layout in its top three: it
 prefers TP 4 (half the tensor-parallel traffic and replicated norm/dropout work per GPU, which
-fits at 61 GiB, and 62 GiB measured by --verify's dry run: the slow test below); see README.md.
+fits at 61 GiB, and 62 GiB measured by --verify's dry run: the slow test below);
+see megalite/planner/README.md.
 """
 
 import pytest

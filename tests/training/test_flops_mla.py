@@ -1,7 +1,7 @@
-"""FLOPs and activation memory of multi-latent attention and multi-token prediction (README,
-"FLOPs and memory of MLA and MTP"): P_mm equals the matmul weights the model builds (each MTP
-depth using the output layer once more); DeepSeek-V3's shape gives its published 671B total and
-37B activated parameters; the activation formula's MLA terms by hand."""
+"""FLOPs and activation memory of multi-latent attention and multi-token prediction
+(megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP"): P_mm equals the matmul weights
+the model builds (each MTP depth using the output layer once more); DeepSeek-V3's shape gives its
+published 671B total and 37B activated parameters; the activation formula's MLA terms by hand."""
 
 import math
 

@@ -1,7 +1,7 @@
 """Dry runs of Llama-3 8B (TP=1, TP=2 with SP), 70B (TP=8 PP=4 SP) and 405B (TP=8 PP=16, two
 virtual stages, SP) in bf16 with the distributed optimizer, at s = 8192, b = 1: a rank of every
 distinct pipeline stage, as `python -m megalite.pretrain_gpt --dry-run` measures them
-(megalite/dryrun/stages.py). Prints the README's table, a row per distinct stage: held bytes
+(megalite/dryrun/stages.py). Prints megalite/dryrun/README.md's table, a row per distinct stage: held bytes
 beside formulas.md's, the peak of a steady iteration, and the most activations held at once
 beside Korthikanti et al.'s formula for the layers in flight (megalite/dryrun/formulas.py); then
 each model's verdict against an 80 GiB GPU.
