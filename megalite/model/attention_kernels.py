@@ -226,3 +226,33 @@ def run_start_up_line(config, device: torch.device, *, seq_length: int, dtype: t
         return None
     card = Card(card.name, card.capability, card.cudnn, deterministic)
     return start_up_line(config.attention_backend, card, training_call(config, seq_length, dtype, masked))
+
+
+def render_table(measured: dict[str, dict[str, tuple[str, ...]]]) -> str:
+    """The MEASURED assignment as this file holds it (sorted, one row a line)."""
+    if not measured:
+        return "MEASURED: dict[str, dict[str, tuple[str, ...]]] = {}"
+    lines = ["MEASURED: dict[str, dict[str, tuple[str, ...]]] = {"]
+    for card in sorted(measured):
+        lines.append(f"    {card!r}: {{")
+        lines += [f"        {key!r}: {tuple(order)!r}," for key, order in sorted(measured[card].items())]
+        lines.append("    },")
+    return "\n".join(lines + ["}"])
+
+
+def rewrite_table(path: str, card: str, rows: dict[str, tuple[str, ...]]) -> None:
+    """Replace `card`'s rows of MEASURED in the attention_kernels.py at `path` by `rows` (other
+    cards' rows kept; written beside it first, then moved over it whole)."""
+    import ast
+    import os
+
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    start = source.index("MEASURED: dict[str, dict[str, tuple[str, ...]]] = ")
+    end = source.index("# (end of the measured table)")
+    table = ast.literal_eval(source[start:end].split("=", 1)[1].strip())
+    table[card] = {key: tuple(order) for key, order in rows.items()}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(source[:start] + render_table(table) + "\n" + source[end:])
+    os.replace(tmp, path)
