@@ -38,6 +38,21 @@ def test_cpu_smoke_checks_and_times_each_kernel():
     assert all(r[-1] == "ok" and float(r[2]) > 0 and float(r[3]) > 0 for r in rows), rows
 
 
+def test_without_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    bench = load_script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 0
+    assert "no CUDA GPU here, nothing to measure" in capsys.readouterr().out
+
+
+def test_unknown_shape_is_one_line(monkeypatch, capsys):
+    bench = load_script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--shapes", "driver,llama9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench_attention: --shapes: unknown llama9 (known: driver,gpt2,mla,driver-dropout)"]
+
+
 def test_a_wrong_kernel_fails_its_check():
     bench = load_script()
     shape = bench.SMOKE_SHAPES["driver"]
