@@ -47,18 +47,39 @@ def test_backend_matches_math_forward_and_backward(backend, shape, device):
         assert err < 2e-2, f"{backend} {shape} {name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("backend", ["auto", "fused"])
+def test_backend_with_a_mask_matches_math(backend, device):
+    """--reset-attention-mask's and the KV cache's path: a boolean mask (True: attend), no flash kernel."""
+    qkv, grad = make(device, 4, 2, 128, 128)
+    seq = qkv[0].shape[2]
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    mask[seq // 2:, : seq // 2] = False  # two documents
+    mask = mask.expand(2, 1, seq, seq)
+    scale = 128 ** -0.5
+    ours = run(lambda q, k, v: core_attention(q, k, v, mask, backend=backend, dropout=0.0, scale=scale), qkv, grad)
+    ref_in = [t.detach().float().requires_grad_() for t in qkv]
+    ref = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True),
+              ref_in, grad.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 2e-2, f"{backend} masked {name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.1, 0.125])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_predicted_kernels_agree_with_torch(shape, dropout, device):
+def test_predicted_kernels_agree_with_torch(shape, dropout, masked, device):
     if device != "cuda":
         pytest.skip("torch's CUDA kernel checks need a GPU")
     heads, groups, d_qk, d_v = SHAPES[shape]
     qkv, grad = make(device, heads, groups, d_qk, d_v)
-    card, call = card_of(None), call_of(*qkv, None, dropout)
+    seq = qkv[0].shape[2]
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril() if masked else None
+    card, call = card_of(None), call_of(*qkv, mask, dropout)
     for backend in ("auto", "fused"):
         kernel, refused = chosen_kernel(kernel_order(backend, card, call), card, call)
         attend = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
-            q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=groups != heads)
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=groups != heads)
         with sdpa_kernel([kernel]):
             run(attend, qkv, grad)  # raises "No available kernel" if torch refuses the predicted one
         for other, why, _ in refused:
