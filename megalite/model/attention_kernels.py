@@ -123,7 +123,7 @@ def _cudnn_refusal(card: Card, call: Call) -> tuple[str, str] | None:
     if call.dropout * 16 != int(call.dropout * 16):
         return (f"dropout {call.dropout:g} is not a multiple of 1/16, the only dropout cuDNN attention takes",
                 f"--attention-dropout {call.dropout:g}")
-    hopper_or_blackwell = card.capability in ((9, 0),) or card.capability[0] == 10
+    hopper_or_blackwell = card.capability == (9, 0) or card.capability[0] == 10
     widths = (call.d_qk, call.d_v)
     limit = 128
     if hopper_or_blackwell and card.cudnn > 92200:
