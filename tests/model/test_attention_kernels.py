@@ -126,7 +126,8 @@ def test_the_run_line_reads_the_config_and_skips_what_sdpa_does_not_serve(monkey
 def test_mla_training_call_has_its_unequal_widths():
     from megalite.model.mla_config import MLAConfig
 
-    config = make_config("llama").replace(mla=MLAConfig(kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128))
+    mla = MLAConfig(kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+    config = make_config("llama").replace(mla=mla)
     call = training_call(config, 1024, torch.bfloat16, False)
     assert (call.d_qk, call.d_v) == (192, 128)
 

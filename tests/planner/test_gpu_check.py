@@ -61,8 +61,8 @@ def test_cpu_smoke_runs_every_step(tmp_path):
     done = run("--cpu-smoke", "--out", str(out), timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
-    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "bench-host-overhead", "bench-attention", "run-1b", "run-8b-layers",
-             "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
+    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "bench-host-overhead", "bench-attention", "run-1b",
+             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
     for name in steps:
         assert f"| {name} | ok |" in table, name
     for name in ("1b", "8b-layers", "1b-recompute"):

@@ -226,7 +226,8 @@ def main(argv=None) -> int:
                         help="record this card's measured order in that file's MEASURED")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        device, dtype, shapes, iters, card_name, peak = torch.device("cpu"), torch.float32, list(SMOKE_SHAPES.values()), 2, "CPU", None
+        device, dtype, shapes, iters = torch.device("cpu"), torch.float32, list(SMOKE_SHAPES.values()), 2
+        card_name, peak = "CPU", None
     else:
         if not torch.cuda.is_available():
             print("bench_attention: no CUDA GPU here, nothing to measure (--cpu-smoke checks the harness)")
