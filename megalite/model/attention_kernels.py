@@ -117,7 +117,7 @@ def _cudnn_refusal(card: Card, call: Call) -> tuple[str, str] | None:
     if card.deterministic:
         return "cuDNN attention is not deterministic", "--deterministic-mode"
     if call.dtype not in (torch.float16, torch.bfloat16):
-        return f"{str(call.dtype)[6:]}, cuDNN attention takes fp16 / bf16 only", ""
+        return f"{str(call.dtype)[6:]}, cuDNN attention takes fp16 / bf16 only", "without --bf16 / --fp16"
     if call.dropout > 0 and 91100 < card.cudnn < 91400:
         return f"cuDNN {card.cudnn} (9.11 to 9.13) has no attention dropout", f"--attention-dropout {call.dropout:g}"
     if call.dropout * 16 != int(call.dropout * 16):
@@ -144,7 +144,7 @@ def _flash_refusal(card: Card, call: Call) -> tuple[str, str] | None:
     if not _in_sm_range(card, 80):
         return f"sm{card.sm}, flash attention needs sm80 to sm121", ""
     if call.dtype not in (torch.float16, torch.bfloat16):
-        return f"{str(call.dtype)[6:]}, flash attention takes fp16 / bf16 only", ""
+        return f"{str(call.dtype)[6:]}, flash attention takes fp16 / bf16 only", "without --bf16 / --fp16"
     if call.masked:
         return "flash attention takes no attention mask", "--reset-attention-mask"
     if call.d_qk != call.d_v or call.d_qk > 256:

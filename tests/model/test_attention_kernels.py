@@ -102,6 +102,9 @@ def test_other_refusals_name_their_flag():
     assert "it runs FLASH_ATTENTION" in det
     masked = start_up_line("auto", A100, with_(GPT2, masked=True))
     assert masked.startswith("--attention-backend auto --reset-attention-mask on NVIDIA A100-SXM4-80GB: FLASH_ATTENTION")
+    fp32 = start_up_line("auto", H200, with_(DRIVER, dtype=torch.float32))
+    assert fp32 == ("--attention-backend auto without --bf16 / --fp16 on NVIDIA H200: CUDNN_ATTENTION cannot take "
+                    "this attention (float32, cuDNN attention takes fp16 / bf16 only); it runs EFFICIENT_ATTENTION")
     wide = start_up_line("auto", H100, with_(DRIVER, d_qk=256, d_v=256))
     assert "--kv-channels" in wide and "up to 128" in wide and wide.endswith("it runs FLASH_ATTENTION")
 
