@@ -34,6 +34,30 @@ def _without_partial_views(qkv: torch.Tensor, *parts: torch.Tensor) -> tuple:
     return tuple(t.clone(memory_format=torch.contiguous_format) if view else t for t, view in zip(parts, views))
 
 
+class SplitGroupedQKV(torch.autograd.Function):
+    """q [s, b, groups * q_per_group, d], k and v [s, b, groups, d] of the fused projection's
+    output viewed as [s, b, groups, q_per_group + 2, d], with one backward: the three gradients
+    written once into a new tensor of that shape (torch.cat), where the slices' own backwards
+    would each zero a tensor of the full shape, copy their part into it, and add the three."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, q_per_group: int):
+        s, b, groups, _, d = qkv.shape
+        ctx.shape, ctx.q_per_group = qkv.shape, q_per_group
+        q = qkv[:, :, :, :q_per_group].reshape(s, b, groups * q_per_group, d)
+        return q, qkv[:, :, :, q_per_group], qkv[:, :, :, q_per_group + 1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        s, b, groups, _, d = ctx.shape
+        grads = (dq, dk, dv)
+        like = next(g for g in grads if g is not None)
+        widths = (ctx.q_per_group, 1, 1)
+        parts = [like.new_zeros(s, b, groups, n, d) if g is None else g.reshape(s, b, groups, n, d)
+                 for g, n in zip(grads, widths)]  # (splitting a dim: a view, never a copy)
+        return torch.cat(parts, dim=3), None
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config, tp_group=None, rng_tracker=None, device=None, cp_group=None, layer_number: int = 0):
         super().__init__()
@@ -104,8 +128,7 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.head_dim)
-        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        q, k, v = SplitGroupedQKV.apply(qkv, self.q_per_group)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:

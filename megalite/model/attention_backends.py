@@ -1,10 +1,12 @@
 """Core attention by --attention-backend: scaled_dot_product_attention restricted to the
 kernels a backend names, or megalite's explicit math path.
 
-    auto             SDPA picks (flash, cuDNN, memory-efficient or math)
+    auto             on CUDA, SDPA's kernels in the order attention_kernels.kernel_order gives for
+                     the card (the measured fastest first; cuDNN first on sm90 / sm100 without a
+                     measurement), math last; on CPU, SDPA picks
     flash            SDPA's flash kernel (on CPU too: torch has a CPU flash kernel)
-    fused            SDPA's cuDNN or memory-efficient kernel on CUDA (Megatron: TE's fused
-                     attention); on CPU, where neither exists, SDPA's CPU flash kernel
+    fused            SDPA's cuDNN kernel, else its memory-efficient one, on CUDA (Megatron: TE's
+                     fused attention, cuDNN's); on CPU, where neither exists, SDPA's CPU flash kernel
     unfused, local   explicit softmax(q k^T * scale + mask) v, the softmax in fp32, dropout
                      on the probabilities (Megatron's unfused / local DotProductAttention;
                      16-bit memory as its fused softmax kernel unless
@@ -21,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megalite.model.attention_kernels import call_of, card_of, kernel_order
+
 _SDPA_KERNELS = {
     ("flash", "cuda"): [SDPBackend.FLASH_ATTENTION],
-    ("fused", "cuda"): [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
     ("flash", "cpu"): [SDPBackend.FLASH_ATTENTION],
     ("fused", "cpu"): [SDPBackend.FLASH_ATTENTION],
 }
@@ -36,7 +39,8 @@ def pad_values(v: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sdpa_kernels(backend: str, device_type: str) -> list | None:
-    """The SDPA kernels `backend` allows on `device_type`; None means SDPA's own choice."""
+    """The SDPA kernels `backend` allows on `device_type` but auto and fused on CUDA (ordered by
+    attention_kernels.kernel_order); None means SDPA's own choice."""
     if backend == "auto":
         return None
     return _SDPA_KERNELS.get((backend, device_type))
@@ -49,6 +53,9 @@ def how_served(backend: str, device_type: str) -> str | None:
     if backend in EXPLICIT_BACKENDS:
         return (f"--attention-backend {backend}: megalite's explicit attention (q k^T, fp32 softmax, "
                 "dropout, @ v), not scaled_dot_product_attention")
+    if (backend, device_type) == ("fused", "cuda"):
+        return ("--attention-backend fused: scaled_dot_product_attention's CUDNN_ATTENTION, else its "
+                "EFFICIENT_ATTENTION where cuDNN cannot take the call (Transformer Engine's fused attention is cuDNN's)")
     kernels = _SDPA_KERNELS[(backend, device_type)]
     names = " / ".join(k.name for k in kernels)
     cpu = " (CPU has no cuDNN or memory-efficient kernel)" if (backend, device_type) == ("fused", "cpu") else ""
@@ -95,6 +102,10 @@ def core_attention(q, k, v, mask, *, backend: str, dropout: float, scale: float,
         return explicit_attention(q, k, v, mask, dropout=dropout, scale=scale, softmax_in_fp32=softmax_in_fp32)
     call = dict(attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale,
                 enable_gqa=k.shape[1] != q.shape[1])
+    if q.device.type == "cuda" and backend in ("auto", "fused"):
+        order = kernel_order(backend, card_of(q.device.index), call_of(q, k, v, mask, dropout))
+        with sdpa_kernel(list(order), set_priority=True):  # torch takes the first its checks accept
+            return F.scaled_dot_product_attention(q, k, v, **call)
     kernels = sdpa_kernels(backend, q.device.type)
     if kernels is None:
         return F.scaled_dot_product_attention(q, k, v, **call)

@@ -15,6 +15,7 @@ from megalite.checkpoint.run_load import checkpoint_args_of, load_for_run, resum
 from megalite.config.megatron.checkpoint import apply_checkpoint_args
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, RunConfig, run_config
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
+from megalite.model.attention_kernels import run_start_up_line
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
@@ -145,7 +146,11 @@ def build_run(args) -> Run:
         pstate.expert = ExpertState.create(pstate, parallel.expert_model_parallel_size, parallel.num_experts,
                                            parallel.distributed_timeout_minutes, parallel.expert_tensor_parallel_size)
     if pstate.rank == 0:
-        for note in checkpoint_notes + list(cfg.notes):
+        attention = run_start_up_line(cfg.model, device, seq_length=cfg.data.seq_length, dtype=parallel.compute_dtype,
+                                      masked=cfg.data.reset_attention_mask,
+                                      deterministic=cfg.training.deterministic_mode,
+                                      context_parallel=parallel.layout.context)
+        for note in checkpoint_notes + list(cfg.notes) + ([attention] if attention else []):
             print(note, flush=True)
     tracker = seed_everything(cfg.training.seed, pstate.tp_rank, pstate.pp_rank, device)
     config = cfg.model

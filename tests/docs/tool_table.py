@@ -12,6 +12,7 @@ from tests.docs.workspace import CannotRun, Elsewhere, Run, SameAs
 GPU = "measures on a GPU (no GPU here); without one it says so and exits 0"
 BENCH_MODEL = "tests/model/test_bench_model.py::"
 BENCH_KERNELS = "tests/kernels/test_bench_kernels.py::"
+BENCH_ATTENTION = "tests/model/test_bench_attention.py::"
 DP_SMOKE = ("tests/parallel/data/test_bench_data_parallel.py::"
             "test_smoke_run_prints_both_tables_from_the_measured_numbers",)
 PIPELINE_SMOKE = ("tests/parallel/pipeline/test_bench_pipeline.py::"
@@ -199,6 +200,11 @@ BENCHMARKS = {
     "python tools/benchmarks/bench_data_parallel.py --json out.json": Elsewhere(DP_SMOKE, "with --json, tiny size"),
     "python tools/benchmarks/bench_data_parallel.py --layers 1 --hidden 64 --vocab 256 --seq 16 --rounds 2":
         Elsewhere(DP_SMOKE, "these flags, with --bucket-size 10000 and --json"),
+    "python tools/benchmarks/bench_attention.py [--quick] [--shapes driver,gpt2,mla,driver-dropout]": CannotRun(GPU, (
+        BENCH_ATTENTION + "test_without_gpu_says_so_and_exits_0",
+        BENCH_ATTENTION + "test_measured_order_is_fastest_first_per_head_widths_and_leaves_dropout_out")),
+    "python tools/benchmarks/bench_attention.py --cpu-smoke": Elsewhere(
+        (BENCH_ATTENTION + "test_cpu_smoke_checks_and_times_each_kernel",), "this command"),
     "python tools/benchmarks/bench_kernels.py [--quick] [--ops rms_norm,cross_entropy] [--compile]": CannotRun(GPU, (
         BENCH_KERNELS + "test_cpu_smoke_prints_a_table", BENCH_KERNELS + "test_unknown_op_is_rejected")),
     "python tools/benchmarks/bench_model.py --output bench.md": CannotRun(GPU, (

@@ -61,8 +61,8 @@ def test_cpu_smoke_runs_every_step(tmp_path):
     done = run("--cpu-smoke", "--out", str(out), timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
-    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "bench-host-overhead", "run-1b", "run-8b-layers",
-             "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
+    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "bench-host-overhead", "bench-attention", "run-1b",
+             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
     for name in steps:
         assert f"| {name} | ok |" in table, name
     for name in ("1b", "8b-layers", "1b-recompute"):
@@ -184,3 +184,19 @@ def test_the_graphed_run_is_held_against_its_compiled_twin(tmp_path):
     row = report.run_row(tmp_path, "1b-compile-graphs", "h100")
     assert row.endswith("; losses against 1b-compile: largest relative difference 1.0e-01 over 3 iterations")
     assert "losses against" not in report.run_row(tmp_path, "1b-compile", "h100")
+
+
+def test_the_attention_benchmark_is_summarised_by_its_fastest_kernel(tmp_path):
+    (tmp_path / "bench-attention.log").write_text(
+        "card: NVIDIA H200\n\n| shape | kernel | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd % peak | bwd % peak | check |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|\n"
+        "| driver | CUDNN_ATTENTION | 1.000 | 3.000 | 500.0 | 400.0 | 51% | 40% | ok |\n"
+        "| driver | FLASH_ATTENTION | 1.500 | 4.000 | 300.0 | 250.0 | 30% | 25% | ok |\n"
+        "| driver | megalite auto | 1.010 | 3.010 | 500.0 | 400.0 | 51% | 40% | ok |\n"
+        "| mla | FLASH_ATTENTION (v padded) | 0.100 | 0.100 | 1.0 | 1.0 | 1% | 1% | relative error 1.0e-01 |\n"
+        "| mla | CUDNN_ATTENTION | - | - | - | - | - | - | refused: head_dim should be no more than 128 |\n"
+        "| mla | EFFICIENT_ATTENTION | 2.000 | 5.000 | 200.0 | 190.0 | 20% | 19% | ok |\n")
+    assert report.attention_summary(tmp_path / "bench-attention.log") == (
+        "driver: CUDNN_ATTENTION 1.000/3.000 ms (51%/40% of peak), auto 1.010/3.010 ms; "
+        "mla: EFFICIENT_ATTENTION 2.000/5.000 ms (20%/19% of peak)")
+    assert report.attention_summary(tmp_path / "missing.log") == "no log"

@@ -15,8 +15,11 @@
 #            run (--dry-run on fake CUDA: its peak against the run's torch.cuda.max_memory_allocated)
 #            and planner prediction (tools/plan.py, --cluster h200 or h100 by the GPU's name,
 #            --num-gpus 1, restricted to the run's own layout)
-#   kernels  tools/benchmarks/bench_kernels.py --quick, and tools/benchmarks/bench_host_overhead.py
-#            (each operator's host time per call beside a trivial Triton launch)
+#   kernels  tools/benchmarks/bench_kernels.py --quick, tools/benchmarks/bench_host_overhead.py
+#            (each operator's host time per call beside a trivial Triton launch), and
+#            tools/benchmarks/bench_attention.py --quick (each SDPA attention kernel alone, and the
+#            flash_attn package, forward and backward at the driver's, GPT-2's and MLA's shapes,
+#            with its share of the bf16 peak and the measured order for attention_kernels.MEASURED)
 #   drivers  the three runs issue 23 measured (python -m megalite.pretrain_gpt ... --mock-data,
 #            8 iterations, --log-interval 1, --metrics-file): a 1.1B Llama; Llama-3-8B layer
 #            shapes, 4 layers, s=8192, --use-distributed-optimizer; the 1.1B with full recompute.
@@ -33,7 +36,7 @@
 # when $OUT is set, else ./gpu_check.md), the logs to gpu_check_logs/ beside it. Budgets in
 # seconds, overridable: BUDGET_TESTS=200 BUDGET_KERNELS=60 BUDGET_RUN=60 (each driver run;
 # BUDGET_RUN_1B=90 for the profiled one, BUDGET_RUN_FAST=75 for the compiled ones)
-# BUDGET_HOST=30 BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
+# BUDGET_HOST=30 BUDGET_ATTENTION=60 BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
 # bench_model gets what is left of --budget (480): --only model gives it the whole budget. With
 # --cpu-smoke the budget is 1200 and each step's 2-4 times the above.
 # Without a GPU it says so and exits 0. Runs from any directory; python is $PYTHON or python3.
@@ -66,7 +69,7 @@ done
 # a CPU smoke run is no measurement: the budgets only keep it bounded, on a slow shared CPU
 if [ "$MODE" = smoke ]; then
   TOTAL=${TOTAL:-1200}
-  for b in TESTS:300 KERNELS:120 HOST:120 RUN:180 RUN_1B:180 RUN_FAST:180 DRY:240 PLAN:120; do
+  for b in TESTS:300 KERNELS:120 HOST:120 ATTENTION:120 RUN:180 RUN_1B:180 RUN_FAST:180 DRY:240 PLAN:120; do
     var=BUDGET_${b%%:*}; [ -n "${!var:-}" ] || export "$var=${b#*:}"
   done
 else
@@ -189,6 +192,8 @@ if wants kernels; then
   # it times compiled Triton's launch path, so never the interpreter a caller (pytest's conftest) may have set
   step bench-host-overhead "$(budget "${BUDGET_HOST:-30}")" env -u TRITON_INTERPRET "$PY" tools/benchmarks/bench_host_overhead.py \
     $([ "$MODE" = gpu ] || echo --ops rms_norm)
+  step bench-attention "$(budget "${BUDGET_ATTENTION:-60}")" "$PY" tools/benchmarks/bench_attention.py \
+    $([ "$MODE" = gpu ] && echo --quick || echo --cpu-smoke)
 fi
 if wants drivers; then
   for name in "${RUNS[@]}"; do

@@ -293,10 +293,32 @@ def host_summary(path: Path) -> str:
     return "; ".join(f"{r[0]} {r[1]}: +{r[4]} us fwd, +{r[7]} us bwd" for r in rows) or "no table in the log"
 
 
+def attention_summary(log: Path) -> str:
+    """Per shape, bench_attention.py's fastest kernel (forward + backward) with its shares of the
+    bf16 peak, and megalite's auto beside it."""
+    if not log.exists():
+        return "no log"
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in log.read_text(errors="replace").splitlines()
+            if line.startswith("| ") and not line.startswith("| shape")]
+    timed = [r for r in rows if len(r) == 9 and r[-1].startswith("ok")]
+    parts = []
+    for shape in dict.fromkeys(r[0] for r in timed):
+        mine = [r for r in timed if r[0] == shape]
+        kernels = [r for r in mine if not r[1].startswith("megalite")]
+        if not kernels:
+            continue
+        best = min(kernels, key=lambda r: float(r[2]) + float(r[3]))
+        auto = next((r for r in mine if r[1] == "megalite auto"), None)
+        text = f"{shape}: {best[1]} {best[2]}/{best[3]} ms ({best[6]}/{best[7]} of peak)"
+        parts.append(text + (f", auto {auto[2]}/{auto[3]} ms" if auto else ""))
+    return "; ".join(parts) or "no table in the log"
+
+
 SUMMARIES = {"tests-kernels": lambda logs: junit_summary(logs / "tests-kernels.xml"),
              "bench-host-overhead": lambda logs: host_summary(logs / "bench-host-overhead.log"),
              "tests-tp-cuda": lambda logs: junit_summary(logs / "tests-tp-cuda.xml"),
              "bench-kernels": lambda logs: kernels_summary(logs / "bench-kernels.log"),
+             "bench-attention": lambda logs: attention_summary(logs / "bench-attention.log"),
              "bench-model": lambda logs: model_summary(logs / "bench-model.md"),
              "profile": profile_row}
 

@@ -30,9 +30,10 @@ class MegatronModelArgs:
         "transformer_engine, its own fused kernels and scaled_dot_product_attention serve what "
         "Transformer Engine would.", choices=("local", "transformer_engine"))
     attention_backend: str = arg(
-        "auto", "Attention: auto (scaled_dot_product_attention picks), flash (its flash kernel), "
-        "fused (its cuDNN / memory-efficient kernels), unfused or local (megalite's explicit "
-        "math attention).", choices=ATTENTION_BACKENDS)
+        "auto", "Attention: auto (scaled_dot_product_attention's fastest kernel for the card: "
+        "measured, else cuDNN first on Hopper and Blackwell; SDPA's own choice on CPU), flash (its "
+        "flash kernel), fused (its cuDNN kernel, else memory-efficient), unfused or local "
+        "(megalite's explicit math attention).", choices=ATTENTION_BACKENDS)
     no_gradient_accumulation_fusion: bool = arg(
         False, "Megatron: do not fuse weight-gradient accumulation into main_grad (an apex / TE "
         "kernel). megalite always accumulates into fp32 main_grad buffers with torch.")
