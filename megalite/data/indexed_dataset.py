@@ -155,9 +155,10 @@ class IndexedDatasetWriter:
         self.add_item(tokens, mode)
         self.end_document()
 
-    def add_documents(self, data: bytes, lengths) -> None:
-        """Append many one-sequence documents at once: `data` holds their tokens already in
-        this writer's dtype, back to back; `lengths` their sizes in tokens."""
+    def add_documents(self, data, lengths) -> None:
+        """Append many one-sequence documents at once: `data` (bytes, or a contiguous array)
+        holds their tokens already in this writer's dtype, back to back; `lengths` their
+        sizes in tokens."""
         self._bin.write(data)
         start = len(self._lengths)
         self._lengths.extend(lengths)
