@@ -88,7 +88,7 @@ def plan_shards(pieces, text_mode: str, workers: int, min_shards: int, max_shard
 
     sizes = [size_of(*piece) for piece in pieces]
     total = sum(sizes)
-    target = min(max_shard_bytes, max(MIN_SHARD_BYTES, total // (4 * workers)))
+    target = min(max_shard_bytes, max(MIN_SHARD_BYTES, total // (8 * workers)))
     target = max(1, min(target, total // min_shards)) if total else 1
     shards: list[list] = []
     group: list = []
