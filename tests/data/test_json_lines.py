@@ -9,7 +9,8 @@ from megalite.data.corpus import BadInput, json_line_texts, parse_json_line
 ORDINARY = [  # the fast path takes these
     b'{"text": "plain"}\n', b'{"text": "crlf"}\r\n', b'{"text": "no newline"}', b'{"text":"tight"}\n',
     b'{"text": "trailing spaces"}  \t \n', b'{"text": "escapes \\n \\t \\" \\\\ \\/ \\u00e9 \\u4e2d \\ud83d\\ude00"}\n',
-    "{\"text\": \"raw utf-8 \u00e9\u4e2d\U0001f600\", \"other\": \"\u00e9\"}\n".encode(), b'{"text": "", "other": ""}\n',
+    "{\"text\": \"raw utf-8 \u00e9\u4e2d\U0001f600\", \"other\": \"\u00e9\"}\n".encode(),
+    b'{"text": "", "other": ""}\n',
     b'{"text": "first", "text": "last wins", "other": "o"}\n',
     b'{"id": 3, "meta": {"a": [1, 2.5e3, null, true]}, "text": "t", "other": "o"}\n',
     b'{"text": "nan elsewhere", "score": NaN, "other": "o"}\n',
