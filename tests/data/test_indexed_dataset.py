@@ -94,6 +94,18 @@ def test_merge_matches_megatron_add_index(tmp_path):
     assert len(IndexedDataset(ours)) == 20 + 21 + 22
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_add_documents_from_bytes_or_an_array_writes_what_add_document_writes(tmp_path, dtype):
+    docs = [d for d in random_documents(7, count=50, vocab=60000) if len(d)]
+    flat, lengths = np.concatenate(docs).astype(dtype), [len(d) for d in docs]
+    write_megalite(str(tmp_path / "one_by_one"), docs, dtype)
+    for name, data in (("bytes", flat.tobytes()), ("array", flat)):
+        with IndexedDatasetWriter(str(tmp_path / name), dtype) as w:
+            w.add_documents(data[:0], [])  # an empty batch changes nothing
+            w.add_documents(data, lengths)
+        assert same_bytes(str(tmp_path / "one_by_one"), str(tmp_path / name)), name
+
+
 @pytest.mark.parametrize("kernel_copy", ["refused", "absent"])
 def test_merge_without_the_kernel_copy_writes_the_same_files(tmp_path, monkeypatch, kernel_copy):
     parts = []
