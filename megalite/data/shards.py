@@ -170,7 +170,7 @@ def _read_lines(path: str, start: int, end: int | None, keys: list[str]):
             offset = f.tell()
         first_line_offset, pos, lineno = offset, offset, 0
         limit = float("inf") if end is None else end
-        try:  # read_lines' handling of damaged streams, without a generator per line
+        try:  # a damaged gzip or zstd stream is fatal, naming the first line it could not give
             for raw in f:
                 if pos >= limit:
                     break
