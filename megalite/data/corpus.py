@@ -53,17 +53,6 @@ def damaged_gzip(path: str, line: int, error: Exception) -> BadInput:
     return BadInput(path, line, reason, fatal=True)
 
 
-def read_lines(f, path: str):
-    """Yield the raw lines of an open binary file; a damaged gzip stream raises a fatal
-    BadInput naming the first line that could not be read."""
-    lineno = 0
-    try:
-        for lineno, raw in enumerate(f, 1):
-            yield raw
-    except STREAM_ERRORS as e:
-        raise damaged_gzip(path, lineno + 1, e) from None
-
-
 def read_document_file(path: str) -> tuple[str, int]:
     """(text, size in bytes) of a one-document file; BadInput on invalid UTF-8 (the line
     of the first bad byte) or on a damaged gzip stream (fatal)."""
@@ -202,6 +191,33 @@ def decode_utf8(raw: bytes, path: str, line: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadInput(path, line, f"invalid UTF-8 at byte {e.start} of the line ({e.reason})") from None
+
+
+_SCAN_JSON = json.JSONDecoder().scan_once  # what json.loads runs, without its two Python-level wrappers
+_JSON_WHITESPACE = " \t\n\r"  # what json.loads allows around the value
+
+
+def json_line_texts(raw: bytes, keys: list[str]) -> list[str] | None:
+    """parse_json_line's strings for a well-formed line, or None where anything is unusual
+    (parse_json_line then gives the same strings or the precise error): one pass of the
+    C scanner that json.loads runs, over a line that starts with the object."""
+    try:
+        text = raw.decode("utf-8")
+        obj, end = _SCAN_JSON(text, 0)
+        out = [obj[key] for key in keys]
+    except (ValueError, StopIteration, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+        return None
+    if type(obj) is not dict or (end != len(text) and text[end:].strip(_JSON_WHITESPACE)):
+        return None
+    for value in out:
+        if type(value) is not str:
+            return None
+        if not value.isascii() and b"\\u" in raw:  # a lone surrogate from a \uD800-style escape?
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return None
+    return out
 
 
 def parse_json_line(raw: bytes, keys: list[str], path: str, line: int) -> list[str]:

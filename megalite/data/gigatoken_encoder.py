@@ -26,6 +26,7 @@ PROBE_TEXTS = [
     "special-token text stays text: <|endoftext|> </s> <s> <unk> <pad>",
 ]
 SAMPLE_BYTES = 1 << 16
+FOUR_BYTE_IDS = (np.dtype(np.uint32), np.dtype(np.int32))
 
 
 class GigatokenEncoder:
@@ -57,8 +58,9 @@ class GigatokenEncoder:
     def _encode(self, texts: list[str]) -> list[bytes]:
         # one call per text: encode_batch returns an awkward Array, whose import alone costs
         # more than a megabyte of encoding; per text, the call itself is a microsecond
-        encode = self.backend.encode
-        return [encode(t).astype(np.int32).tobytes() for t in texts]
+        # ids below 2**31 have the same bytes as uint32 (gigatoken's dtype) and int32: no cast
+        encode, same = self.backend.encode, FOUR_BYTE_IDS
+        return [ids.tobytes() if ids.dtype in same else ids.astype(np.int32).tobytes() for ids in map(encode, texts)]
 
 
 def gigatoken_module():

@@ -155,9 +155,10 @@ class IndexedDatasetWriter:
         self.add_item(tokens, mode)
         self.end_document()
 
-    def add_documents(self, data: bytes, lengths) -> None:
-        """Append many one-sequence documents at once: `data` holds their tokens already in
-        this writer's dtype, back to back; `lengths` their sizes in tokens."""
+    def add_documents(self, data, lengths) -> None:
+        """Append many one-sequence documents at once: `data` (bytes, or a contiguous array)
+        holds their tokens already in this writer's dtype, back to back; `lengths` their
+        sizes in tokens."""
         self._bin.write(data)
         start = len(self._lengths)
         self._lengths.extend(lengths)
@@ -172,9 +173,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"cannot merge {prefix} ({other.dtype}) into {self.prefix} ({self.dtype})")
         if (other.sequence_modes is not None) != (self._modes is not None):
             raise ValueError(f"cannot merge {prefix}: multimodal and text indices do not mix")
-        self._bin.flush()
-        with open(bin_path(prefix), "rb") as src:
-            shutil.copyfileobj(src, self._bin, 1 << 20)  # a fixed buffer: memory independent of size
+        append_file(bin_path(prefix), self._bin)
         offset = len(self._lengths)
         self._lengths.frombytes(other.sequence_lengths.tobytes())
         self._doc_indices.frombytes((other.document_indices[1:] + offset).tobytes())
@@ -218,6 +217,24 @@ class IndexedDatasetWriter:
             self.finalize()
         elif not self._closed:
             self.abort()
+
+
+def append_file(path: str, out) -> None:
+    """Append the file at `path` to the open binary file `out`: copied by the kernel
+    (copy_file_range, no round trip through this process's memory) where it can, else
+    through a fixed 1 MiB buffer; memory stays independent of the size either way."""
+    out.flush()
+    with open(path, "rb") as src:
+        size, copied = os.fstat(src.fileno()).st_size, 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while copied < size and (n := os.copy_file_range(src.fileno(), out.fileno(), size - copied)):
+                    copied += n
+            except OSError:  # not supported between these files: the rest goes the portable way
+                pass
+            out.seek(0, os.SEEK_END)  # the buffered writer learns where the kernel left the file
+        src.seek(copied)
+        shutil.copyfileobj(src, out, 1 << 20)
 
 
 def write_pointers(f, lengths: np.ndarray, itemsize: int, chunk: int = 1 << 22) -> None:

@@ -205,13 +205,13 @@ class ShardWorker:
             if not kept:
                 continue
             if self.config.append_eod:  # one join puts eod after every document
-                ids = np.frombuffer(self.eod_bytes.join(kept) + self.eod_bytes, np.int32)
+                ids = np.frombuffer(self.eod_bytes.join(kept + [b""]), np.int32)
                 lengths = [len(b) // 4 + 1 for b in kept]
             else:
                 ids = np.frombuffer(b"".join(kept), np.int32)
                 lengths = [len(b) // 4 for b in kept]
             result.tokens += len(ids)
-            writer.add_documents(ids.astype(self.dtype).tobytes(), lengths)
+            writer.add_documents(ids.astype(self.dtype, copy=False), lengths)
         result.bytes += nbytes
         if self.progress is not None:
             with self.progress.get_lock():

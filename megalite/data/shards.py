@@ -11,8 +11,8 @@ worker's task) is a run of pieces within it.
 import os
 from dataclasses import dataclass
 
-from megalite.data.corpus import (BadInput, decode_utf8, is_compressed, is_jsonl, is_parquet, open_binary,
-                                  parse_json_line, read_document_file, read_lines)
+from megalite.data.corpus import (STREAM_ERRORS, BadInput, damaged_gzip, decode_utf8, is_compressed, is_jsonl,
+                                  is_parquet, json_line_texts, open_binary, parse_json_line, read_document_file)
 
 MIN_SHARD_BYTES = 1 << 20
 
@@ -88,7 +88,7 @@ def plan_shards(pieces, text_mode: str, workers: int, min_shards: int, max_shard
 
     sizes = [size_of(*piece) for piece in pieces]
     total = sum(sizes)
-    target = min(max_shard_bytes, max(MIN_SHARD_BYTES, total // (4 * workers)))
+    target = min(max_shard_bytes, max(MIN_SHARD_BYTES, total // (8 * workers)))
     target = max(1, min(target, total // min_shards)) if total else 1
     shards: list[list] = []
     group: list = []
@@ -161,29 +161,38 @@ def read_documents(paths: list[str], keys: list[str], text_mode: str):
 
 def _read_lines(path: str, start: int, end: int | None, keys: list[str]):
     jsonl = is_jsonl(path)
+    blank = [""] * len(keys)
     with open_binary(path) as f:
         offset = 0
         if start:
             f.seek(start - 1)
             f.readline()  # the rest of the line that started before this range
             offset = f.tell()
-        first_line_offset, pos = offset, offset
-        for lineno, raw in enumerate(read_lines(f, path), 1):
-            if end is not None and pos >= end:
-                break
-            pos += len(raw)
-            try:
-                if not raw.strip():
-                    texts = [""] * len(keys)
-                elif jsonl:
-                    texts = parse_json_line(raw, keys, path, lineno)
-                else:
-                    texts = [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
-            except BadInput as err:
-                err.first_line_offset = first_line_offset
-                yield err
-                continue
-            yield texts, len(raw), (path, first_line_offset, lineno)
+        first_line_offset, pos, lineno = offset, offset, 0
+        limit = float("inf") if end is None else end
+        try:  # a damaged gzip or zstd stream is fatal, naming the first line it could not give
+            for raw in f:
+                if pos >= limit:
+                    break
+                lineno += 1
+                pos += len(raw)
+                if jsonl and (texts := json_line_texts(raw, keys)) is not None:
+                    yield texts, len(raw), (path, first_line_offset, lineno)
+                    continue
+                try:
+                    if not raw.strip():
+                        texts = list(blank)
+                    elif jsonl:
+                        texts = parse_json_line(raw, keys, path, lineno)
+                    else:
+                        texts = [decode_utf8(raw, path, lineno).rstrip("\r\n")] * len(keys)
+                except BadInput as err:
+                    err.first_line_offset = first_line_offset
+                    yield err
+                    continue
+                yield texts, len(raw), (path, first_line_offset, lineno)
+        except STREAM_ERRORS as e:
+            raise damaged_gzip(path, lineno + 1, e) from None
 
 
 def absolute_line(path: str, first_line_offset: int, line: int) -> int:

@@ -94,6 +94,40 @@ def test_merge_matches_megatron_add_index(tmp_path):
     assert len(IndexedDataset(ours)) == 20 + 21 + 22
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_add_documents_from_bytes_or_an_array_writes_what_add_document_writes(tmp_path, dtype):
+    docs = [d for d in random_documents(7, count=50, vocab=60000) if len(d)]
+    flat, lengths = np.concatenate(docs).astype(dtype), [len(d) for d in docs]
+    write_megalite(str(tmp_path / "one_by_one"), docs, dtype)
+    for name, data in (("bytes", flat.tobytes()), ("array", flat)):
+        with IndexedDatasetWriter(str(tmp_path / name), dtype) as w:
+            w.add_documents(data[:0], [])  # an empty batch changes nothing
+            w.add_documents(data, lengths)
+        assert same_bytes(str(tmp_path / "one_by_one"), str(tmp_path / name)), name
+
+
+@pytest.mark.parametrize("kernel_copy", ["refused", "absent"])
+def test_merge_without_the_kernel_copy_writes_the_same_files(tmp_path, monkeypatch, kernel_copy):
+    parts = []
+    for k in range(3):  # a part above the 1 MiB buffer, so that the portable copy loops
+        prefix = str(tmp_path / f"part{k}")
+        write_megalite(prefix, random_documents(20 + k, count=400 if k == 1 else 30, max_len=4000), np.uint16)
+        parts.append(prefix)
+    merge_datasets(str(tmp_path / "kernel"), parts)
+    if kernel_copy == "absent":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    merge_datasets(str(tmp_path / "portable"), parts)
+    assert os.path.getsize(parts[1] + ".bin") > 1 << 20
+    assert same_bytes(str(tmp_path / "kernel"), str(tmp_path / "portable"))
+    merged = IndexedDataset(str(tmp_path / "portable"))
+    expected = [d for p in parts for d in (IndexedDataset(p)[i] for i in range(len(IndexedDataset(p))))]
+    assert len(merged) == len(expected) and all(np.array_equal(merged[i], d) for i, d in enumerate(expected))
+
+
 def test_writer_uses_temporary_names_until_finalize_and_abort_leaves_nothing(tmp_path):
     prefix = str(tmp_path / "ds")
     w = IndexedDatasetWriter(prefix, np.uint16)

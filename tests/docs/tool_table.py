@@ -137,6 +137,9 @@ BENCHMARKS = {
     "python tools/benchmarks/bench_data.py --skip-index --repeats 3":
         Run("readme-bench-data", replace=(("--repeats 3", "--repeats 1"),), append=TINY_DATA_BENCH, slow=True,
             check=checks.printed(r"megalite 2 workers takes")),
+    "python tools/benchmarks/bench_data_preprocess.py --compare 200 [--rounds 3]": Elsewhere(
+        ("tests/data/test_bench_preprocess.py::test_compare_alternates_the_order_and_checks_the_outputs",),
+        "the comparison at 0.3 MB, 2 rounds, vocabulary 300"),
     "python tools/benchmarks/bench_data_parallel.py": Elsewhere(DP_SMOKE, "the benchmark at its docstring's tiny size"),
     "python tools/benchmarks/bench_pipeline.py --rounds 40": Elsewhere(PIPELINE_SMOKE, "the benchmark at a tiny size "
                                                                                        "(hidden 16, 3 rounds)"),

@@ -1,6 +1,11 @@
 """Preprocessing half of bench_data.py: megalite's preprocess against the straightforward loop
 and against gigatoken's own encode_files.
 
+    python tools/benchmarks/bench_data_preprocess.py --compare 200 [--rounds 3]
+
+compares megalite (2 workers) with gigatoken's encode_files (2 threads) alone on a corpus of
+about 200 MB (the demo corpus repeated), GPT-2 BPE, alternating which runs first.
+
 Every timed run is a fresh process (`python bench_data_preprocess.py --run METHOD ...`), so
 no run inherits another's warm caches, heap or threads; the times include interpreter start
 and imports on both sides, and CPU time includes worker processes.
@@ -43,13 +48,19 @@ from megalite.data.tokenizers import build_tokenizer  # noqa: E402
 def make_tokenizer_files(corpus: str, work: str, vocab_size: int) -> dict:
     """Train a SentencePiece BPE model (tools/train_tokenizer.py) and a GPT-2 byte-level BPE
     (the `tokenizers` library) on the corpus; return build_tokenizer arguments for each."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import train_tokenizer
 
     sp_prefix = os.path.join(work, "sp")
     train_tokenizer.main(["--input", corpus, "--vocab-size", str(vocab_size), "--model-prefix", sp_prefix])
+    return {"SentencePiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_prefix + ".model"),
+            "GPT-2 BPE": train_gpt2_bpe(corpus, work, vocab_size)}
+
+
+def train_gpt2_bpe(corpus: str, work: str, vocab_size: int) -> dict:
+    """build_tokenizer arguments of a GPT-2 byte-level BPE trained on the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     with open(corpus, encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
     tok = Tokenizer(models.BPE())
@@ -61,10 +72,7 @@ def make_tokenizer_files(corpus: str, work: str, vocab_size: int) -> dict:
     gpt2_dir = os.path.join(work, "gpt2")
     os.makedirs(gpt2_dir, exist_ok=True)
     vocab, merges = tok.model.save(gpt2_dir)
-    return {
-        "SentencePiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_prefix + ".model"),
-        "GPT-2 BPE": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),
-    }
+    return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
 
 
 def cpu_times() -> tuple[float, float]:
@@ -231,15 +239,78 @@ def _count(prefix: str) -> int:
     return int(np.frombuffer(header[18:26], np.uint64)[0])
 
 
+def repeated_corpus(demo: str, output: str, megabytes: float) -> int:
+    """Write `demo` whole, as many times as it takes to reach `megabytes` (the demo corpus
+    stops at about 12 MB, where the standard library runs out); return the repeats. The
+    repeats make tokenizers' caches hit more often than a real corpus of that size does,
+    on both sides of a comparison."""
+    with open(demo, "rb") as f:
+        data = f.read()
+    repeats = max(1, -(-int(megabytes * 1e6) // len(data)))
+    with open(output, "wb") as f:
+        for _ in range(repeats):
+            f.write(data)
+    return repeats
+
+
+def compare_with_gigatoken(work: str, megabytes: float, rounds: int, vocab_size: int) -> list[tuple]:
+    """megalite preprocess (2 workers) against gigatoken encode_files (2 threads) on the demo
+    corpus repeated to `megabytes`, GPT-2 BPE trained on the demo corpus: `rounds` rounds,
+    each both methods in fresh processes, the first one alternating; prints each run with
+    the load average before it, then the best of each and their ratio. Returns the runs."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import make_demo_corpus
+
+    demo, corpus = os.path.join(work, "demo.jsonl"), os.path.join(work, "corpus.jsonl")
+    make_demo_corpus.main(["--output", demo, "--max-mb", str(megabytes)])
+    repeats = repeated_corpus(demo, corpus, megabytes)
+    tok_args = train_gpt2_bpe(demo, work, vocab_size)
+    size = os.path.getsize(corpus)
+    print(f"{size / 1e6:.1f} MB: the {os.path.getsize(demo) / 1e6:.1f} MB demo corpus x {repeats}; GPT-2 BPE, "
+          f"vocab {vocab_size}; {os.cpu_count()} CPUs", flush=True)
+    runs, pair = [], ["megalite-2", "gigatoken-files"]
+    for r in range(rounds):
+        for method in pair if r % 2 == 0 else pair[::-1]:
+            load = os.getloadavg()[0]
+            seconds, cpu, busiest = run_method(method, corpus, os.path.join(work, method), tok_args)
+            runs.append((method, load, seconds, cpu, busiest))
+            print(f"round {r + 1} {method:16s} load {load:5.2f} {seconds:7.2f} s {size / seconds / 1e6:7.1f} MB/s "
+                  f"(cpu {cpu:.2f} s, busiest process {busiest:.2f} s)", flush=True)
+    ours = output_prefix_for(os.path.join(work, "megalite-2"), "text")
+    for ext in (".bin", ".idx"):
+        with open(ours + ext, "rb") as a, open(os.path.join(work, "gigatoken-files") + ext, "rb") as b:
+            assert a.read() == b.read(), f"megalite and gigatoken wrote different {ext} files"
+    best = {m: min(run[2] for run in runs if run[0] == m) for m in pair}
+    busiest = {m: min(run[4] for run in runs if run[0] == m) for m in pair}
+    print(f"best of {rounds}: megalite {size / best[pair[0]] / 1e6:.1f} MB/s, gigatoken "
+          f"{size / best[pair[1]] / 1e6:.1f} MB/s; megalite takes {best[pair[0]] / best[pair[1]]:.2f}x gigatoken's "
+          f"wall time ({busiest[pair[0]] / busiest[pair[1]]:.2f}x its busiest-process CPU time); outputs identical")
+    return runs
+
+
 def main():
     import argparse
+    import tempfile
 
-    p = argparse.ArgumentParser(description="one timed preprocessing run (used by bench_data.py)")
-    p.add_argument("--run", choices=sorted(METHODS), required=True)
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--prefix", required=True)
-    p.add_argument("--tokenizer", required=True, help="build_tokenizer arguments as JSON")
+    p = argparse.ArgumentParser(description="one timed preprocessing run (used by bench_data.py), or --compare")
+    p.add_argument("--run", choices=sorted(METHODS))
+    p.add_argument("--corpus")
+    p.add_argument("--prefix")
+    p.add_argument("--tokenizer", help="build_tokenizer arguments as JSON")
+    p.add_argument("--compare", type=float, metavar="MB",
+                   help="compare megalite (2 workers) with gigatoken encode_files on a corpus of MB megabytes")
+    p.add_argument("--rounds", type=int, default=3, help="--compare: rounds (the first method alternates)")
+    p.add_argument("--vocab-size", type=int, default=8000, help="--compare: GPT-2 BPE vocabulary")
     a = p.parse_args()
+    if a.compare is not None:
+        if available_methods().keys() != METHODS.keys():
+            p.error("--compare needs gigatoken (pip install 'megalite[gigatoken]')")
+        with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as work:
+            compare_with_gigatoken(work, a.compare, a.rounds, a.vocab_size)
+        return
+    missing = [flag for flag in ("run", "corpus", "prefix", "tokenizer") if getattr(a, flag) is None]
+    if missing:
+        p.error("--run needs --corpus, --prefix and --tokenizer; missing: " + ", ".join("--" + m for m in missing))
     tok_args = json.loads(a.tokenizer)
     if a.run.startswith("loop"):
         _loop(a.corpus, a.prefix, tok_args, reference=a.run == "loop-library")
