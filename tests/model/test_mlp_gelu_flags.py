@@ -4,6 +4,8 @@ default bias-GeLU fusion is the tanh approximation (megatron/core/fusions/fused_
 --openai-gelu is tanh either way; SwiGLU models are untouched. The printed conversion flags keep
 each converted model's GeLU."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,3 +68,21 @@ def test_printed_flags_keep_the_gelu_form(activation, bias, printed):
     assert model_config_from_args(parse_args(flags), 64).activation == activation
     unfused = model_flags(config.replace(unfused_kernels=("bias_gelu",)))
     assert unfused.count("--no-bias-gelu-fusion") == 1
+
+
+def test_a_checkpoint_of_exact_gelu_with_biases_needs_the_flag_on_resume():
+    """A megalite checkpoint trained with exact GeLU and biases (these flags' model before they
+    followed Megatron-Core) is refused on --load naming --no-bias-gelu-fusion, which resumes it."""
+    from dataclasses import asdict
+
+    from megalite.checkpoint.dcp.format import CheckpointError
+    from megalite.checkpoint.model_match import check_model_matches
+
+    stored = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, max_position_embeddings=8,
+                       ffn_hidden_size=32)
+    stored = json.loads(json.dumps(asdict(stored)))  # as common.json holds it
+    with pytest.raises(CheckpointError, match=r"activation='gelu' but this run's has 'openai_gelu' \(.*"
+                                              r"--no-bias-gelu-fusion\)"):
+        check_model_matches(stored, model_config_from_args(parse_args(MODEL), 64), "ckpt", new_run=False)
+    exact = model_config_from_args(parse_args(MODEL + ["--no-bias-gelu-fusion"]), 64)
+    assert check_model_matches(stored, exact, "ckpt", new_run=False) == []
