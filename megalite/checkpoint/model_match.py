@@ -5,7 +5,8 @@ the same experts) would load silently and compute another function of the same w
 compares a few arguments on load (check_checkpoint_args: layers, hidden size, heads, position
 embedding, and with a vocabulary file the vocabulary); megalite compares every field of the
 stored model_config that defines what the weights compute, naming the flag, before any tensor is
-read.
+read. --load of a Megatron checkpoint (megalite.checkpoint.run_load) compares the GPTConfig its
+stored args describe (megalite.checkpoint.megatron.args) the same way.
 
 The fields a context extension changes on purpose (rotary base and scaling, positions, MTP depth)
 are noted, not refused; under --finetune or --pretrained-checkpoint (a new run from these
@@ -27,7 +28,7 @@ ARCHITECTURE = {
     "position_embedding_type": "--position-embedding-type", "rotary_percent": "--rotary-percent",
     "rotary_interleaved": "--rotary-interleaved", "normalization": "--normalization",
     "norm_epsilon": "--norm-epsilon", "apply_layernorm_1p": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
-    "activation": "--swiglu / --squared-relu / --openai-gelu", "add_bias_linear": "--disable-bias-linear",
+    "activation": "--swiglu / --squared-relu / --openai-gelu / --no-bias-gelu-fusion", "add_bias_linear": "--disable-bias-linear",
     "add_qkv_bias": "--add-qkv-bias", "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "softmax_scale": "--mup-base-head-dim / --mup-attn-scale-power", "use_mup": "--use-mup",
     "mup_width_mult": "--mup-base-hidden-size", "mup_embedding_mult": "--mup-embedding-mult",
@@ -78,11 +79,24 @@ def _sections(config: dict) -> list[tuple[str, dict, dict]]:
     return sections
 
 
+def _effective(config: dict) -> dict:
+    """The values the model computes with: the QKV projection has a bias whenever every linear
+    layer has one (Megatron's validate_args sets add_qkv_bias then, megalite's flags leave it),
+    and multi-latent attention scales scores by its own softmax scale, never softmax_scale."""
+    config = dict(config)
+    if config.get("add_bias_linear") and "add_qkv_bias" in config:
+        config["add_qkv_bias"] = True
+    if config.get("mla") is not None:
+        config.pop("softmax_scale", None)
+    return config
+
+
 def model_differences(stored: dict, config: GPTConfig) -> list[tuple[str, str, object, object, bool]]:
     """(field, flag, stored value, this run's value, refused) for each model field that differs
-    between a checkpoint's stored model_config and this run's; a field the checkpoint does not
-    store (written before it existed) is not compared."""
-    run = _plain(asdict(config))
+    between a checkpoint's stored model_config (megalite's common.json, or the GPTConfig of a
+    Megatron checkpoint's args) and this run's; a field the checkpoint does not store (written
+    before it existed) is not compared."""
+    stored, run = _effective(stored), _effective(_plain(asdict(config)))
     found = []
     for key, kind in (("moe", "MoE"), ("mla", "multi-latent attention")):
         if (stored.get(key) is None) != (run.get(key) is None):

@@ -73,6 +73,11 @@ def check_unexpected(unused: list[str], strictness: str, where) -> None:
         log.warning("%s; not loaded", message)
 
 
+def _plain_config(config) -> dict:
+    """A GPTConfig as a checkpoint's model_config holds it (JSON's view)."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
 def load_megatron(ckpt, load_dir, chunks, pstate, iteration=None, tracker=None) -> dict:
     """Load a Megatron checkpoint's weights (and RNG states) into `chunks`; its common state as
     megalite's load_checkpoint returns it, with the optimizer state still to load
@@ -82,6 +87,10 @@ def load_megatron(ckpt, load_dir, chunks, pstate, iteration=None, tracker=None) 
         source = MegatronCheckpoint(load_dir, vocab_size=vocab, iteration=iteration)
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
+    notes = check_model_matches(_plain_config(source.config), chunks[0].config, source.path, new_run=ckpt.finetune)
+    if pstate.rank == 0:
+        for note in notes:
+            print(note, flush=True)
     release = source.path.name == "release"  # Megatron takes only the weights of a release checkpoint
     optimizer_state = None
     if not (ckpt.finetune or ckpt.no_load_optim or release or ckpt.skip_train):

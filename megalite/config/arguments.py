@@ -27,7 +27,7 @@ from megalite.config.field import MEGALITE, arg, flag_of
 from megalite.config.megatron.data import MegatronDataArgs
 from megalite.config.megatron.fim import MegatronFimArgs
 from megalite.config.megatron.logs import MegatronLoggingArgs
-from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fields
+from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fields, mlp_activation
 from megalite.config.megatron.training import MegatronTrainingArgs
 from megalite.config.model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
 from megalite.config.megatron.checkpoint import MegatronCheckpointArgs
@@ -270,8 +270,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise ValueError(f"--{name.replace('_', '-')} is required")
-    activation = ("swiglu" if args.swiglu else "openai_gelu" if args.openai_gelu
-                  else "squared_relu" if args.squared_relu else "gelu")
+    activation = mlp_activation(args)
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     return GPTConfig(
         num_layers=args.num_layers,

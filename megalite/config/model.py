@@ -69,7 +69,9 @@ class ModelArgs:
     rotary_base: float = arg(10000.0, "RoPE base theta.")
     rotary_percent: float = arg(1.0, "Fraction of each head's channels that RoPE rotates.")
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GeLU.")
-    openai_gelu: bool = arg(False, "GPT-2's tanh approximation of GeLU instead of the exact erf.")
+    openai_gelu: bool = arg(
+        False, "GPT-2's tanh approximation of GeLU (a GeLU MLP with biases computes it anyway unless "
+        "--no-bias-gelu-fusion; this flag keeps it with that flag or without biases).")
     normalization: str = arg("LayerNorm", "Normalisation layer.", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of every norm.")
     untie_embeddings_and_output_weights: bool = arg(

@@ -62,8 +62,9 @@ def model_flags(config: GPTConfig) -> list[str]:
     flags += ["--norm-epsilon", _number(config.norm_epsilon)]
     flags += [flag for flag, on in (("--apply-layernorm-1p", config.apply_layernorm_1p),
                                     ("--qk-layernorm", config.qk_layernorm)) if on]
+    # exact GeLU with biases: Megatron's flags give tanh unless the bias-GeLU fusion is off
     flags += {"swiglu": ["--swiglu"], "openai_gelu": ["--openai-gelu"], "squared_relu": ["--squared-relu"],
-              "gelu": []}[config.activation]
+              "gelu": ["--no-bias-gelu-fusion"] if config.add_bias_linear else []}[config.activation]
     if not config.add_bias_linear:
         flags.append("--disable-bias-linear")
     if config.add_qkv_bias:
@@ -80,7 +81,7 @@ def model_flags(config: GPTConfig) -> list[str]:
     flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
     if config.moe is not None:
         flags += moe_flags(config.moe)
-    return flags + mla_flags(config) + kernel_flags(config)
+    return flags + mla_flags(config) + [flag for flag in kernel_flags(config) if flag not in flags]
 
 
 def moe_flags(moe: MoEConfig) -> list[str]:

@@ -105,6 +105,16 @@ def _model_ok(heads: int, groups: int, seq: int, tp: int, cp: int) -> bool:
     return heads % tp == 0 and groups % tp == 0 and (cp == 1 or seq % (2 * cp) == 0)
 
 
+def _splits(workload: Workload, pp: int, vp: int) -> bool:
+    """Whether the model's layers split over `pp` x `vp` stages as pretrain_gpt splits them
+    (evenly, or with the --account-for-*-in-pipeline-split split)."""
+    try:
+        workload.layer_split(pp, vp)
+    except ValueError:
+        return False
+    return True
+
+
 def enumerate_layouts(workload: Workload, world_size: int, space: Space):
     """Every layout of `world_size` ranks megalite can run for `workload`, within `space`."""
     config, batch = workload.config, workload.global_batch_size
@@ -117,13 +127,11 @@ def enumerate_layouts(workload: Workload, world_size: int, space: Space):
             if not space.allows("cp", cp) or not shardable or (cp > 1 and moe is not None):
                 continue
             for pp in _divisors(world_size // (tp * cp)):
-                if not space.allows("pp", pp) or config.num_layers % pp:
-                    continue
                 dp = world_size // (tp * cp * pp)
-                if batch % dp:
+                if not space.allows("pp", pp) or batch % dp:
                     continue
-                for vp in _divisors(config.num_layers // pp):
-                    if vp > space.max_virtual_stages or (vp > 1 and pp == 1) or not space.allows("vp", vp):
+                for vp in range(1, min(space.max_virtual_stages, (config.num_layers + 2) // pp) + 1):
+                    if (vp > 1 and pp == 1) or not space.allows("vp", vp) or not _splits(workload, pp, vp):
                         continue
                     for ep in (_divisors(dp) if moe is not None else [1]):
                         if not space.allows("ep", ep) or (moe is not None and moe.num_experts % ep):

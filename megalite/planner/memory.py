@@ -23,6 +23,7 @@ from megalite.optimizer.memory_report import bytes_per_parameter
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.simulator import held_activations
 from megalite.planner.layouts import Layout
+from megalite.parallel.pipeline.stage_layout import stage_layers
 from megalite.planner.parameters import rank_parameters
 from megalite.planner.workload import Workload
 from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
@@ -85,7 +86,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
 def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
     config = workload.config
     t, p, v = layout.tp, layout.pp, layout.vp
-    dense, expert = rank_parameters(config, t, p, v, rank, layout.ep)
+    split = workload.layer_split(p, v)
+    dense, expert = rank_parameters(config, t, p, v, rank, layout.ep, split)
     shards = layout.dp * layout.cp
     w, g, o = state_bytes(workload.precision, dense, layout.distributed_optimizer, shards)
     if expert:
@@ -93,7 +95,8 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
         w, g, o = w + ew, g + eg, o + eo
     m = layout.num_microbatches(workload.global_batch_size)
     held = held_chunk_activations(layout.schedule, p, rank, m, v)
-    layers_per_chunk = config.num_layers // (p * v)
+    # the rank's layers over its chunks (--account-for-*-in-pipeline-split: fewer on the first / last)
+    layers_per_chunk = sum(len(stage_layers(config.num_layers, p, rank, c, v, **split)) for c in range(v)) / v
     activations = held * layers_per_chunk * layer_activation_bytes(workload, layout)
     recompute = layer_activation_bytes(workload, layout, "none") if layout.recompute == "full" else 0.0
     logits = 0.0
@@ -111,7 +114,8 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
 
 def peak_memory(workload: Workload, layout: Layout) -> RankMemory:
     """The pipeline rank with the largest predicted total: the first and last stages (every
-    stage for MoE models, whose layer pattern can make a middle stage the largest)."""
+    stage for MoE models, whose layer pattern can make a middle stage the largest, and where
+    --account-for-*-in-pipeline-split gives the first / last stage a layer fewer)."""
     p = layout.pp
-    ranks = range(p) if workload.is_moe else sorted({0, p - 1})
+    ranks = range(p) if workload.is_moe or workload.accounts_in_split else sorted({0, p - 1})
     return max((rank_memory(workload, layout, r) for r in ranks), key=lambda mem: mem.total)

@@ -55,10 +55,11 @@ def layer_parameters(config: GPTConfig, layer: int, t: int, ep: int = 1) -> tupl
 
 
 def chunk_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, chunk: int,
-                     ep: int = 1) -> tuple[int, int]:
-    """(dense, expert) parameters of model chunk `chunk` of pipeline rank `rank`."""
+                     ep: int = 1, split: dict | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters of model chunk `chunk` of pipeline rank `rank` (`split`:
+    stage_layers' keyword arguments, Workload.layer_split; None: the even split)."""
     dense = expert = 0
-    for layer in stage_layers(config.num_layers, p, rank, chunk, v):
+    for layer in stage_layers(config.num_layers, p, rank, chunk, v, **(split or {})):
         d, e = layer_parameters(config, layer, t, ep)
         dense, expert = dense + d, expert + e
     vocab = config.padded_vocab_size(t) // t * config.hidden_size
@@ -81,7 +82,8 @@ def chunk_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, chunk
     return dense, expert
 
 
-def rank_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, ep: int = 1) -> tuple[int, int]:
+def rank_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, ep: int = 1,
+                    split: dict | None = None) -> tuple[int, int]:
     """(dense, expert) parameters over all chunks of pipeline rank `rank`."""
-    parts = [chunk_parameters(config, t, p, v, rank, c, ep) for c in range(v)]
+    parts = [chunk_parameters(config, t, p, v, rank, c, ep, split) for c in range(v)]
     return sum(d for d, _ in parts), sum(e for _, e in parts)

@@ -60,11 +60,12 @@ def chunk_times(cluster: Cluster, workload: Workload, layout: Layout) -> list[li
         ops = op_counts(config)
     per_layer = {}
     table = []
+    split = workload.layer_split(layout.pp, layout.vp)
     for rank in range(layout.pp):
         row = []
         for chunk in range(layout.vp):
             times = ChunkTimes()
-            for layer in stage_layers(config.num_layers, layout.pp, rank, chunk, layout.vp):
+            for layer in stage_layers(config.num_layers, layout.pp, rank, chunk, layout.vp, **split):
                 moe = config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers)
                 if moe not in per_layer:
                     per_layer[moe] = layer_times(cluster, workload, layout, layer, ops[0])
@@ -151,7 +152,8 @@ def _stage_groups(world: int, tp: int, pp: int, vp: int, cp: int, ep: int, rank:
 def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> tuple[float, float, float]:
     """(gradient reduction, parameter all-gather, tied-embedding all-reduce) seconds of pipeline
     rank `rank`."""
-    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
+    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
+                                    workload.layer_split(layout.pp, layout.vp))
     weight, grad = state_bytes(workload.precision, 1, False, 1)[:2]
     group, edp, ends = _stage_groups(layout.world_size, layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, rank)
     groups = [(dense, group)]
@@ -175,7 +177,8 @@ def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: i
 def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> float:
     """The optimizer step over this rank's shard, the gradient norm's read of every gradient and
     its all-reduce, and zeroing the gradient buffers."""
-    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep)
+    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
+                                    workload.layer_split(layout.pp, layout.vp))
     shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     updated = dense / shards + expert / max(1, shards // layout.ep)
     norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))

@@ -9,8 +9,11 @@ micro-batch size) are the planner's to choose: given among a model's flags they 
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
+from types import SimpleNamespace
 
 from megalite.model.config import GPTConfig
+from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage
 from megalite.planner.cluster import read_json
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -35,6 +38,10 @@ class Workload:
     model_flags: list = field(default_factory=list)
     """Flags giving this model (and tokenizer) to pretrain_gpt, without layout or batch flags."""
     source: str = ""
+    account_for_embedding: bool = False
+    """--account-for-embedding-in-pipeline-split among the model's flags."""
+    account_for_loss: bool = False
+    """--account-for-loss-in-pipeline-split among the model's flags."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -51,6 +58,36 @@ class Workload:
     @property
     def is_moe(self) -> bool:
         return self.config.moe is not None
+
+    @property
+    def accounts_in_split(self) -> bool:
+        return self.account_for_embedding or self.account_for_loss
+
+    def layer_split(self, pp: int, vp: int) -> dict:
+        """stage_layers' keyword arguments for this model's layers over `pp` ranks x `vp` virtual
+        stages: the split pretrain_gpt and the dry run build, the --account-for-*-in-pipeline-split
+        flags applied by the same code (megalite.config.megatron.training). ValueError naming the
+        flag where the layers cannot be split so."""
+        return _layer_split(self.config.num_layers, pp, vp, self.account_for_embedding, self.account_for_loss)
+
+
+@lru_cache(maxsize=None)
+def _layer_split(num_layers: int, pp: int, vp: int, embedding: bool, loss: bool) -> dict:
+    from megalite.config.megatron.training import apply_pipeline_split_accounting, split_accounting
+
+    def fail(message):
+        raise ValueError(message)
+
+    args = SimpleNamespace(num_layers=num_layers, pipeline_model_parallel_size=pp,
+                           num_virtual_stages_per_pipeline_rank=vp if vp > 1 else None,
+                           num_layers_per_virtual_pipeline_stage=None, account_for_embedding_in_pipeline_split=embedding,
+                           account_for_loss_in_pipeline_split=loss, decoder_first_pipeline_num_layers=None,
+                           decoder_last_pipeline_num_layers=None)
+    apply_pipeline_split_accounting(args, fail)
+    split = {"first_stage_layers": args.decoder_first_pipeline_num_layers,
+             "last_stage_layers": args.decoder_last_pipeline_num_layers, **split_accounting(args)}
+    layers_per_virtual_stage(num_layers, pp, vp, **split)  # what the run validates
+    return split
 
 
 def _precision_flags(precision: str) -> list[str]:
@@ -91,7 +128,9 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
         if name not in dropped:
             flags += argv[i:i + 1 + takes_value]
         i += 1 + takes_value
-    return Workload(config, args.seq_length, batch, precision, flash, flags, source="flags")
+    return Workload(config, args.seq_length, batch, precision, flash, flags, source="flags",
+                    account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                    account_for_loss=args.account_for_loss_in_pipeline_split)
 
 
 def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:

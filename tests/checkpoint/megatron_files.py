@@ -78,3 +78,31 @@ def megatron_scheduler(num_steps: int = 12, max_lr: float = 1e-3, weight_decay: 
     return {"max_lr": max_lr, "lr_warmup_steps": 0, "num_steps": num_steps, "lr_decay_style": "linear",
             "lr_decay_steps": 40, "min_lr": 0.0, "start_wd": weight_decay, "end_wd": weight_decay,
             "wd_incr_style": "constant", "wd_incr_steps": 40, **overrides}
+
+
+def write_megatron_torch_dist(root, iteration: int = 3, args=None, seed: int = 0, config: GPTConfig = CONFIG) -> dict:
+    """root/iter_NNNNNNN/ as Megatron's torch_dist format stores it (DCP files with every tensor
+    at its full shape, decoder.layers.* stacked along a leading layer axis; common.pt with the
+    args; metadata.json), written by torch.distributed.checkpoint in this one process; the
+    model state written (per-layer names)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = megatron_state_dict(GPTModel(config, init_seed=seed))
+    stacked, per_layer = {}, {}
+    for name, tensor in state.items():
+        if name.startswith("decoder.layers."):
+            number, rest = name[len("decoder.layers."):].split(".", 1)
+            per_layer.setdefault(rest, {})[int(number)] = tensor
+        else:
+            stacked[name] = tensor
+    for rest, layers in per_layer.items():
+        stacked[f"decoder.layers.{rest}"] = torch.stack([layers[i] for i in sorted(layers)])
+    folder = Path(root) / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(stacked, checkpoint_id=str(folder), no_dist=True)
+    args = args or megatron_args()
+    args.ckpt_format = "torch_dist"
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration}, folder / "common.pt")
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return state

@@ -228,8 +228,9 @@ BENCHMARKS = {
     "python tools/benchmarks/bench_plan.py": Elsewhere(("run:doc-bench-plan",), "at one world size, 2 iterations"),
     "python tools/benchmarks/bench_plan.py --world-sizes 8 --json out.json":
         Run("doc-bench-plan", replace=(("--world-sizes 8", "--world-sizes 4"), ("out.json", "out-plan.json")),
-            append="--iterations 2 --skip 1", slow=True, timeout=1200, status=(0, 1),
-            check=checks.all_of(checks.files("out-plan.json"), checks.printed(r"^Spearman .* \(target >= 0.8\)"))),
+            append="--iterations 2 --skip 1", slow=True, timeout=1200,
+            check=checks.all_of(checks.files("out-plan.json"), checks.printed(r"^Spearman .* \(target >= 0.8\)"),
+                                checks.printed(r"^targets (met|missed): Spearman"))),
     "python tools/benchmarks/bench_plan.py --calibrate-each": Elsewhere(
         ("run:doc-bench-plan",), "the same benchmark with a calibration before each run instead of once"),
     "python tools/benchmarks/dry_run_llama3.py [8b-tp1 8b-tp2 70b 405b]":

@@ -50,7 +50,7 @@ class Run:
     command leaves to the user: `...`); `needs`, the inputs and earlier runs it reads; `array`,
     run once per task of a Slurm array of that size (SLURM_ARRAY_TASK_ID=0, 1, ...); `requires`,
     a reason it cannot run on this machine, or None; `status`, the exit statuses that mean it ran
-    (a benchmark exits 1 when its targets are missed: a measurement, not a test's verdict)."""
+    (benchmarks exit 0 whenever they measured, a missed target being a line of their output)."""
     name: str
     replace: tuple = ()
     append: str = ""

@@ -200,3 +200,20 @@ def test_the_attention_benchmark_is_summarised_by_its_fastest_kernel(tmp_path):
         "driver: CUDNN_ATTENTION 1.000/3.000 ms (51%/40% of peak), auto 1.010/3.010 ms; "
         "mla: EFFICIENT_ATTENTION 2.000/5.000 ms (20%/19% of peak)")
     assert report.attention_summary(tmp_path / "missing.log") == "no log"
+
+
+def test_run_metrics_reads_a_metrics_file_with_evaluation_records(tmp_path):
+    """A run with --eval-interval writes evaluation records (a "split", no step time) between the
+    training ones: run_metrics takes the steps alone (it parsed every line as a step before)."""
+    from megalite.training.metrics import MetricsLogger, TrainingRecord
+
+    path = tmp_path / "run-x.jsonl"
+    with MetricsLogger(True, metrics_file=str(path), print_fn=lambda text: None) as logger:
+        for iteration, ms in enumerate([900.0, 500.0, 110.0, 100.0, 5000.0, 120.0], 1):
+            logger.log_training(TrainingRecord(iteration, 6, 8 * iteration, ms, 1e-4, 8, 3.0, mfu=ms / 1000,
+                                               memory_mb=1000.0 + iteration, memory_kind="cuda peak"))
+            if iteration % 2 == 0:
+                logger.log_evaluation("valid", iteration, 2.5)
+        logger.log_evaluation("test", 6, 2.4)
+    metrics = report.run_metrics(path, profiled=5)  # iteration 5 was profiled: left out
+    assert metrics == {"ms": 110.0, "mfu": 0.11, "memory_mib": 1006.0, "memory_kind": "cuda peak"}

@@ -195,11 +195,14 @@ def model_summary(report: Path) -> str:
 
 
 def run_metrics(path: Path, profiled: int | None) -> dict | None:
-    """ms per step (median over the iterations after the first two, the profiled one left out),
-    MFU and the peak memory of a --metrics-file."""
+    """ms per step (median over the training iterations after the first two, the profiled one
+    left out), MFU and the peak memory of a --metrics-file."""
+    from megalite.training.metrics import read_metrics
+
     if not path.exists():
         return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train, _ = read_metrics(str(path))  # evaluation records (with a "split") are not steps
+    records = [train[i] for i in sorted(train)]
     if not records:
         return None
     timed = [r for r in records if r["iteration"] > 2 and r["iteration"] != profiled] or records[-1:]

@@ -40,7 +40,10 @@ class MegatronModelArgs:
     no_masked_softmax_fusion: bool = arg(
         False, "Megatron: no fused scale-mask-softmax kernel. megalite has none: the softmax is "
         "inside scaled_dot_product_attention or its explicit math path.")
-    no_bias_gelu_fusion: bool = arg(False, "Bias + GeLU in plain torch instead of megalite's fused kernel.")
+    no_bias_gelu_fusion: bool = arg(
+        False, "Megatron-Core's unfused bias + GeLU: exact (erf) GeLU in plain torch. Without it a GeLU MLP "
+        "with biases computes the fused kernel's tanh approximation, as Megatron-Core's bias-GeLU fusion "
+        "does (without biases GeLU is exact either way; --openai-gelu is tanh either way).")
     no_bias_swiglu_fusion: bool = arg(False, "SwiGLU in plain torch instead of megalite's fused kernel.")
     no_bias_dropout_fusion: bool = arg(
         False, "Megatron: no fused bias-dropout-add. megalite's is plain torch either way.")
@@ -150,6 +153,18 @@ def check_megatron_model_args(args, fail) -> None:
     if args.attention_backend == "flash" and args.reset_attention_mask:
         fail("--attention-backend flash and --reset-attention-mask contradict each other (the flash "
              "kernel takes no attention mask)")
+
+
+def mlp_activation(args) -> str:
+    """GPTConfig.activation of these flags, as Megatron-Core's MLP computes it: a GeLU MLP with
+    biases runs the bias-GeLU fusion (on unless --no-bias-gelu-fusion), which is the tanh
+    approximation (megatron/core/fusions/fused_bias_gelu.py); Megatron turns the fusion off
+    without biases (validate_args), leaving exact GeLU. --openai-gelu (the legacy model's flag)
+    is tanh either way."""
+    if args.swiglu or args.squared_relu:
+        return "swiglu" if args.swiglu else "squared_relu"
+    fused = not args.no_bias_gelu_fusion and not args.disable_bias_linear
+    return "openai_gelu" if args.openai_gelu or fused else "gelu"
 
 
 def unfused_kernels(args) -> tuple:
