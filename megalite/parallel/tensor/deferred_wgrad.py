@@ -67,6 +67,7 @@ class WgradDeferral:
             grad2d, total2d = grad.reshape(-1, grad.shape[-1]), total.reshape(-1, total.shape[-1])
             if fuses_into_main_grad(weight):  # gradient accumulation fusion
                 self.gemm.wgrad_accumulate(weight.main_grad, grad2d, total2d)
+                weight.grad_added_to_main_grad = True
                 continue
             grad_weight = self.gemm.wgrad(grad2d, total2d)
             target = getattr(weight, "main_grad", None)

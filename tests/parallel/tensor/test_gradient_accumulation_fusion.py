@@ -10,9 +10,11 @@ then skips main_grad.add_. megalite hands autograd None instead of Megatron's du
 no full-size weight gradient is allocated at all (the hook still runs and marks readiness).
 
 Spawned (2 gloo processes, fp32, SGD without clipping so that the update is proportional to
-the gradient): TP 2 with sequence parallelism, PP 2 with the zero-bubble schedule (the W pass
-fuses, the B pass must not), DP 2 with the distributed optimizer and overlapped reduction: 4
-steps fused against unfused, every gradient buffer and parameter within 1e-6. FSDP2 has no
+the gradient): TP 2 with sequence parallelism (also with --tp-comm-overlap's split GEMMs), PP 2
+with the zero-bubble schedule (the W pass fuses, the B pass must not) and with the output
+layer's deferred weight gradients (fused at the drain), DP 2 with the distributed optimizer and
+overlapped reduction: 4 steps fused against unfused, every gradient buffer and parameter within
+1e-6, and every linear weight of every rank accumulated inside its GEMM. FSDP2 has no
 main_grad: its linears keep the ordinary .grad path (run_config refuses an explicit
 --gradient-accumulation-fusion there, tests/config/test_gradient_accumulation_fusion_flag.py).
 """
@@ -27,6 +29,8 @@ from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.parallel.tensor.comm_overlap import DEFAULTS, OverlapSetting, enable_tp_comm_overlap
+from megalite.parallel.tensor.deferred_wgrad import defer_wgrad
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from tests.distributed import run_distributed
 from tests.numerics import rel_error
@@ -35,12 +39,16 @@ from tests.parallel.train_step import train_step
 
 STEPS, M, TOL = 4, 4, 1e-6
 OPTIM = dict(optimizer="sgd", lr=0.5, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
-# name: (layout, family, sequence parallel, schedule, distributed optimizer, overlapped reduction)
+# name: (layout, family, sequence parallel, schedule, distributed optimizer, overlapped reduction, extra)
 CASES = {
-    "tp2-sp": (dict(tensor=2), "gpt2", True, None, False, False),
-    "pp2-zero-bubble": (dict(pipeline=2), "llama", False, "zb_h1", False, True),
-    "dp2-distributed-optimizer": ({}, "gpt2", False, None, True, True),
+    "tp2-sp": (dict(tensor=2), "gpt2", True, None, False, False, None),
+    "tp2-sp-tp-comm-overlap": (dict(tensor=2), "llama", True, None, False, True, "tp_comm_overlap"),
+    "pp2-zero-bubble": (dict(pipeline=2), "llama", False, "zb_h1", False, True, None),
+    "pp2-deferred-output-wgrad": (dict(pipeline=2), "llama", False, "1f1b", False, True, "defer_wgrad"),
+    "dp2-distributed-optimizer": ({}, "gpt2", False, None, True, True, None),
 }
+# the column-parallel input gradient both ways: bulk (qkv) and a split reduce-scatter (fc1)
+TP_OVERLAP = {**DEFAULTS, "fc1_dgrad": OverlapSetting("pipeline", 2)}
 
 
 def _linear_weights(module) -> list:
@@ -49,9 +57,14 @@ def _linear_weights(module) -> list:
 
 
 def _run(name: str, fused: bool, world: int) -> dict:
-    layout, family, sp, schedule, dist_opt, overlap = CASES[name]
+    layout, family, sp, schedule, dist_opt, overlap, extra = CASES[name]
     pstate = ParallelState.create(ParallelLayout(world, **layout))
     models = build_model_chunks(make_config(family, sequence_parallel=sp), pstate, init_seed=INIT_SEED)
+    for model in models:
+        if extra == "tp_comm_overlap":
+            assert enable_tp_comm_overlap(model, TP_OVERLAP)
+        if extra == "defer_wgrad" and model.post_process:
+            defer_wgrad(model.output_layer, limit=2)
     chunks = [DistributedDataParallel(m, pstate, use_distributed_optimizer=dist_opt, overlap_grad_reduce=overlap,
                                       bucket_size=4000 if overlap else None, gradient_accumulation_fusion=fused)
               for m in models]
