@@ -188,3 +188,21 @@ def test_an_autograd_grad_that_asks_for_the_weight_gets_it_and_main_grad_stays()
     weight = ddp.module.fc2.weight
     (grad,) = torch.autograd.grad(ddp(torch.randn(2, 6)).sum(), [weight])
     assert grad is not None and grad.abs().sum() > 0 and weight.main_grad.abs().sum() == 0
+
+
+def test_bf16_on_cpu_accumulates_the_fp32_product_of_the_bf16_operands():
+    """The fused GPU GEMM's precision: no bf16 rounding of the weight gradient (the unfused
+    path rounds dy^T x to bf16 before adding it to main_grad)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 32, generator=g).bfloat16()
+    dy = torch.randn(64, 16, generator=g).bfloat16()
+    main_grads = {}
+    for fused in (True, False):
+        layer = RowParallelLinear(32, 16, bias=False, params_dtype=torch.bfloat16)
+        ddp = DistributedDataParallel(layer, ParallelState.single(), gradient_accumulation_fusion=fused)
+        for _ in range(2):
+            ddp(x).backward(dy)
+        main_grads[fused] = layer.weight.main_grad
+    exact = 2 * dy.float().t().mm(x.float())
+    assert rel_error(main_grads[True], exact) <= TOL
+    assert rel_error(main_grads[False], exact) > 10 * TOL  # bf16-rounded, so the check can tell them apart
