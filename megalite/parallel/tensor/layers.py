@@ -57,8 +57,9 @@ class ColumnParallelLinear(nn.Module):
 
     Input X is replicated over the TP group (or, with sequence parallelism, split along the
     sequence and all-gathered here; backward gathers it again, see linear_function.py). With
-    `gather_output` the output is all-gathered along its last dimension; otherwise each rank keeps its slice. `stride` > 1 splits each of `stride`
-    equal output blocks separately (a fused [gate; up] projection).
+    `gather_output` the output is all-gathered along its last dimension; otherwise each rank
+    keeps its slice. `stride` > 1 splits each of `stride` equal output blocks separately (a
+    fused [gate; up] projection).
 
     Set after construction: `comm_overlap` (a comm_overlap.LinearOverlap, --tp-comm-overlap)
     splits the sequence-parallel all-gather to overlap it with the GEMM; `wgrad_deferral`

@@ -34,11 +34,12 @@ def _wait(work) -> None:
 
 
 def bulk_backward(x, weight, grad, group, need_input: bool, want_weight: bool | None, need_bias: bool,
-                  gemm: Gemm = DEFAULT_GEMM):
+                  gemm: Gemm = DEFAULT_GEMM, param=None):
     """(grad_x, grad_weight, grad_bias) of F.linear(all_gather(x), weight, bias): the shard is
     gathered again while the input gradient is formed, and that gradient is reduce-scattered
     while the weight gradient is formed (Transformer Engine's "bulk" overlap). `want_weight`:
-    as gemm.weight_gradient's `wanted` (False: no weight gradient)."""
+    as gemm.weight_gradient's `wanted` (False: no weight gradient); `param`: the weight as
+    forward received it (see engine_nodes), default `weight`."""
     n = comm.group_size(group)
     need_weight = want_weight is not False
     if need_weight:
@@ -54,7 +55,8 @@ def bulk_backward(x, weight, grad, group, need_input: bool, want_weight: bool | 
     grad2d = grad.reshape(-1, grad.shape[-1])
     grad_weight = None
     if need_weight:
-        grad_weight = weight_gradient(weight, want_weight, grad2d, total.reshape(-1, total.shape[-1]), gemm)
+        grad_weight = weight_gradient(weight if param is None else param, want_weight, grad2d,
+                                      total.reshape(-1, total.shape[-1]), gemm)
     grad_bias = grad2d.sum(0) if need_bias else None
     _wait(scattering)
     return grad_x, grad_weight, grad_bias
@@ -72,7 +74,10 @@ def wanted_gradients(ctx) -> tuple[bool, bool | None]:
 
 
 def engine_nodes(x, weight):
-    """What a Function's forward stores as ctx.nodes (see wanted_gradients)."""
+    """What a Function's forward stores as ctx.nodes (see wanted_gradients). The Function also
+    keeps the weight itself as ctx.param for weight_gradient (None under torch.compile, which
+    never fuses): a saved tensor may come back from an activation-recompute checkpoint as
+    another tensor object, without main_grad."""
     if torch.compiler.is_compiling():
         return None
     return gradient_node(x), gradient_node(weight)
@@ -84,6 +89,7 @@ class _TensorParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.gather, ctx.gemm, ctx.has_bias = group, gather, gemm, bias is not None
         ctx.nodes = engine_nodes(x, weight)
+        ctx.param = None if ctx.nodes is None else weight  # see engine_nodes
         return gemm.fprop(comm.all_gather_dim0(x, group) if gather else x, weight, bias)
 
     @staticmethod
@@ -92,13 +98,14 @@ class _TensorParallelLinear(torch.autograd.Function):
         need_input, want_weight = wanted_gradients(ctx)
         need_bias = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.gather:
-            grads = bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias, ctx.gemm)
+            grads = bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias, ctx.gemm, ctx.param)
             return (*grads, None, None, None)
         grad_x = ctx.gemm.dgrad(grad, weight) if need_input else None
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = None
         if want_weight is not False:
-            grad_weight = weight_gradient(weight, want_weight, grad2d, x.reshape(-1, x.shape[-1]), ctx.gemm)
+            param = weight if ctx.param is None else ctx.param
+            grad_weight = weight_gradient(param, want_weight, grad2d, x.reshape(-1, x.shape[-1]), ctx.gemm)
         return grad_x, grad_weight, grad2d.sum(0) if need_bias else None, None, None, None
 
 
@@ -110,8 +117,3 @@ def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     gather = gather_input and comm.group_size(group) > 1
     return _TensorParallelLinear.apply(x, weight, bias, group, gather, gemm)
 
-
-def linear_with_gathered_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               group, gemm: Gemm = DEFAULT_GEMM) -> torch.Tensor:
-    """F.linear(all_gather(x) along dim 0 over `group`, weight, bias) through the layer's GEMMs."""
-    return tensor_parallel_linear(x, weight, bias, gemm, group, gather_input=True)

@@ -127,6 +127,7 @@ class _ColumnParallelOverlapped(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.overlap, ctx.has_bias = group, overlap, bias is not None
         ctx.nodes = engine_nodes(x, weight)
+        ctx.param = None if ctx.nodes is None else weight  # see engine_nodes
         return all_gather_linear(x, weight, bias, group, overlap.fprop.method, overlap.fprop.num_splits)[0]
 
     @staticmethod
@@ -137,7 +138,8 @@ class _ColumnParallelOverlapped(torch.autograd.Function):
         need_bias = ctx.needs_input_grad[2] and ctx.has_bias
         dgrad = ctx.overlap.dgrad
         if dgrad.method == "bulk":
-            return (*bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias), None, None)
+            return (*bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias, param=ctx.param),
+                    None, None)
         n = comm.group_size(ctx.group)
         if need_weight:  # gathered again while the input gradient is formed and scattered
             total = x.new_empty((n * x.shape[0], *x.shape[1:]))
@@ -148,7 +150,7 @@ class _ColumnParallelOverlapped(torch.autograd.Function):
         grad_weight = None
         if need_weight:
             gathering.wait()
-            grad_weight = weight_gradient(weight, want_weight, grad2d, total.reshape(-1, total.shape[-1]))
+            grad_weight = weight_gradient(ctx.param, want_weight, grad2d, total.reshape(-1, total.shape[-1]))
         return grad_x, grad_weight, grad2d.sum(0) if need_bias else None, None, None
 
 
@@ -160,6 +162,7 @@ class _RowParallelOverlapped(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.overlap = group, overlap
         ctx.nodes = engine_nodes(x, weight)
+        ctx.param = None if ctx.nodes is None else weight  # see engine_nodes
         return linear_reduce_scatter(x, weight, group, overlap.fprop.method, overlap.fprop.num_splits)
 
     @staticmethod
@@ -173,7 +176,7 @@ class _RowParallelOverlapped(torch.autograd.Function):
                                           keep_input=need_weight)
         grad_weight = None
         if need_weight:
-            grad_weight = weight_gradient(weight, want_weight, total.reshape(-1, total.shape[-1]),
+            grad_weight = weight_gradient(ctx.param, want_weight, total.reshape(-1, total.shape[-1]),
                                           x.reshape(-1, x.shape[-1]))
         return grad_x if need_input else None, grad_weight, None, None
 

@@ -206,3 +206,19 @@ def test_bf16_on_cpu_accumulates_the_fp32_product_of_the_bf16_operands():
     exact = 2 * dy.float().t().mm(x.float())
     assert rel_error(main_grads[True], exact) <= TOL
     assert rel_error(main_grads[False], exact) > 10 * TOL  # bf16-rounded, so the check can tell them apart
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_fuses_the_same_gradients(granularity):
+    """Recomputed layers (non-reentrant checkpoints) run the fused backward once per micro-batch."""
+    main_grads = {}
+    for fused in (True, False):
+        config = make_config("llama", recompute_granularity=granularity)
+        model = build_model_chunks(config, ParallelState.single(), init_seed=INIT_SEED)[0]
+        ddp = DistributedDataParallel(model, ParallelState.single(), gradient_accumulation_fusion=fused)
+        for batch in microbatches(2):
+            gpt_forward_step(ddp, batch, None).backward()
+        assert all(w.grad_added_to_main_grad == fused for w in _linear_weights(model))
+        main_grads[fused] = [p.main_grad.clone() for p in model.parameters()]
+    for a, b in zip(main_grads[True], main_grads[False]):
+        assert rel_error(a, b) <= TOL
