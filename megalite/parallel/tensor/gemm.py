@@ -10,7 +10,10 @@ or tensorwise scaling) is another class with the same four methods, one instance
 that it can hold its amax histories and scales: fprop quantizes x and W, dgrad dy and W^T,
 wgrad dy^T and x, each a scaled GEMM with an fp32 or bf16 result; wgrad_accumulate asks that
 GEMM for an fp32 result added to main_grad. Nothing else changes: the layers, the collectives
-around the GEMMs and the sink below are the same for both.
+around the GEMMs and the sink below are the same for both. Not yet routed through the
+strategy (an FP8 one must be): --tp-comm-overlap's chunked fprop and dgrad GEMMs
+(overlapped_linear.py) and the deferred output layer's dgrad (deferred_wgrad.py), which call
+F.linear / matmul directly; their weight gradients do go through the sink.
 
 `weight_gradient` is the sink. With gradient accumulation fusion (Megatron's default,
 --no-gradient-accumulation-fusion turns it off) a weight whose data-parallel wrapper gave it
