@@ -148,6 +148,9 @@ def check_dist_opt_args(args, fail, layout) -> None:
         if layout.virtual_pipeline == 1:
             fail("--overlap-param-gather-with-optimizer-step needs virtual pipeline stages (as in Megatron: the "
                  "first model chunk's all-gather overlaps the other chunks' update)")
+    if args.gradient_accumulation_fusion and plan.fsdp2:
+        fail("--gradient-accumulation-fusion: FSDP2 has no main_grad buffers to accumulate into (Megatron refuses "
+             "it with --use-torch-fsdp2 too); give --no-gradient-accumulation-fusion or neither")
     _check_deferral(args, fail, plan)
     _check_megatron_fsdp(args, fail, plan)
     _check_tp_comm_overlap(args, fail)
@@ -221,6 +224,12 @@ def dist_opt_notes(args) -> list[str]:
     """One start-up line for each of these flags that megalite serves another way or that has
     no effect here."""
     notes = []
+    if args.gradient_accumulation_fusion is None and data_parallel_plan(args).fsdp2:
+        notes.append("gradient accumulation fusion (Megatron's default): off under FSDP2, which has no main_grad "
+                     "buffers; weight gradients go through .grad")
+    elif args.gradient_accumulation_fusion is not False and args.torch_compile:
+        notes.append("gradient accumulation fusion: not inside the --torch-compile regions (their linears hand "
+                     "autograd the weight gradient, which DDP adds to main_grad)")
     if args.wgrad_deferral_limit and not args.defer_embedding_wgrad_compute:
         notes.append(f"--wgrad-deferral-limit {args.wgrad_deferral_limit}: no effect without "
                      "--defer-embedding-wgrad-compute (Megatron ignores it there too)")

@@ -68,6 +68,7 @@ class ParallelConfig:
     fsdp2_reduce_dtype: torch.dtype  # derived: --megatron-fsdp-grad-comm-dtype under FSDP2, else fp32
     ddp_bucket_size: int | None
     overlap_grad_reduce: bool
+    gradient_accumulation_fusion: bool  # derived: on unless --no-gradient-accumulation-fusion or FSDP2
     grad_reduce_dtype: torch.dtype  # derived: fp32, fp16 with --fp16 unless accumulated in fp32, or bf16
     compute_dtype: torch.dtype  # derived: --bf16 / --fp16 / fp32
     num_micro_batches: int | None  # derived: B / (b x DP)
@@ -92,7 +93,8 @@ class ParallelConfig:
                         compute_dtype=compute_dtype(args), use_torch_fsdp2=plan.fsdp2,
                         use_distributed_optimizer=plan.distributed_optimizer,
                         fsdp2_reshard_after_forward=plan.fsdp2_reshard_after_forward,
-                        fsdp2_reduce_dtype=plan.fsdp2_reduce_dtype, tp_comm_overlap=tp_comm_overlap_settings(args))
+                        fsdp2_reduce_dtype=plan.fsdp2_reduce_dtype, tp_comm_overlap=tp_comm_overlap_settings(args),
+                        gradient_accumulation_fusion=args.gradient_accumulation_fusion is not False and not plan.fsdp2)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ class MixCheck(TorchDispatchMode):
             problem = "devices " + ", ".join(sorted(map(str, devices)))
         elif name in ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "addmm_"):
             dtypes = {t.dtype for t in tensors}
+            if func._overloadname in ("dtype", "dtype_out"):  # 16-bit operands, an out_dtype result
+                dtypes = _out_dtype_mix(name, args, kwargs or {})
             if len(dtypes) > 1:
                 problem = "dtypes " + ", ".join(sorted(map(str, dtypes)))
         if problem:
@@ -84,6 +86,19 @@ class MixCheck(TorchDispatchMode):
             raise MixedTensorsError(f"{func} in module {self.module_stack() or '(no module)'} mixes {problem}: "
                                     f"tensors {shapes}")
         return func(*args, **(kwargs or {}))
+
+
+def _out_dtype_mix(name: str, args, kwargs) -> set:
+    """The dtypes an out_dtype matmul overload (torch.mm / addmm / bmm / baddbmm with
+    out_dtype, gradient accumulation fusion's fp32 weight-gradient GEMM) must agree on: its two
+    operands' dtype, and out_dtype for the accumulated input and the output, told apart."""
+    accumulating = name in ("addmm", "baddbmm")  # (self, mat1, mat2, out_dtype), else (self, mat2, out_dtype)
+    operands, out_dtype = (args[1:3], args[3]) if accumulating else (args[0:2], args[2])
+    accumulators = [t for t in [args[0] if accumulating else None, kwargs.get("out")] if isinstance(t, torch.Tensor)]
+    dtypes = {t.dtype for t in operands}
+    if any(t.dtype != out_dtype for t in accumulators):
+        return dtypes | {t.dtype for t in accumulators} | {f"out_dtype {out_dtype}"}
+    return dtypes
 
 
 class ScalarReads(TorchDispatchMode):

@@ -128,7 +128,8 @@ def wrap_chunks(models, parallel: ParallelConfig, pstate):
                                     overlap_grad_reduce=parallel.overlap_grad_reduce,
                                     use_distributed_optimizer=parallel.use_distributed_optimizer,
                                     grad_dtype=parallel.grad_reduce_dtype,
-                                    disable_bucketing=parallel.overlap_param_gather_with_optimizer_step)
+                                    disable_bucketing=parallel.overlap_param_gather_with_optimizer_step,
+                                    gradient_accumulation_fusion=parallel.gradient_accumulation_fusion)
             for m in models]
 
 

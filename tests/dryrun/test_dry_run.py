@@ -178,3 +178,19 @@ def test_all_stages_runs_every_pipeline_rank():
     assert all(r.resident == r.formula for r in got)
     # 1F1B-interleaved: the first stage holds the most micro-batches' activations at its peak
     assert got[0].peak["activations"] > got[-1].peak["activations"]
+
+
+def test_the_fused_weight_gradient_gemm_may_mix_16_bit_operands_with_its_fp32_result():
+    """Gradient accumulation fusion's torch.addmm(main_grad, dy^T, x, out_dtype=fp32, out=main_grad):
+    allowed; operands of two dtypes, or an accumulator not of out_dtype, still named."""
+    from megalite.dryrun.probes import MixCheck
+
+    main = torch.zeros(4, 3, device="meta")
+    dy, x = torch.zeros(5, 4, dtype=torch.bfloat16, device="meta"), torch.zeros(5, 3, dtype=torch.bfloat16, device="meta")
+    with MixCheck(lambda: "fc"):
+        torch.addmm(main, dy.t(), x, out_dtype=torch.float32, out=main)
+        torch.mm(dy.t(), x, out_dtype=torch.float32)
+    for bad in ((main, dy.t(), x.float()), (main.bfloat16(), dy.t(), x)):
+        with pytest.raises(MixedTensorsError, match="addmm.dtype_out in module fc mixes dtypes"):
+            with MixCheck(lambda: "fc"):
+                torch.addmm(bad[0], bad[1], bad[2], out_dtype=torch.float32, out=bad[0])

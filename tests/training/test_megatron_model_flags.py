@@ -113,7 +113,6 @@ NOTES = {
     "--attention-backend fused": "restricted to FLASH_ATTENTION (CPU has no cuDNN",
     "--attention-backend flash": "restricted to FLASH_ATTENTION",
     "--attention-backend unfused": "megalite's explicit attention",
-    "--no-gradient-accumulation-fusion": "main_grad",
     "--no-masked-softmax-fusion": "no masked-softmax kernel",
     "--no-bias-dropout-fusion": "plain torch",
     "--no-persist-layer-norm": "no persistent variant",

@@ -34,9 +34,13 @@ class MegatronModelArgs:
         "measured, else cuDNN first on Hopper and Blackwell; SDPA's own choice on CPU), flash (its "
         "flash kernel), fused (its cuDNN kernel, else memory-efficient), unfused or local "
         "(megalite's explicit math attention).", choices=ATTENTION_BACKENDS)
-    no_gradient_accumulation_fusion: bool = arg(
-        False, "Megatron: do not fuse weight-gradient accumulation into main_grad (an apex / TE "
-        "kernel). megalite always accumulates into fp32 main_grad buffers with torch.")
+    gradient_accumulation_fusion: bool | None = arg(
+        None, "Accumulate each linear layer's weight gradient into its fp32 main_grad inside the "
+        "weight-gradient GEMM (Megatron's default, its apex / TE kernel; megalite's is torch's "
+        "addmm with an fp32 result), instead of forming the weight gradient and adding it. Needs "
+        "main_grad buffers (megalite's DDP or distributed optimizer): the default does not apply "
+        "under FSDP2, and an explicit --gradient-accumulation-fusion is refused there.",
+        negative_flag="--no-gradient-accumulation-fusion")
     no_masked_softmax_fusion: bool = arg(
         False, "Megatron: no fused scale-mask-softmax kernel. megalite has none: the softmax is "
         "inside scaled_dot_product_attention or its explicit math path.")
@@ -219,8 +223,6 @@ def start_up_notes(args, device_type: str) -> list[str]:
     if backend:
         notes.append(backend)
     explained = (
-        ("no_gradient_accumulation_fusion", "--no-gradient-accumulation-fusion: megalite accumulates weight "
-         "gradients into fp32 main_grad buffers with torch, never with a fused kernel"),
         ("no_masked_softmax_fusion", "--no-masked-softmax-fusion: megalite has no masked-softmax kernel (the "
          "softmax is inside scaled_dot_product_attention or its explicit path)"),
         ("no_bias_dropout_fusion", "--no-bias-dropout-fusion: megalite's bias-dropout-add is plain torch"),

@@ -21,6 +21,14 @@ optimizer only) buckets shard over the instance's part of DP x CP and sum their 
 instances (grad_buffer.py). A layer whose weight gradient is deferred to the end of the step
 (--defer-embedding-wgrad-compute, megalite.parallel.tensor.deferred_wgrad) computes it in
 finish_grad_sync, before its bucket is reduced; that weight never marks its bucket ready early.
+
+With gradient_accumulation_fusion (Megatron's default; --no-gradient-accumulation-fusion) every
+parameter is marked `fuse_wgrad_accumulation`: the tensor-parallel linears then add their
+weight gradients to main_grad inside the weight-gradient GEMM and hand autograd None
+(megalite.parallel.tensor.gemm), so the post-accumulate hook finds no .grad to add and only
+marks the parameter ready. Parameters no fused GEMM serves (norms, embeddings, biases,
+expert weights) still arrive as .grad and are added here; a weight used twice (the tied
+embedding) gets both: its fused share in main_grad, the other in .grad.
 """
 
 import contextlib
@@ -53,11 +61,14 @@ class DistributedDataParallel(nn.Module):
         grad_dtype: dtype of the main gradients.
         disable_bucketing: one bucket per buffer whatever bucket_size says (Megatron's
             disable_bucketing, which --overlap-param-gather-with-optimizer-step sets).
+        gradient_accumulation_fusion: let the linears accumulate weight gradients into
+            main_grad inside their GEMM (see the module).
     """
 
     def __init__(self, module: nn.Module, pstate: ParallelState, *, bucket_size: int | None = None,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
-                 grad_dtype: torch.dtype = torch.float32, disable_bucketing: bool = False):
+                 grad_dtype: torch.dtype = torch.float32, disable_bucketing: bool = False,
+                 gradient_accumulation_fusion: bool = False):
         super().__init__()
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be positive, got {bucket_size}")
@@ -103,6 +114,10 @@ class DistributedDataParallel(nn.Module):
                                     sharded=use_distributed_optimizer, own_bucket=own_bucket, **reduction(is_expert))
                          for (_, is_expert), params in by_kind.items()]
         self._bucket_of = {p: b for buffer in self.buffers_ for p, b in buffer.bucket_of.items()}
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        for param in self._bucket_of:
+            param.fuse_wgrad_accumulation = gradient_accumulation_fusion
+            param.grad_added_to_main_grad = False  # set by a fused GEMM, reset with the buffers
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
         self._param_gather_hooks = []
 
@@ -114,7 +129,7 @@ class DistributedDataParallel(nn.Module):
         return [bucket for buffer in self.buffers_ for bucket in buffer.buckets]
 
     def _grad_ready(self, param) -> None:
-        if param.grad is not None:  # None: a deferred weight gradient's backward (see the module)
+        if param.grad is not None:  # None: a deferred or fused weight gradient's backward (see the module)
             param.main_grad.add_(param.grad)
             param.grad = None
         # a deferred weight gradient is complete only after finish_grad_sync drains it
@@ -152,6 +167,7 @@ class DistributedDataParallel(nn.Module):
             buffer.zero()
         for param in self._bucket_of:
             param.grad = None
+            param.grad_added_to_main_grad = False
 
     def start_param_sync(self, overlap: bool = False) -> None:
         """All-gather the updated parameter shards (distributed optimizer). With `overlap`, the

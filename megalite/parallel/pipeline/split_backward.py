@@ -14,10 +14,12 @@ fire as in a plain backward). Together B and W do the work of one full backward.
 Parameters whose gradient does not come through their module's output are handled too: a
 parameter a module returns (a bias whose addition is deferred, skip_bias_add) gets its
 gradient in B and is accumulated in W by a backward from the parameter itself. A parameter
-passed to a module's forward (an output layer tied to the input embedding) reaches that module
-as an alias (a view of it): the parameter is also used upstream, where a backward from this
-module's output would take that share a second time, so W takes the alias's gradient alone and
-hands it to the parameter through the view. Assumed, and true of megalite's GPT: a parameter
+passed to a module's forward that the module does not own (an output layer tied to the input
+embedding) reaches that module as an alias (a view of it): the parameter is also used
+upstream, where a backward from this module's output would take that share a second time, so
+W takes the alias's gradient alone and hands it to the parameter through the view (that share
+is never accumulated inside the GEMM: the alias has no main_grad). A module's own parameter
+passed in (the untied output layer's weight) is not aliased: its W is any other weight's. Assumed, and true of megalite's GPT: a parameter
 is otherwise used only inside the forward of the module that owns it, and each module runs
 once per micro-batch.
 
@@ -62,17 +64,18 @@ def _unique(tensors) -> list:
     return out
 
 
-def _alias_parameters(value, aliases: list):
-    """`value` (module inputs) with every parameter that requires a gradient replaced by a view
-    of it; the (alias, parameter) pairs are appended to `aliases`."""
-    if isinstance(value, nn.Parameter) and value.requires_grad:
+def _alias_parameters(value, aliases: list, own: set):
+    """`value` (module inputs) with every parameter that requires a gradient, other than the
+    module's own (ids in `own`), replaced by a view of it; the (alias, parameter) pairs are
+    appended to `aliases`."""
+    if isinstance(value, nn.Parameter) and value.requires_grad and id(value) not in own:
         alias = value.view_as(value)
         aliases.append((alias, value))
         return alias
     if type(value) in (tuple, list):
-        return type(value)(_alias_parameters(v, aliases) for v in value)
+        return type(value)(_alias_parameters(v, aliases, own) for v in value)
     if type(value) is dict:
-        return {k: _alias_parameters(v, aliases) for k, v in value.items()}
+        return {k: _alias_parameters(v, aliases, own) for k, v in value.items()}
     return value
 
 
@@ -107,8 +110,8 @@ class SplitBackward:
         passed = {}  # module -> (alias, parameter) pairs of its running call
 
         def pre_hook(module, args, kwargs):
-            aliases = []
-            args, kwargs = _alias_parameters(args, aliases), _alias_parameters(kwargs, aliases)
+            aliases, own = [], {id(p) for p in module.parameters(recurse=False)}
+            args, kwargs = _alias_parameters(args, aliases, own), _alias_parameters(kwargs, aliases, own)
             passed[module] = aliases
             return (args, kwargs) if aliases else None
 
@@ -116,7 +119,7 @@ class SplitBackward:
             aliases = passed.pop(module)
             outputs = _tensors(output)
             skipped = {id(t) for t in outputs if isinstance(t, nn.Parameter)}  # returned
-            skipped |= {id(p) for _, p in aliases}  # passed in (its own weight, or a tied one)
+            skipped |= {id(p) for _, p in aliases}  # passed in (a tied one)
             params = [p for p in module.parameters(recurse=False)
                       if p.requires_grad and id(p) not in skipped]
             record.leaves += [t for t in outputs if isinstance(t, nn.Parameter) and t.requires_grad]

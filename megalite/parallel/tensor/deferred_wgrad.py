@@ -14,7 +14,8 @@ DistributedDataParallel.finish_grad_sync, the first thing finalize_model_grads d
 
     deferral = defer_wgrad(model.output_layer, limit=2)
     ...forward / backward of every micro-batch...
-    deferral.drain()    # adds the deferred GEMMs into weight.main_grad (or .grad)
+    deferral.drain()    # adds the deferred GEMMs into weight.main_grad (or .grad); with gradient
+                        # accumulation fusion inside the GEMM (gemm.py)
 
 Each deferred GEMM is the one the plain backward would form (same dtype) added to the same
 gradient, so only the order of the additions changes.
@@ -25,15 +26,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel import comm
+from megalite.parallel.tensor.gemm import DEFAULT_GEMM, fuses_into_main_grad
 
 
 class WgradDeferral:
     """The deferred (input, output gradient) pairs of one linear layer for the current step."""
 
-    def __init__(self, limit: int, group, sequence_parallel: bool):
+    def __init__(self, limit: int, group, sequence_parallel: bool, gemm=DEFAULT_GEMM):
         if limit < 0:
             raise ValueError(f"--wgrad-deferral-limit must not be negative, got {limit}")
         self.limit, self.group, self.sequence_parallel = limit, group, sequence_parallel
+        self.gemm = gemm  # the layer's GEMM strategy (gemm.py), for the drained weight gradients
         self.pending: list[list] = []  # [input, weight, output gradient (None until backward)]
 
     def takes_another(self) -> bool:
@@ -61,8 +64,12 @@ class WgradDeferral:
                 gathering = self._gather(pending[i + 1][0])
             if work is not None:
                 work.wait()
-            grad2d = grad.reshape(-1, grad.shape[-1])
-            grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad2d, total2d = grad.reshape(-1, grad.shape[-1]), total.reshape(-1, total.shape[-1])
+            if fuses_into_main_grad(weight):  # gradient accumulation fusion
+                self.gemm.wgrad_accumulate(weight.main_grad, grad2d, total2d)
+                weight.grad_added_to_main_grad = True
+                continue
+            grad_weight = self.gemm.wgrad(grad2d, total2d)
             target = getattr(weight, "main_grad", None)
             if target is not None:
                 target.add_(grad_weight)
@@ -97,7 +104,7 @@ class _LinearWithDeferredWgrad(torch.autograd.Function):
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         ctx.entry[2] = grad.detach()
-        grad_x = grad.matmul(weight)
+        grad_x = grad.matmul(weight)  # the deferred layer's GEMMs are its 16-bit ones
         if ctx.sequence_parallel:
             out = grad_x.new_empty((ctx.rows, *grad_x.shape[1:]))
             comm.reduce_scatter_into(out, grad_x.contiguous(), ctx.group)
@@ -119,7 +126,7 @@ def linear_with_deferred_wgrad(x, weight, bias, deferral: WgradDeferral) -> torc
 
 def defer_wgrad(layer, limit: int) -> WgradDeferral:
     """Defer `layer`'s (a ColumnParallelLinear) weight gradient; returns its deferral."""
-    layer.wgrad_deferral = WgradDeferral(limit, layer.tp_group, layer.sequence_parallel)
+    layer.wgrad_deferral = WgradDeferral(limit, layer.tp_group, layer.sequence_parallel, layer.gemm)
     return layer.wgrad_deferral
 
 

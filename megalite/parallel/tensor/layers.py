@@ -14,7 +14,8 @@ from torch import nn
 
 from megalite.parallel import comm
 from megalite.parallel.tensor.deferred_wgrad import linear_with_deferred_wgrad
-from megalite.parallel.tensor.gathered_input import linear_with_gathered_input
+from megalite.parallel.tensor.gemm import DEFAULT_GEMM
+from megalite.parallel.tensor.linear_function import tensor_parallel_linear
 from megalite.parallel.tensor.overlapped_linear import column_parallel_overlapped, row_parallel_overlapped
 from megalite.parallel.sharding import mark_sequence_parallel, mark_sharded, shard_of_full
 
@@ -55,13 +56,15 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dimension: rank i computes Y_i = X A_i^T + b_i.
 
     Input X is replicated over the TP group (or, with sequence parallelism, split along the
-    sequence and all-gathered here; backward gathers it again, see gathered_input.py). With `gather_output` the output is all-gathered along its
-    last dimension; otherwise each rank keeps its slice. `stride` > 1 splits each of `stride`
-    equal output blocks separately (a fused [gate; up] projection).
+    sequence and all-gathered here; backward gathers it again, see linear_function.py). With
+    `gather_output` the output is all-gathered along its last dimension; otherwise each rank
+    keeps its slice. `stride` > 1 splits each of `stride` equal output blocks separately (a
+    fused [gate; up] projection).
 
     Set after construction: `comm_overlap` (a comm_overlap.LinearOverlap, --tp-comm-overlap)
     splits the sequence-parallel all-gather to overlap it with the GEMM; `wgrad_deferral`
-    (deferred_wgrad.defer_wgrad, --defer-embedding-wgrad-compute) defers the weight gradient.
+    (deferred_wgrad.defer_wgrad, --defer-embedding-wgrad-compute) defers the weight gradient;
+    `gemm` (gemm.py) is the strategy its GEMMs go through.
     """
 
     def __init__(self, input_size, output_size, *, tp_group=None, bias=True, gather_output=False,
@@ -86,6 +89,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_sharded(nn.Parameter(torch.empty(local, dtype=params_dtype, device=device)), 0, stride)
                      if bias else None)
         self.comm_overlap = self.wgrad_deferral = None
+        self.gemm = DEFAULT_GEMM
 
     def reset_parameters(self, generator: torch.Generator, on_shard: bool = False) -> None:
         if self.weight is not None:
@@ -104,9 +108,9 @@ class ColumnParallelLinear(nn.Module):
         elif self.sequence_parallel and self.comm_overlap is not None and comm.group_size(self.tp_group) > 1:
             y = column_parallel_overlapped(x, weight, bias, self.tp_group, self.comm_overlap)
         elif self.sequence_parallel:  # saves the input's sequence shard, not the gathered input
-            y = linear_with_gathered_input(x, weight, bias, self.tp_group)
+            y = tensor_parallel_linear(x, weight, bias, self.gemm, self.tp_group, gather_input=True)
         else:
-            y = F.linear(comm.copy_to_tensor_parallel_region(x, self.tp_group), weight, bias)
+            y = tensor_parallel_linear(comm.copy_to_tensor_parallel_region(x, self.tp_group), weight, bias, self.gemm)
         if self.gather_output:
             y = comm.gather_from_tensor_parallel_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -116,7 +120,8 @@ class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its input dimension: rank i computes X_i A_i^T and the
     partial results are all-reduced (or, with sequence parallelism, reduce-scattered along the
     sequence). The bias is replicated and added after the reduction. `comm_overlap` (set after
-    construction, --tp-comm-overlap) overlaps that reduce-scatter with the GEMM."""
+    construction, --tp-comm-overlap) overlaps that reduce-scatter with the GEMM; `gemm` as the
+    column-parallel layer's."""
 
     def __init__(self, input_size, output_size, *, tp_group=None, bias=True, input_is_parallel=True,
                  sequence_parallel=False, init_std=0.02, skip_bias_add=False,
@@ -137,6 +142,7 @@ class RowParallelLinear(nn.Module):
             self.bias = mark_sequence_parallel(
                 nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device)), sequence_parallel)
         self.comm_overlap = None
+        self.gemm = DEFAULT_GEMM
 
     def reset_parameters(self, generator: torch.Generator, on_shard: bool = False) -> None:
         _init_normal_(self.weight, (self.output_size, self.input_size), self.init_std, generator,
@@ -150,9 +156,11 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and self.comm_overlap is not None and comm.group_size(self.tp_group) > 1:
             y = row_parallel_overlapped(x, self.weight, self.tp_group, self.comm_overlap)
         elif self.sequence_parallel:
-            y = comm.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp_group)
+            y = comm.reduce_scatter_to_sequence_parallel_region(tensor_parallel_linear(x, self.weight, None, self.gemm),
+                                                                self.tp_group)
         else:
-            y = comm.reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+            y = comm.reduce_from_tensor_parallel_region(tensor_parallel_linear(x, self.weight, None, self.gemm),
+                                                        self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

@@ -16,7 +16,7 @@ Each is split one of two ways (TE's methods):
     each rank multiplies the block its neighbour needs next and adds it to the partial sum it
     received, so after t steps every rank holds the sum of its own block.
 The third, "bulk" (column-parallel backward: the input's all-gather during the input-gradient
-GEMM, that gradient's reduce-scatter during the weight-gradient GEMM), is gathered_input.py's.
+GEMM, that gradient's reduce-scatter during the weight-gradient GEMM), is linear_function.py's.
 
 Rows are never mixed, so every output row is the GEMM of the same row as on the plain path;
 only the order in which the reduce-scatter sums the t partial rows may differ.
@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel import comm
-from megalite.parallel.tensor.gathered_input import bulk_backward
+from megalite.parallel.tensor.gemm import weight_gradient
+from megalite.parallel.tensor.linear_function import bulk_backward, engine_nodes, wanted_gradients
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group) -> list:
@@ -118,22 +119,27 @@ def linear_reduce_scatter(x, weight, group, method: str, num_splits: int):
 
 
 class _ColumnParallelOverlapped(torch.autograd.Function):
-    """Y = all_gather(x) W^T + b, the gather overlapped; saves only x (see gathered_input.py)."""
+    """Y = all_gather(x) W^T + b, the gather overlapped; saves only x (see linear_function.py).
+    The overlapped GEMMs are the 16-bit ones; the weight gradient goes through gemm.py's sink."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, overlap):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.overlap, ctx.has_bias = group, overlap, bias is not None
+        ctx.nodes = engine_nodes(x, weight)
+        ctx.param = None if ctx.nodes is None else weight  # see engine_nodes
         return all_gather_linear(x, weight, bias, group, overlap.fprop.method, overlap.fprop.num_splits)[0]
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        need_bias = need_bias and ctx.has_bias
+        need_input, want_weight = wanted_gradients(ctx)
+        need_weight = want_weight is not False
+        need_bias = ctx.needs_input_grad[2] and ctx.has_bias
         dgrad = ctx.overlap.dgrad
         if dgrad.method == "bulk":
-            return (*bulk_backward(x, weight, grad, ctx.group, need_input, need_weight, need_bias), None, None)
+            return (*bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias, param=ctx.param),
+                    None, None)
         n = comm.group_size(ctx.group)
         if need_weight:  # gathered again while the input gradient is formed and scattered
             total = x.new_empty((n * x.shape[0], *x.shape[1:]))
@@ -144,7 +150,7 @@ class _ColumnParallelOverlapped(torch.autograd.Function):
         grad_weight = None
         if need_weight:
             gathering.wait()
-            grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_weight = weight_gradient(ctx.param, want_weight, grad2d, total.reshape(-1, total.shape[-1]))
         return grad_x, grad_weight, grad2d.sum(0) if need_bias else None, None, None
 
 
@@ -155,19 +161,23 @@ class _RowParallelOverlapped(torch.autograd.Function):
     def forward(ctx, x, weight, group, overlap):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.overlap = group, overlap
+        ctx.nodes = engine_nodes(x, weight)
+        ctx.param = None if ctx.nodes is None else weight  # see engine_nodes
         return linear_reduce_scatter(x, weight, group, overlap.fprop.method, overlap.fprop.num_splits)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        need_input, need_weight = ctx.needs_input_grad[:2]
+        need_input, want_weight = wanted_gradients(ctx)
+        need_weight = want_weight is not False
         dgrad = ctx.overlap.dgrad
         # the gathered output gradient is both the input-gradient GEMM's input and the weight gradient's
         grad_x, total = all_gather_linear(grad, weight.t(), None, ctx.group, dgrad.method, dgrad.num_splits,
                                           keep_input=need_weight)
         grad_weight = None
         if need_weight:
-            grad_weight = total.reshape(-1, total.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            grad_weight = weight_gradient(ctx.param, want_weight, total.reshape(-1, total.shape[-1]),
+                                          x.reshape(-1, x.shape[-1]))
         return grad_x if need_input else None, grad_weight, None, None
 
 
