@@ -17,6 +17,7 @@ import time
 
 PROCESS_START = time.time()  # the origin of --exit-duration-in-mins, before any slow import
 
+import gc  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -148,6 +149,13 @@ def _main(argv, signals: StopSignals) -> int:
 
         Path(args.exit_reason_file).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.exit_reason_file), reason + "\n")
+    # An orderly end: the model, optimizer and data go now (trainer.close() left them only
+    # collectable references), then the process groups; each gloo group joins its worker
+    # threads as it goes. Left to the interpreter's exit, a worker still releasing a tensor
+    # needs the GIL after Python has torn it down, and the process aborts (status -6) after a
+    # successful run.
+    del trainer, run
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megalite.model.moe import set_loss_backward_scale, update_expert_bias
 from megalite.model.mtp import auxiliary_losses
-from megalite.parallel.data.ddp import finalize_model_grads
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 from megalite.checkpoint.dcp.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
@@ -109,6 +109,14 @@ class Trainer:
         self.test_iter = self.data_iterator(self.test_ds, 0) if self.training.eval_iters > 0 else None
 
     def close(self):
+        """The end of the run: no checkpoint write or parameter all-gather left in flight, the
+        writers closed, and nothing but collectable references left on the model and its
+        process groups (remove_grad_hooks), so that dropping the run frees them."""
+        self.finish_pending_save()
+        self.run.optimizer.finish_param_sync()
+        for chunk in self.run.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.remove_grad_hooks()
         self.hooks.close()
         self.tensorboard.close()
         self.logger.close()
