@@ -21,7 +21,9 @@ JOB = drop_flags(SCRIPT_BASE, "--lr-warmup-iters") + ["--distributed-backend", "
 
 @pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"],
                                       ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                       "--overlap-param-gather"]], ids=["tp2", "dp2-overlap"])
+                                       "--overlap-param-gather"],
+                                      ["--num-experts", "4", "--expert-model-parallel-size", "2",
+                                       "--moe-ffn-hidden-size", "40"]], ids=["tp2", "dp2-overlap", "ep2"])
 def test_no_gloo_thread_outlives_the_run(tmp_path, parallel):
     args = JOB + parallel + ["--save", str(tmp_path / "ckpt")]
     ranks = launch(args, 2, tmp_path / "logs", program=(str(REPO / "tests" / "training" / "end_watch.py"),))
