@@ -3,8 +3,10 @@
 Exit status: 0 when training finished or stopped on purpose (a signal, --exit-interval,
 --exit-duration-in-mins) after saving, or --skip-train evaluated; then --exit-reason-file
 says which. A SIGTERM / SIGUSR1 during start-up (from the first import on) stops every rank
-before the first iteration, with nothing to save, also with 0 and the signal as the reason. 2 for bad options, an unusable checkpoint or a checkpoint that could not be
-written (a full disk): one line naming the flag, file, directory or tensor. 16 and 17 for a
+before the first iteration, with nothing to save, also with 0 and the signal as the reason.
+2 for bad options (a flag whose optional package is missing too), an unusable checkpoint or
+a checkpoint that could not be written (a full disk): one line naming the flag, file,
+directory or tensor. 16 and 17 for a
 result validation that stopped the run (--rerun-mode validate_results, Megatron's codes: 16
 resume from the checkpoint it saved, 17 validation failed). 1 for any other failure. A peer
 rank that died or hung makes every other rank stop with status 1 and one line saying which
