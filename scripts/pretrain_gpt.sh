@@ -5,9 +5,10 @@
 #   bash scripts/pretrain_gpt.sh --config examples/gpt2_124m.yaml --data-path ...   # your run
 #
 # Locally the run goes through torchrun on every GPU of this machine, or on CPU processes
-# joined by gloo when there is none; on one node torchrun picks a free port itself
-# (--standalone) unless MASTER_PORT is set. Inside a Slurm step (srun, detected from
-# SLURM_STEP_ID and SLURM_PROCID) each task is one rank: RANK = SLURM_PROCID, WORLD_SIZE =
+# joined by gloo when there is none (pretrain_gpt's default backend: nccl with CUDA, else
+# gloo); on one node torchrun picks a free port itself (--standalone) unless MASTER_PORT is
+# set. Inside a Slurm step (srun, detected from SLURM_STEP_ID and SLURM_PROCID) each task is
+# one rank and one Python process (this script execs it): RANK = SLURM_PROCID, WORLD_SIZE =
 # SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID, MASTER_ADDR = the first host of SLURM_JOB_NODELIST
 # (through `scontrol show hostnames`), MASTER_PORT = 10000 + SLURM_JOB_ID % 50000 (one port per
 # job, so jobs sharing a node do not collide).
@@ -27,12 +28,15 @@ has_flag() {  # has_flag --name "$@": whether the arguments set --name
     return 1
 }
 
-run_facts() {  # "<GPU count> <TP x PP>" for these arguments (and any --config file), one Python start
+run_facts() {  # "<GPU count> <TP x PP>" for these arguments (and any --config file), one Python start;
+    # a flag whose optional package is missing stops here, before torchrun starts any rank
     "$PYTHON" -c 'import sys
 import torch
 from megalite.config.arguments import parse_args
+from megalite.config.optional_packages import check_optional_packages
 try:
     a = parse_args(sys.argv[1:])
+    check_optional_packages(a)
 except ValueError as e:
     print(f"pretrain_gpt: error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -42,13 +46,6 @@ print(torch.cuda.device_count(), a.tensor_model_parallel_size * a.pipeline_model
 launch() {
     if has_flag --help "$@" || has_flag -h "$@"; then
         exec "$PYTHON" -m megalite.pretrain_gpt --help
-    fi
-    local -a extra=()
-    local facts gpus model_parallel
-    facts=$(run_facts "$@")
-    gpus=${facts% *} model_parallel=${facts#* }
-    if [[ $gpus == 0 ]] && ! has_flag --distributed-backend "$@"; then
-        extra+=(--distributed-backend gloo)
     fi
     local launcher=${LAUNCHER:-}
     if [[ -z $launcher ]]; then
@@ -65,8 +62,11 @@ launch() {
             export MASTER_ADDR=${hosts%%$'\n'*}
         fi
         export MASTER_PORT=${MASTER_PORT:-$(( 10000 + ${SLURM_JOB_ID:-0} % 50000 ))}
-        exec "$PYTHON" -m megalite.pretrain_gpt "$@" "${extra[@]}"
+        exec "$PYTHON" -m megalite.pretrain_gpt "$@"   # the task's one Python process
     fi
+    local facts gpus model_parallel
+    facts=$(run_facts "$@")
+    gpus=${facts% *} model_parallel=${facts#* }
     local nproc=${NPROC_PER_NODE:-}
     if [[ -z $nproc ]]; then
         if [[ $gpus != 0 ]]; then
@@ -86,7 +86,7 @@ launch() {
                     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}")
     fi
     exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$nproc" "${rendezvous[@]}" \
-        -m megalite.pretrain_gpt "$@" "${extra[@]}"
+        -m megalite.pretrain_gpt "$@"
 }
 
 if [[ $# -gt 0 ]]; then

@@ -31,6 +31,7 @@ from megalite.config.megatron.training import (cuda_graph_impl_of, cuda_graph_sc
 from megalite.config.mla import mla_notes
 from megalite.config.moe import dense_expert_notes
 from megalite.config.mup import mup_notes, mup_width_mult
+from megalite.config.optional_packages import check_optional_packages
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
 from megalite.parallel.state import ParallelLayout
@@ -354,6 +355,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
 def run_config(args, world_size: int) -> RunConfig:
     """Validate `args` for `world_size` processes (before any process group) and type them."""
     validate_args(args, world_size)
+    check_optional_packages(args)  # a run's writers and tokenizer: not needed by a dry run or the planner
     parallel = ParallelConfig.from_args(args, world_size)
     tokenizer = tokenizer_from_args(args)
     model = model_config_from_args(args, tokenizer.vocab_size)

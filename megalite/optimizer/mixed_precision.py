@@ -51,6 +51,10 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.num_steps = 0  # successful steps: Adam's step count
         self.num_attempts = 0  # step() calls in this process, skipped ones included
+        # why the last step() skipped its update: None (it did not), "overflow" (fp16's dynamic
+        # loss scale overflowed: expected, the scale comes down) or "non-finite" (NaN / Inf
+        # gradients under a static --loss-scale or without loss scaling: a fault)
+        self.skip_reason: str | None = None
         self.bucket_shards, self.mains, self._shards_of, phase_of = [], [], {}, {}
         for index, chunk in enumerate(self.chunks):
             if isinstance(chunk, DistributedDataParallel):
@@ -96,20 +100,26 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
         """(update_successful, global grad norm, number of zero gradient elements or None).
 
         `iteration` (the training loop's, counting skipped steps) only names the step in the
-        fp16 skip message; without it, the count of step() calls in this process is used."""
+        fp16 skip message; without it, the count of step() calls in this process is used. A
+        skipped step says why in `skip_reason`."""
         self.num_attempts += 1
+        self.skip_reason = None
         for shard in self.bucket_shards:
             shard.load_grads()
         if self.loss_scaler is not None:
             found_inf = self._unscale_and_find_inf()
             self.loss_scaler.update(found_inf)
             if found_inf:
+                # a dynamic scale expects overflows and lowers itself; a static one cannot react
+                dynamic = isinstance(self.loss_scaler, DynamicLossScaler)
+                self.skip_reason = "overflow" if dynamic else "non-finite"
                 logger.warning("fp16: inf/NaN in the gradients on some rank, skipping this step "
-                               "(iteration %d); loss scale is now %g", iteration or self.num_attempts,
-                               self.loss_scaler.scale)
+                               "(iteration %d); loss scale is %s %g", iteration or self.num_attempts,
+                               "now" if dynamic else "fixed at", self.loss_scaler.scale)
                 return False, None, None
         grad_norm = self.global_grad_norm()
         if not math.isfinite(grad_norm):  # every rank sees the same global norm: all skip together
+            self.skip_reason = "non-finite"
             logger.warning("inf/NaN in the gradients (norm %s), skipping this step (iteration %d)", grad_norm,
                            iteration or self.num_attempts)
             return False, grad_norm, None

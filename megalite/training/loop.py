@@ -8,7 +8,6 @@ same iteration.
 """
 
 import math
-import signal
 import time
 
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from megalite.model.moe import set_loss_backward_scale, update_expert_bias
 from megalite.model.mtp import auxiliary_losses
-from megalite.parallel.data.ddp import finalize_model_grads
+from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 from megalite.checkpoint.dcp.rng_state import layout_record
 from megalite.checkpoint.run_load import non_persistent_dir, prune_checkpoints
@@ -26,35 +25,13 @@ from megalite.training.rerun import WILL_RERUN_FROM_CHECKPOINT, RerunFault, Reru
 from megalite.training.rerun_injection import ErrorInjector
 from megalite.training.run_hooks import RunHooks
 from megalite.training.setup_run import Run, build_data, data_iterator
+from megalite.training.stop_signals import StopSignals, signal_name
 from megalite.training.straggler import report_stragglers
 from megalite.training.tensorboard_log import MegatronTensorboard
 from megalite.training.test_mode import check_qk_layernorm_replicas
 from megalite.training.timers import Timers
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class StopSignals:
-    """Remembers a SIGTERM / SIGUSR1 (its number) until the loop reaches an iteration boundary."""
-
-    def __init__(self):
-        self.received = 0
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = max(self.received, signum)  # SIGTERM (15) outranks SIGUSR1 (10)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _agree(run: Run, values: list[float]) -> list[float]:
+def agree(run: Run, values: list[float]) -> list[float]:
     """Element-wise maximum over all ranks."""
     t = torch.tensor(values, dtype=torch.float64, device=run.device)
     if run.pstate.world_size > 1:
@@ -109,7 +86,7 @@ class Trainer:
         # Megatron draws from Python's random, seeded with --seed + 100 x the pipeline rank
         injector = ErrorInjector(training.error_injection_rate, training.error_injection_type, run.pstate.rank,
                                  training.seed + 100 * run.pstate.pp_rank)
-        self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: _agree(run, v), self.say,
+        self.rerun = RerunState(training.rerun_mode, run.tracker, run.device, lambda v: agree(run, v), self.say,
                                 rank=run.pstate.rank, injector=injector, log=lambda text: print(text, flush=True),
                                 check_nan=training.check_for_nan_in_loss_and_grad)
         if run.loaded_from and not self.ckpt.finetune:  # (run.rerun_record is None after a pretrained load)
@@ -119,7 +96,7 @@ class Trainer:
         # Only the first and last pipeline stages build datasets; every rank must agree on which
         # splits exist, or the others would wait in the pipeline for a split that has no data.
         reads = run.pstate.is_first_stage or run.pstate.is_last_stage
-        present = _agree(run, [float(reads and ds is not None) for ds in (self.train_ds, self.valid_ds, self.test_ds)])
+        present = agree(run, [float(reads and ds is not None) for ds in (self.train_ds, self.valid_ds, self.test_ds)])
         self.has_split = dict(zip(("train", "valid", "test"), (p > 0 for p in present)))
         if self.training.total_train_iters > 0 and not self.has_split["train"]:
             raise ValueError(f"no training data: --split {self.training.split!r} (or --train-data-path) leaves the "
@@ -132,6 +109,14 @@ class Trainer:
         self.test_iter = self.data_iterator(self.test_ds, 0) if self.training.eval_iters > 0 else None
 
     def close(self):
+        """The end of the run: no checkpoint write or parameter all-gather left in flight, the
+        writers closed, and nothing but collectable references left on the model and its
+        process groups (remove_grad_hooks), so that dropping the run frees them."""
+        self.finish_pending_save()
+        self.run.optimizer.finish_param_sync()
+        for chunk in self.run.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.remove_grad_hooks()
         self.hooks.close()
         self.tensorboard.close()
         self.logger.close()
@@ -283,7 +268,7 @@ class Trainer:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
             ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
-            if not ok and grad_norm is not None and self.training.check_for_nan_in_loss_and_grad:
+            if not ok and run.optimizer.skip_reason == "non-finite" and self.rerun.check_nan:  # not an fp16 overflow
                 raise non_finite_gradients(run.iteration + 1, grad_norm, loss)
             update_expert_bias(run.models, run.pstate.dp_cp_group)
         if ok:
@@ -378,7 +363,7 @@ class Trainer:
                 self.evaluate("valid", self.valid_iter)
             self.finish_pending_save(only_if_done=True)
             # the largest elapsed time is the earliest process start's, as Megatron counts it
-            got_signal, minutes = _agree(run, [float(signals.received), (time.time() - start_time) / 60])
+            got_signal, minutes = agree(run, [float(signals.received), (time.time() - start_time) / 60])
             if ckpt.save_interval and run.iteration % ckpt.save_interval == 0:
                 self.save()
                 saved = True
@@ -388,7 +373,7 @@ class Trainer:
                     self.save(non_persistent=True)
             reason = None
             if got_signal:
-                reason = f"signal {signal.Signals(int(got_signal)).name}"
+                reason = f"signal {signal_name(got_signal)}"
             elif training.exit_duration_in_mins and minutes >= training.exit_duration_in_mins:
                 reason = "exit-duration-in-mins"
             elif training.exit_interval and run.iteration % training.exit_interval == 0:

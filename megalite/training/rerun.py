@@ -44,10 +44,13 @@ class RerunFault(RuntimeError):
         self.exit_code, self.save_checkpoint = exit_code, save_checkpoint
 
 
-def non_finite_gradients(iteration: int, grad_norm: float, loss) -> RerunFault:
-    """--check-for-nan-in-loss-and-grad: the step whose global gradient norm is NaN or Inf (the
-    optimizer did not apply it) stops the run, as Megatron's check does."""
-    return RerunFault(f"iteration {iteration}: the gradients hold NaN or Inf (norm {grad_norm}"
+def non_finite_gradients(iteration: int, grad_norm: float | None, loss) -> RerunFault:
+    """--check-for-nan-in-loss-and-grad: the step whose gradients hold NaN or Inf (the optimizer
+    did not apply it) stops the run, as Megatron's check of every gradient bucket does; under a
+    static --loss-scale too, where the fp16 unscale found them (`grad_norm` None), since Megatron
+    keeps the check on unless the loss scale is dynamic."""
+    found = f"norm {grad_norm}" if grad_norm is not None else "found by the fp16 unscale, static --loss-scale"
+    return RerunFault(f"iteration {iteration}: the gradients hold NaN or Inf ({found}"
                       + ("" if loss is None else f", loss {loss}") + "); the step was not applied. Megatron stops "
                       "here too (--check-for-nan-in-loss-and-grad, on by default); --no-check-for-nan-in-loss-and-grad "
                       "skips such steps instead")

@@ -94,6 +94,27 @@ def test_a_nan_gradient_skips_the_step_without_touching_the_parameters(params_dt
     assert all(torch.equal(m.main, old) for m, old in zip(optimizer.mains, mains))
 
 
+@pytest.mark.parametrize("loss_scale, reason", [(None, "non-finite"), (None, "overflow"), (128.0, "non-finite")],
+                         ids=["fp32", "fp16-dynamic", "fp16-static"])
+def test_a_skipped_step_says_why(loss_scale, reason):
+    """fp16's dynamic loss scale skips an overflowing step as part of its work ("overflow");
+    a static --loss-scale cannot react, so there, as without loss scaling, NaN / Inf gradients
+    are a fault ("non-finite"), which the loop stops on as Megatron's check does."""
+    fp16 = reason == "overflow" or loss_scale is not None
+    options = dict(params_dtype="float16", grad_dtype=torch.float16, loss_scale=loss_scale,
+                   initial_loss_scale=128.0) if fp16 else {}
+    chunk, optimizer = build(SINGLE, "gpt2", clip_grad=1.0, **options)
+    tokens, labels, mask = (t[:4] for t in micro_batches(0, 0, 1, GLOBAL_BATCH)[0])
+    for poisoned in (False, True, False):
+        optimizer.zero_grad()
+        optimizer.scale_loss(masked_mean_loss(chunk(tokens, labels=labels), mask)).backward()
+        finalize_model_grads([chunk], SINGLE)
+        if poisoned:
+            next(p for p in chunk.module.parameters() if p.ndim == 2).main_grad.view(-1)[3] = float("nan")
+        ok, _, _ = optimizer.step(iteration=1)
+        assert (ok, optimizer.skip_reason) == ((False, reason) if poisoned else (True, None))
+
+
 def test_sgd_matches_torch_sgd_and_counts_zero_gradients():
     chunk, optimizer = build(SINGLE, "gpt2", optimizer="sgd", clip_grad=0.0, log_num_zeros_in_grad=True)
     reference = make_model(make_config("gpt2"), SINGLE)

@@ -21,6 +21,7 @@ from megalite.checkpoint.dcp.checkpoint import read_tracker
 from tests.data.conftest import load_tool
 from tests.slurm.cluster import CLIENTS, DAEMONS, TERMINAL, missing
 from tests.slurm.watchdog import processes_with
+from tests.training.base_install import base_install_path
 from tests.training.launch import REPO, eval_losses, script_env, train_losses
 
 TRAIN_SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
@@ -83,6 +84,24 @@ def test_training_job_end_to_end(uninterrupted):
     assert set(eval_losses(run_dir / "metrics.jsonl", "test")) == {ITERS}
     assert read_tracker(run_dir) == ITERS and (run_dir / "exit_reason.txt").read_text() == "done\n"
     assert stdout.count("megalite stopped:") == 1 and "megalite stopped: done" in stdout
+
+
+def test_training_job_on_a_base_install(slurm, corpus, tmp_path):
+    """As a user with megalite installed by `pip install -e .` alone submits it (no tensorboard:
+    tests/training/base_install.py hides the extras): the job trains without --tensorboard-dir
+    (before, every rank stopped on it after preparing its data and building its model)."""
+    run_dir, output = tmp_path / "run", tmp_path / "job.out"
+    env = slurm.env(base=script_env(PYTHONPATH=f"{base_install_path(tmp_path / 'base')}:{REPO}"),
+                    DATA_PATH=str(corpus["data"]), TOKENIZER_MODEL=str(corpus["tokenizer"]),
+                    CONFIG="examples/demo_cpu.yaml", RUN_DIR=str(run_dir))
+    job = slurm.sbatch([*TRAIN_SBATCH_ARGS, f"--output={output}", str(TRAIN_SBATCH), "--train-iters", "2",
+                        "--lr-warmup-iters", "1", "--eval-iters", "1", "--log-interval", "1"], env=env, cwd=REPO)
+    (record,) = slurm.wait_finished(job, JOB_TIMEOUT, output)
+    stdout = _job_stdout(output)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), f"{record}\n{stdout[-5000:]}"
+    assert "no tensorboard package: running without --tensorboard-dir" in stdout
+    assert sorted(train_losses(run_dir / "metrics.jsonl")) == [1, 2] and not (run_dir / "tensorboard").exists()
+    assert "megalite stopped: done" in stdout
 
 
 @pytest.mark.slow

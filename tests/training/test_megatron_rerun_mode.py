@@ -12,6 +12,7 @@ without clipping: NaN from iteration 4 on) and of injected faults."""
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -190,6 +191,25 @@ def test_persistent_nan_checkpoints_and_exits_16_and_disabled_stops_or_skips(tmp
     assert sorted(records) == list(range(1, 7)) and sum(r["nan_iterations"] for r in records.values()) >= 1
     assert records[stopped_at]["skipped_iterations"] == 1 and not math.isfinite(records[stopped_at]["lm_loss"])
     assert all(math.isfinite(records[i]["lm_loss"]) for i in range(1, stopped_at))
+
+
+def test_a_static_loss_scale_stops_on_nan_gradients_as_megatron(tmp_path):
+    """--fp16 --loss-scale: Megatron keeps --check-for-nan-in-loss-and-grad on (only a dynamic
+    scale turns it off), so the diverging run stops with 17 at the first NaN / Inf gradient
+    instead of skipping the step as an overflow (megalite did: the fp16 skip returns no norm)."""
+    fp16 = DIVERGING + ["--fp16", "--rerun-mode", "disabled", "--metrics-file", str(tmp_path / "m.jsonl")]
+    ranks = launch(fp16 + ["--loss-scale", "1"], 1, tmp_path / "static", separate_stderr=True)
+    assert ranks.wait() == [17], ranks.output()
+    [line] = ranks.stderr(0).strip().splitlines()[-1:]
+    assert re.fullmatch(r"pretrain_gpt: error: iteration \d+: the gradients hold NaN or Inf \(found by the fp16 "
+                        r"unscale, static --loss-scale, loss \S+\); the step was not applied\..*", line), line
+    stopped_at = int(line.split()[3].rstrip(":"))
+    assert sorted(read_metrics(str(tmp_path / "m.jsonl"))[0]) == list(range(1, stopped_at))
+    # a dynamic scale skips the overflowing steps and trains on
+    run(drop_flags(fp16, "--metrics-file") + ["--initial-loss-scale", "1", "--metrics-file",
+                                              str(tmp_path / "dynamic.jsonl")], 1, tmp_path / "dynamic")
+    records = read_metrics(str(tmp_path / "dynamic.jsonl"))[0]
+    assert sorted(records) == list(range(1, 7)) and sum(r["skipped_iterations"] for r in records.values()) >= 1
 
 
 INJECTED = drop_flags(BASE, "--train-iters") + ["--train-iters", "4", "--eval-iters", "0",

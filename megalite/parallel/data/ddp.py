@@ -182,6 +182,16 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.finish_param_sync()
 
+    def remove_grad_hooks(self) -> None:
+        """For the end of a run. Each gradient hook is held by its parameter's autograd metadata,
+        in C++, where the garbage collector cannot see it: without this, the cycle parameter ->
+        hook -> this DDP -> module -> parameter, and every process group it holds, lives until
+        the interpreter's finalization, when a gloo worker thread that still needs the GIL
+        aborts the process ("terminate called without an active exception")."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def _register_param_gather_hooks(self) -> None:
         for module in self.module.modules():
             buckets = {self._bucket_of[p] for p in module.parameters(recurse=False) if p in self._bucket_of}
