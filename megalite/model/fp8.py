@@ -6,6 +6,8 @@ routed experts of MoE layers (their grouped GEMM has no FP8 path), the router an
 attention core (no FP8 attention: --fp8-dot-product-attention is refused).
 """
 
+import torch
+
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
 from megalite.parallel.tensor.fp8_scaling import DelayedScaling, DelayedScalingStates, Fp8Recipe, TensorwiseScaling
@@ -29,7 +31,13 @@ def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict
             else:
                 scaling = TensorwiseScaling(recipe, tp_group)
             linear.gemm = Fp8Gemm(recipe, scaling, "column" if isinstance(linear, ColumnParallelLinear) else "row")
+            linear.register_forward_pre_hook(_record_when_training)
     return states
+
+
+def _record_when_training(linear, _inputs) -> None:
+    """A forward under no_grad (evaluation) quantizes with the current scales but records no amax."""
+    linear.gemm.record_forward = torch.is_grad_enabled()
 
 
 def fp8_linear_names(models) -> list[str]:

@@ -42,16 +42,21 @@ class Fp8Gemm(Gemm):
 
     def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str):
         self.recipe, self.scaling = recipe, scaling
+        # whether forward records amaxes: set before each forward by the layer's pre-hook
+        # (model/fp8.py) to the caller's grad mode, so that evaluation (no_grad) does not move
+        # training's scales; inside the autograd Function grad mode is always off
+        self.record_forward = True
         self.split = {INPUT: parallel_mode == "row", WEIGHT: True, GRAD: parallel_mode == "column"}
 
-    def _quantized(self, operand: int, tensor: torch.Tensor):
-        scale = self.scaling.scale(operand, tensor, self.split[operand])
+    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
+        scale = self.scaling.scale(operand, tensor, self.split[operand], record)
         return quantize(tensor, scale, self.recipe.dtype(operand)), scale
 
     def fprop(self, x, weight, bias):
+        """Records the input's and weight's amaxes when `record_forward` (not in evaluation)."""
         x2d = x.reshape(-1, x.shape[-1])
-        xq, x_scale = self._quantized(INPUT, x2d)
-        wq, w_scale = self._quantized(WEIGHT, weight)
+        xq, x_scale = self._quantized(INPUT, x2d, record=self.record_forward)
+        wq, w_scale = self._quantized(WEIGHT, weight, record=self.record_forward)
         y = scaled_mm(xq, x_scale, wq.t(), w_scale, x.dtype)
         if bias is not None:
             y = y + bias
@@ -59,13 +64,13 @@ class Fp8Gemm(Gemm):
 
     def dgrad(self, grad, weight):
         grad2d = grad.reshape(-1, grad.shape[-1])
-        gq, g_scale = self._quantized(GRAD, grad2d)
-        wq, w_scale = self._quantized(WEIGHT, weight)
+        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
+        wq, w_scale = self._quantized(WEIGHT, weight, record=False)  # as in forward
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def _fp8_wgrad(self, grad2d, x2d, out_dtype):
-        gq, g_scale = self._quantized(GRAD, grad2d)
-        xq, x_scale = self._quantized(INPUT, x2d)
+        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
+        xq, x_scale = self._quantized(INPUT, x2d, record=False)  # as in forward
         return scaled_mm(gq.t(), g_scale, xq, x_scale, out_dtype)
 
     def wgrad(self, grad2d, x2d):

@@ -82,7 +82,7 @@ class TensorwiseScaling:
     def __init__(self, recipe: Fp8Recipe, group=None):
         self.recipe, self.group = recipe, group
 
-    def scale(self, operand: int, tensor: torch.Tensor, split: bool) -> torch.Tensor:
+    def scale(self, operand: int, tensor: torch.Tensor, split: bool, record: bool = True) -> torch.Tensor:
         amax = amax_of(tensor)
         if split and self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
@@ -97,11 +97,10 @@ class DelayedScaling:
         self.amax_history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
         self.scales = torch.ones(3, dtype=torch.float32, device=device)
 
-    def scale(self, operand: int, tensor: torch.Tensor, split: bool) -> torch.Tensor:
-        """The scale to quantize `tensor` with now; records its amax in the current row (the
-        reduction over the group happens once, after the optimizer step). Forwards without
-        autograd (evaluation) record nothing, so evaluation does not change training's scales."""
-        if operand == GRAD or torch.is_grad_enabled():  # not an evaluation's (no_grad) forward
+    def scale(self, operand: int, tensor: torch.Tensor, split: bool, record: bool = True) -> torch.Tensor:
+        """The scale to quantize `tensor` with now; with `record`, its amax goes into the current
+        row (the reduction over the group happens once, after the optimizer step)."""
+        if record:
             row = self.amax_history[0]
             row[operand] = torch.maximum(row[operand], amax_of(tensor).to(row.device))
         return self.scales[operand].to(tensor.device)

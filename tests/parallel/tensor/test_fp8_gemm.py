@@ -124,8 +124,7 @@ def test_delayed_scaling_history_and_scales_step_by_step(algo, length, margin):
         for op, amax in enumerate(amaxes):
             for fraction in (0.5, 1.0):  # two micro-batches: the step's amax is their max
                 tensor = torch.tensor([[amax * fraction, -amax * fraction / 3]])
-                with torch.enable_grad():
-                    used = state.scale(op, tensor, split=False)
+                used = state.scale(op, tensor, split=False)
                 assert float(used) == pytest.approx(expected[op], rel=1e-6), (k, op)  # last step's scale
             seen[op].append(amax)
         state.update()
@@ -139,22 +138,29 @@ def test_delayed_scaling_history_and_scales_step_by_step(algo, length, margin):
             assert float(state.amax_history[0, op]) == 0.0
 
 
-def test_an_evaluation_forward_records_no_amax():
-    state = DelayedScaling(Fp8Recipe(amax_history_len=2))
-    with torch.no_grad():
-        state.scale(INPUT, torch.full((2, 2), 9.0), split=False)
-        state.scale(WEIGHT, torch.full((2, 2), 9.0), split=False)
-    assert state.amax_history.abs().sum() == 0
-    with torch.no_grad():  # a backward (autograd disables grad there) still records the gradient
-        state.scale(GRAD, torch.full((2, 2), 9.0), split=False)
-    assert float(state.amax_history[0, GRAD]) == 9.0
+def test_a_forward_that_does_not_record_leaves_the_history_alone():
+    """record_forward False (evaluation: set by the layer's pre-hook, tests/parallel/tensor/
+    test_fp8_model.py) quantizes with the current scales and records nothing; True records x's
+    and W's amaxes; backward records the output gradient's."""
+    recipe = Fp8Recipe(format="hybrid", amax_history_len=2)
+    x, w, b, _ = _operands()
+    gemm = Fp8Gemm(recipe, DelayedScaling(recipe), "column")
+    gemm.record_forward = False
+    tensor_parallel_linear(x, w, b, gemm)
+    assert gemm.scaling.amax_history.abs().sum() == 0
+    gemm.record_forward = True
+    y = tensor_parallel_linear(x, w.clone().requires_grad_(), b, gemm)
+    assert gemm.scaling.amax_history[0, INPUT] == x.abs().max() and gemm.scaling.amax_history[0, WEIGHT] == w.abs().max()
+    assert gemm.scaling.amax_history[0, GRAD] == 0
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert gemm.scaling.amax_history[0, GRAD] == dy.abs().max()
 
 
 def test_delayed_states_save_and_restore_and_refuse_another_history_length():
     recipe = Fp8Recipe(amax_history_len=2, amax_compute_algo="max")
     a = DelayedScalingStates({"l": DelayedScaling(recipe)})
-    with torch.enable_grad():
-        a.states["l"].scale(INPUT, torch.tensor([4.0]), split=False)
+    a.states["l"].scale(INPUT, torch.tensor([4.0]), split=False)
     a.after_optimizer_step()
     b = DelayedScalingStates({"l": DelayedScaling(recipe)})
     b.load_state_dict(a.state_dict())
