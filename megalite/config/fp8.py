@@ -8,7 +8,7 @@ not given" so that a flag given without --fp8-format can be refused instead of i
 
 from dataclasses import dataclass, fields
 
-from megalite.config.field import arg
+from megalite.config.field import arg, on_cpu
 from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
 
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
@@ -83,6 +83,7 @@ def check_fp8_args(args, fail) -> None:
         if given:
             fail(f"{given[0]} needs --fp8-format (e4m3 or hybrid)")
         return
+    _check_fp8_device(args, fail)
     recipe = args.fp8_recipe or "delayed"
     if recipe in REFUSED_RECIPES:
         fail(f"--fp8-recipe {recipe}: {REFUSED_RECIPES[recipe]}")
@@ -110,6 +111,18 @@ def check_fp8_args(args, fail) -> None:
         if value is not None and not 0 <= value <= per_stage:
             fail(f"--{name.replace('_', '-')} {value} must be between 0 and the layers per pipeline "
                  f"stage ({per_stage})")
+
+
+def _check_fp8_device(args, fail) -> None:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or later; the CPU runs torch's FP8 GEMM."""
+    if on_cpu(args):
+        return
+    import torch
+
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        fail(f"--fp8-format {args.fp8_format}: FP8 GEMMs need a GPU of compute capability 8.9 or later "
+             f"(Ada, Hopper, Blackwell); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}")
 
 
 def fp8_recipe_from_args(args) -> Fp8Recipe | None:

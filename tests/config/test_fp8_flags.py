@@ -78,3 +78,17 @@ def test_refused_in_one_line_naming_the_flag(extra, words):
 def test_tp_comm_overlap_is_refused_with_fp8():
     message = refused("--fp8-format hybrid --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 2)
     assert "--tp-comm-overlap" in message and "FP8" in message, message
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    import torch
+
+    from megalite.config import fp8
+
+    monkeypatch.setattr(fp8, "on_cpu", lambda args: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    message = refused("--fp8-format hybrid")
+    assert "compute capability 8.9" in message and "A100" in message and "8.0" in message, message
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert fp8.fp8_recipe_from_args(parsed("--fp8-format hybrid", 1)).format == "hybrid"
