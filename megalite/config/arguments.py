@@ -24,6 +24,7 @@ from megalite.config.context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
 from megalite.config.dist_opt import DistOptArgs
 from megalite.config.dry_run import DryRunArgs
 from megalite.config.field import MEGALITE, arg, flag_of
+from megalite.config.fp8 import Fp8Args
 from megalite.config.megatron.data import MegatronDataArgs
 from megalite.config.megatron.fim import MegatronFimArgs
 from megalite.config.megatron.logs import MegatronLoggingArgs
@@ -44,7 +45,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, MupArgs, RecomputeArgs,
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, Fp8Args, MupArgs, RecomputeArgs,
                 PrecisionArgs, TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
                 MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
@@ -68,6 +69,7 @@ class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, Megatron
 
 _GROUPS = (
     ("config file", None), ("model", ModelArgs), ("Megatron model, fusion and tokenizer flags", MegatronModelArgs),
+    ("FP8 training", Fp8Args),
     ("maximal update parameterisation (muP)", MupArgs), ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("multi-latent attention and multi-token prediction", MLAArgs),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megalite.config.arguments import layout_from_args, model_config_from_args, validate_args
+from megalite.config.fp8 import fp8_notes, fp8_recipe_from_args
 from megalite.config.dist_opt import data_parallel_plan, dist_opt_notes, tp_comm_overlap_settings
 from megalite.config.megatron.checkpoint import checkpoint_flag_notes
 from megalite.config.megatron.data import megatron_data_notes
@@ -337,6 +338,7 @@ class RunConfig:
     tokenizer: object  # the run's tokenizer, built from its flags; its vocabulary sizes the model
     options: dict  # every option's value: stored with each checkpoint (--use-checkpoint-args) and given to wandb
     notes: tuple[str, ...]  # one start-up line per flag megalite serves another way or that has no effect
+    fp8: object = None  # the Fp8Recipe of an --fp8-format run (parallel/tensor/fp8_scaling.py), else None
 
 
 def startup_notes(args, device_type: str = "cpu") -> list[str]:
@@ -349,7 +351,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
             + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
             + mup_notes(args) + dist_opt_notes(args)
-            + mla_notes(args))
+            + mla_notes(args) + fp8_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:
@@ -367,4 +369,4 @@ def run_config(args, world_size: int) -> RunConfig:
                      data=DataConfig.from_args(args, fim), checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), training=TrainingConfig.from_args(args),
                      tokenizer=tokenizer, options=args.to_dict(),
-                     notes=tuple(startup_notes(args, device_type) + fim_lines))
+                     notes=tuple(startup_notes(args, device_type) + fim_lines), fp8=fp8_recipe_from_args(args))

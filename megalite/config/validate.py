@@ -16,6 +16,7 @@ from megalite.config.context import check_context_args
 from megalite.config.dist_opt import check_dist_opt_args
 from megalite.config.dry_run import check_dry_run_args
 from megalite.config.field import flag_of
+from megalite.config.fp8 import check_fp8_args
 from megalite.config.megatron.checkpoint import check_megatron_checkpoint_args
 from megalite.config.megatron.data import apply_megatron_data_args
 from megalite.config.megatron.fim import check_fim_args
@@ -351,6 +352,7 @@ def validate_args(args, world_size: int):
     check_context_args(args, _fail)
     check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)
+    check_fp8_args(args, _fail)
     check_mup_args(args, _fail)
     check_mla_args(args, _fail)
     check_dry_run_args(args, _fail)

@@ -267,7 +267,7 @@ class Trainer:
         else:
             loss = self._forward_backward(executor, iterator)
         with self.timers("optimizer"):
-            ok, grad_norm, num_zeros = run.optimizer.step(iteration=run.iteration + 1)
+            ok, grad_norm, num_zeros = run.optimizer_step(run.iteration + 1)
             if not ok and run.optimizer.skip_reason == "non-finite" and self.rerun.check_nan:  # not an fp16 overflow
                 raise non_finite_gradients(run.iteration + 1, grad_norm, loss)
             update_expert_bias(run.models, run.pstate.dp_cp_group)

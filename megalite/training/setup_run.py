@@ -16,6 +16,7 @@ from megalite.config.megatron.checkpoint import apply_checkpoint_args
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, RunConfig, run_config
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
 from megalite.model.attention_kernels import run_start_up_line
+from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
@@ -59,6 +60,15 @@ class Run:
     per_token: PerTokenLoss | None = None  # --calculate-per-token-loss's forward step
     executors: dict = field(default_factory=dict)
     cuda_graphs: list = field(default_factory=list)  # --cuda-graph-impl local: LayerGraphs per chunk
+    fp8_scaling: object = None  # --fp8-format: DelayedScalingStates, updated after each optimizer step
+
+    def optimizer_step(self, iteration: int) -> tuple[bool, float | None, int | None]:
+        """The optimizer's step, then the FP8 delayed-scaling update (also after a skipped
+        step, as Transformer Engine updates whether or not the optimizer applied the gradients)."""
+        result = self.optimizer.step(iteration=iteration)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.after_optimizer_step()
+        return result
 
     @property
     def tokenizer(self):
@@ -159,6 +169,7 @@ def build_run(args) -> Run:
                                 num_layers_last=parallel.decoder_last_pipeline_num_layers, rng_tracker=tracker,
                                 init_seed=cfg.training.seed, device=device, init_on_shard=parallel.init_on_shard,
                                 embedding_stage=parallel.pipeline_embedding_stage, loss_stage=parallel.pipeline_loss_stage)
+    fp8_scaling = enable_fp8_chunks(models, cfg.fp8, config.num_layers, pstate)  # before a load: its state loads too
     if parallel.torch_compile:
         for model in models:
             model.compile_regions()
@@ -187,7 +198,8 @@ def build_run(args) -> Run:
     run = Run(cfg, pstate, device, tracker, chunks, optimizer, scheduler, executor,
               flops_per_token(config, data.seq_length, config.padded_vocab_size(pstate.tp_size)),
               peak[1] if peak else None, make_executor=make_executor, per_token=per_token,
-              cuda_graphs=layer_graphs_for(models, cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps))
+              cuda_graphs=layer_graphs_for(models, cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps),
+              fp8_scaling=fp8_scaling)
     if common is not None:
         run.loaded_from = common["path"]
         if not (ckpt.finetune or common["finetune"]):

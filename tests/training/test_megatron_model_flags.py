@@ -1,7 +1,7 @@
-"""Megatron's implementation, fusion, model-variant and FP8 flags on the command line: each
+"""Megatron's implementation, fusion and model-variant flags on the command line: each
 either changes what is built (the GPTConfig field, the kernel a model op dispatches to) or
-prints its one start-up line; the FP8 family and contradictions stop with one line naming
-the flag."""
+prints its one start-up line; contradictions stop with one line naming the flag. (The FP8
+family: tests/config/test_fp8_flags.py.)"""
 
 import pytest
 import torch
@@ -14,16 +14,6 @@ from megalite.config.megatron.model import start_up_notes
 from tests.config.test_arguments import parsed, refused
 
 ROPE = "--position-embedding-type rope "
-
-
-@pytest.mark.parametrize("flag", [
-    "--fp8-format hybrid", "--fp8-format e4m3", "--fp8-amax-history-len 1024", "--fp8-amax-compute-algo max",
-    "--fp8-param-gather", "--fp8-recipe delayed", "--fp8-margin 0", "--fp8-interval 1", "--fp8-wgrad",
-    "--no-fp8-wgrad", "--first-last-layers-bf16", "--fp4-format e2m1",
-])
-def test_fp8_family_is_refused_by_name(flag):
-    message = refused(flag)
-    assert message.startswith(flag.split()[0]) and "FP8" in message, message
 
 
 @pytest.mark.parametrize("extra, field, value", [

@@ -338,8 +338,10 @@ def _load_one(path: Path, *, chunks, pstate, rng_tracker, load_rng: bool) -> dic
         raise CheckpointError(problems[0] + and_more(problems))
     entries, vocab = tensor_entries(chunks, {}, pstate, for_load=True)
     metadata = read_metadata_file(path / ".metadata")
-    # checkpoints from before expert biases were saved (and conversions without them) start them at 0
-    entries = [e for e in entries if not e[3].endswith("expert_bias") or e[0] in metadata.state_dict_metadata]
+    # checkpoints from before expert biases were saved (and conversions without them) start them at 0;
+    # an FP8 run from a checkpoint without FP8 scaling state (a bf16 run's) starts its scales afresh
+    entries = [e for e in entries if not (e[3].endswith("expert_bias") or e[0].startswith("fp8/"))
+               or e[0] in metadata.state_dict_metadata]
     _load_tensors(path, metadata, entries, pstate, vocab)
     if load_rng:
         load_rng_state(path, pstate, rng_tracker, common.get("layout"))

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.model.fp8 import fp8_state_tensors
 from megalite.model.weights import persistent_buffers, source_name
 from megalite.optimizer.distributed import FlatShard, dtensor_dp_ranges, rank_layout
 from megalite.parallel.expert.groups import holder_rank, reduction_index, tensor_split_of
@@ -219,6 +220,9 @@ def tensor_entries(chunks, opt_states: dict, pstate, for_load: bool):
                 entries.append((f"optimizer/{state_name}/{src}", tensor, param, src))
         # the routers' expert biases: model state, replicated
         entries += [(f"model/{name}", buf, buf, name) for name, buf in persistent_buffers(chunk)]
+        # --fp8-format with delayed scaling: each linear's amax history and scales (replicated
+        # over the amax reduction group, so saved once)
+        entries += [(f"fp8/{name}", t, t, name) for name, t in fp8_state_tensors(chunk)]
     return entries, vocab
 
 

@@ -1,5 +1,5 @@
 """Megatron's model-implementation, fusion, model-variant and tokenizer flags (the Megatron
-drop-in's model families), and the FP8 family megalite refuses.
+drop-in's model families). The FP8 family: megalite/config/fp8.py.
 
 Each flag either changes what megalite builds (model fields through `megatron_model_fields`,
 kernel choices through `unfused_kernels`) or, where megalite reaches Megatron's result another
@@ -7,16 +7,11 @@ way, is accepted and explained in one start-up line (`start_up_notes`). Nothing 
 and ignored silently.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from megalite.model.attention_backends import how_served
 from megalite.model.config import ATTENTION_BACKENDS
 from megalite.config.field import arg
-
-FP8_FLAGS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
-             "fp8_amax_compute_algo", "fp8_param_gather", "fp8_wgrad", "first_last_layers_bf16",
-             "fp4_format")
-
 
 @dataclass
 class MegatronModelArgs:
@@ -92,38 +87,14 @@ class MegatronModelArgs:
     tokenizer_type_from_files: bool = arg(
         False, "Set by validate_args: --tokenizer-type was absent and GPT2BPETokenizer was taken "
         "from --vocab-file and --merge-file.", cli=False)
-    fp8_format: str | None = arg(
-        None, "FP8 training (Transformer Engine): refused, megalite has no FP8 path.",
-        choices=("e4m3", "hybrid"))
-    fp8_recipe: str | None = arg(None, "FP8 recipe: refused (no FP8 path).")
-    fp8_margin: int | None = arg(None, "FP8 scaling margin: refused (no FP8 path).")
-    fp8_interval: int | None = arg(None, "FP8 scaling update interval: refused (no FP8 path).")
-    fp8_amax_history_len: int | None = arg(None, "FP8 amax history length: refused (no FP8 path).")
-    fp8_amax_compute_algo: str | None = arg(
-        None, "FP8 amax algorithm: refused (no FP8 path).", choices=("most_recent", "max"))
-    fp8_param_gather: bool = arg(False, "FP8 parameter all-gather: refused (no FP8 path).")
-    fp8_wgrad: bool | None = arg(None, "FP8 weight gradients: refused (no FP8 path).",
-                                 negative_flag="--no-fp8-wgrad")
-    first_last_layers_bf16: bool = arg(False, "bf16 first/last layers of an FP8 run: refused (no FP8 path).")
-    fp4_format: str | None = arg(None, "FP4 training: refused (no FP4 path).")
 
 
 def check_megatron_model_args(args, fail) -> None:
-    """Refuse the FP8 family and contradictions, each in one line naming the flag. Fills one
+    """Refuse contradictions, each in one line naming the flag. Fills one
     unset value: without --tokenizer-type, --vocab-file with --merge-file (Megatron's gpt3
     example gives only these) mean GPT2BPETokenizer, the only type those two files describe."""
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
         args.tokenizer_type, args.tokenizer_type_from_files = "GPT2BPETokenizer", True
-    defaults = {f.name: f.default for f in fields(MegatronModelArgs)}
-    for name in FP8_FLAGS:
-        value = getattr(args, name)
-        if value is not defaults[name]:  # identity: `--fp8-margin 0` is given, unlike the default None
-            flag = "--" + name.replace("_", "-")
-            if value is False:
-                flag = "--no-" + name.replace("_", "-")
-            shown = "" if isinstance(value, bool) else f" {value}"
-            fail(f"{flag}{shown}: FP8/FP4 training needs Transformer Engine, which megalite does not use; "
-                 "train in --bf16 instead")
     if args.squared_relu and (args.swiglu or args.openai_gelu):
         fail(f"--squared-relu and {'--swiglu' if args.swiglu else '--openai-gelu'} contradict each other "
              "(give one activation)")

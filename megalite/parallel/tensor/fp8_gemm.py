@@ -1,0 +1,85 @@
+"""The FP8 GEMMs of a linear layer (--fp8-format): the Gemm strategy of gemm.py with each GEMM's
+operands quantized per tensor (fp8_scaling.py) and multiplied by torch._scaled_mm, which
+applies the inverse scales and writes a 16-bit or fp32 result.
+
+    y     = x W^T     fprop:  x (e4m3) and W (e4m3)
+    dgrad = dy W      dgrad:  dy (e4m3, or e5m2 with --fp8-format hybrid) and W
+    wgrad = dy^T x    wgrad:  dy and x, unless --no-fp8-wgrad (then the 16-bit GEMM)
+
+_scaled_mm takes its first operand row-major and its second column-major (cuBLASLt's FP8
+layout, "TN"), hence the transposed copies below. The operands are quantized again in backward
+rather than kept in FP8 from forward (the saved tensors are the 16-bit ones the layer already
+keeps): with delayed scaling the scales cannot change within a step, and with tensorwise
+scaling the same tensor gives the same amax, so backward quantizes exactly as forward did.
+
+Which operands are split over the tensor-parallel group decides whose amax a tensorwise scale
+needs reduced: the weight always; a column-parallel layer's output gradient (its columns); a
+row-parallel layer's input (its features). The other operands are whole on every rank.
+"""
+
+import torch
+
+from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, Fp8Recipe, quantize
+from megalite.parallel.tensor.gemm import Gemm
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k] and `b` [k, n], accumulated in fp32."""
+    return torch._scaled_mm(a.contiguous(), _column_major(b), scale_a=a_scale.reciprocal(),
+                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+
+
+class Fp8Gemm(Gemm):
+    """One linear's FP8 GEMMs. `scaling`: a TensorwiseScaling or this layer's DelayedScaling;
+    `parallel_mode`: "column" or "row" (which operands are split over tensor parallelism)."""
+
+    name = "fp8"
+
+    def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str):
+        self.recipe, self.scaling = recipe, scaling
+        # whether forward records amaxes: set before each forward by the layer's pre-hook
+        # (model/fp8.py) to the caller's grad mode, so that evaluation (no_grad) does not move
+        # training's scales; inside the autograd Function grad mode is always off
+        self.record_forward = True
+        self.split = {INPUT: parallel_mode == "row", WEIGHT: True, GRAD: parallel_mode == "column"}
+
+    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
+        scale = self.scaling.scale(operand, tensor, self.split[operand], record)
+        return quantize(tensor, scale, self.recipe.dtype(operand)), scale
+
+    def fprop(self, x, weight, bias):
+        """Records the input's and weight's amaxes when `record_forward` (not in evaluation)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        xq, x_scale = self._quantized(INPUT, x2d, record=self.record_forward)
+        wq, w_scale = self._quantized(WEIGHT, weight, record=self.record_forward)
+        y = scaled_mm(xq, x_scale, wq.t(), w_scale, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    def dgrad(self, grad, weight):
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
+        wq, w_scale = self._quantized(WEIGHT, weight, record=False)  # as in forward
+        return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
+
+    def _fp8_wgrad(self, grad2d, x2d, out_dtype):
+        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
+        xq, x_scale = self._quantized(INPUT, x2d, record=False)  # as in forward
+        return scaled_mm(gq.t(), g_scale, xq, x_scale, out_dtype)
+
+    def wgrad(self, grad2d, x2d):
+        if not self.recipe.wgrad:
+            return super().wgrad(grad2d, x2d)
+        return self._fp8_wgrad(grad2d, x2d, x2d.dtype)
+
+    def wgrad_accumulate(self, main_grad, grad2d, x2d):
+        """_scaled_mm has no accumulate input (torch 2.13): an fp32 result, then added."""
+        if not self.recipe.wgrad:
+            return super().wgrad_accumulate(main_grad, grad2d, x2d)
+        main_grad.add_(self._fp8_wgrad(grad2d, x2d, torch.float32))

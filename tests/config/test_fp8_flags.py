@@ -1,0 +1,94 @@
+"""Megatron's FP8 / FP4 flags (megalite/config/fp8.py): the served ones reach the run's
+Fp8Recipe with Megatron's defaults and meaning; the others stop in one line naming the flag and
+what it needs (mxfp8 / NVFP4: Blackwell; blockwise: a block-scaled GEMM; FP8 attention: an FP8
+attention kernel; FP8 parameters), never accepted and ignored."""
+
+import pytest
+
+from megalite.config.fp8 import fp8_notes, fp8_recipe_from_args
+from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
+from tests.config.test_arguments import parsed, refused
+
+
+def test_megatron_defaults():
+    assert fp8_recipe_from_args(parsed("", 1)) is None
+    assert fp8_recipe_from_args(parsed("--fp8-format e4m3", 1)) == Fp8Recipe(
+        format="e4m3", scaling="delayed", margin=0, amax_history_len=1, amax_compute_algo="most_recent",
+        wgrad=True, tp_only_amax_reduction=False, bf16_layers_at_start=0, bf16_layers_at_end=0)
+
+
+@pytest.mark.parametrize("extra, field, value", [
+    ("--fp8-format hybrid", "format", "hybrid"),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise", "scaling", "tensorwise"),
+    ("--fp8-format e4m3 --fp8-recipe delayed", "scaling", "delayed"),
+    ("--fp8-format e4m3 --fp8-margin 2", "margin", 2),
+    ("--fp8-format e4m3 --fp8-amax-history-len 1024", "amax_history_len", 1024),
+    ("--fp8-format e4m3 --fp8-amax-compute-algo max", "amax_compute_algo", "max"),
+    ("--fp8-format e4m3 --no-fp8-wgrad", "wgrad", False),
+    ("--fp8-format e4m3 --tp-only-amax-red", "tp_only_amax_reduction", True),
+    ("--fp8-format e4m3 --first-last-layers-bf16", "bf16_layers_at_start", 1),
+    ("--fp8-format e4m3 --first-last-layers-bf16", "bf16_layers_at_end", 1),
+    ("--fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-start-in-bf16 0", "bf16_layers_at_start", 0),
+    ("--fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2", "bf16_layers_at_end", 2),
+])
+def test_served_flags_reach_the_recipe(extra, field, value):
+    assert getattr(fp8_recipe_from_args(parsed(extra, 1)), field) == value
+
+
+def test_fp8_interval_is_accepted_with_its_deprecation_line():
+    notes = fp8_notes(parsed("--fp8-format hybrid --fp8-interval 4", 1))
+    assert len(notes) == 1 and notes[0].startswith("--fp8-interval 4: deprecated")
+
+
+def test_moe_runs_say_which_gemms_stay_16_bit():
+    notes = fp8_notes(parsed("--fp8-format hybrid --num-experts 4 --disable-bias-linear", 1))
+    assert any("--num-experts" in n and "routed experts" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", ["--fp8-recipe mxfp8", "Blackwell", "Hopper"]),
+    ("--fp8-format e4m3 --fp8-recipe blockwise", ["--fp8-recipe blockwise", "block-scaled"]),
+    ("--fp8-format e4m3 --fp8-recipe custom", ["--fp8-recipe custom", "--fp8-quantizer-factory"]),
+    ("--fp4-format e2m1", ["--fp4-format", "Blackwell", "Hopper"]),
+    ("--fp4-recipe nvfp4", ["--fp4-recipe", "Blackwell"]),
+    ("--fp4-param-gather", ["--fp4-param-gather", "Blackwell"]),
+    ("--fp8-format hybrid --fp8-param-gather", ["--fp8-param-gather", "FP8 parameters"]),
+    ("--fp8-format hybrid --fp8-dot-product-attention", ["--fp8-dot-product-attention", "FP8 attention kernel"]),
+    ("--fp8-format hybrid --fp8-multi-head-attention", ["--fp8-multi-head-attention", "FP8 attention kernel"]),
+    ("--fp8-margin 0", ["--fp8-margin needs --fp8-format"]),
+    ("--fp8-interval 1", ["--fp8-interval needs --fp8-format"]),
+    ("--fp8-recipe delayed", ["--fp8-recipe needs --fp8-format"]),
+    ("--no-fp8-wgrad", ["--no-fp8-wgrad needs --fp8-format"]),
+    ("--first-last-layers-bf16", ["--first-last-layers-bf16 needs --fp8-format"]),
+    ("--tp-only-amax-red", ["--tp-only-amax-red needs --fp8-format"]),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16", ["--fp8-amax-history-len", "delayed only"]),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-margin 0", ["--fp8-margin", "delayed only"]),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise --tp-only-amax-red", ["--tp-only-amax-red", "delayed only"]),
+    ("--fp8-format e4m3 --fp8-amax-history-len 0", ["--fp8-amax-history-len", "at least 1"]),
+    ("--fp8-format e4m3 --fp8-margin -1", ["--fp8-margin", "negative"]),
+    ("--fp8-format e4m3 --num-layers-at-start-in-bf16 1", ["--num-layers-at-start-in-bf16", "--first-last-layers-bf16"]),
+    ("--fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 99", ["--num-layers-at-end-in-bf16 99"]),
+    ("--fp8-format e4m3 --torch-compile", ["--fp8-format", "--torch-compile"]),
+])
+def test_refused_in_one_line_naming_the_flag(extra, words):
+    message = refused(extra)
+    assert all(w in message for w in words), message
+
+
+def test_tp_comm_overlap_is_refused_with_fp8():
+    message = refused("--fp8-format hybrid --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 2)
+    assert "--tp-comm-overlap" in message and "FP8" in message, message
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    import torch
+
+    from megalite.config import fp8
+
+    monkeypatch.setattr(fp8, "on_cpu", lambda args: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    message = refused("--fp8-format hybrid")
+    assert "compute capability 8.9" in message and "A100" in message and "8.0" in message, message
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert fp8.fp8_recipe_from_args(parsed("--fp8-format hybrid", 1)).format == "hybrid"
