@@ -25,6 +25,14 @@ EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight"
 SCALAR_OPTIMIZERS = ("adam", "lion")
 
 
+def qkv_split_of(config) -> tuple:
+    """(q, k, v) rows per query group of the fused QKV weight of a GPTConfig (Megatron's
+    _get_qkv_split_shapes)."""
+    kv = config.kv_channels or config.hidden_size // config.num_attention_heads
+    groups = config.num_query_groups or config.num_attention_heads
+    return (config.num_attention_heads // groups * kv, kv, kv)
+
+
 class MuonAndScalar(torch.optim.Optimizer):
     """Muon and the scalar optimizer stepped together, as one torch optimizer: param_groups
     is both's groups (the LR scheduler sets each one's lr) and `state` one mapping for both."""

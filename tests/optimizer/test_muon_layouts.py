@@ -7,7 +7,7 @@ run resumed from its state dict bit-identical to the uninterrupted one; the refu
 import pytest
 import torch
 
-from megalite.optimizer.muon_mixed import build_muon_optimizer
+from megalite.optimizer.muon_mixed import build_muon_optimizer, qkv_split_of
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import FSDPChunk
 from megalite.parallel.state import ParallelLayout, ParallelState
@@ -23,16 +23,11 @@ CASES = [dict(tp_mode="duplicated", nesterov=True), dict(tp_mode="distributed", 
          dict(tp_mode="duplicated", split_qkv=False, scale_mode="unit_rms_norm", coefficient_type="aol")]
 
 
-def qkv_split(config):
-    kv = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return (config.num_attention_heads // config.num_query_groups * kv, kv, kv)
-
-
 def _build(pstate, case, micro_dp=1):
     config = make_config(FAMILY)
     chunk = DistributedDataParallel(make_model(config, pstate), pstate)
     options = dict(lr=2e-3, weight_decay=0.1, clip_grad=1.0, adam_eps=1e-3, momentum=0.9,
-                   fp32_matmul_prec="high", qkv_split=qkv_split(config))
+                   fp32_matmul_prec="high", qkv_split=qkv_split_of(config))
     return chunk, build_muon_optimizer([chunk], pstate, **{**options, **case})
 
 
@@ -84,7 +79,7 @@ def test_parameters_split_as_megatron_splits_them():
     for family, untied in (("gpt2", False), ("llama", True)):
         config = make_config(family)
         chunk = DistributedDataParallel(make_model(config, pstate), pstate)
-        optimizer = build_muon_optimizer([chunk], pstate, lr=1e-3, qkv_split=qkv_split(config))
+        optimizer = build_muon_optimizer([chunk], pstate, lr=1e-3, qkv_split=qkv_split_of(config))
         muon = {m.name for m in optimizer.mains if optimizer.is_muon(m.main)}
         names = dict(chunk.module.named_parameters())
         linear = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
