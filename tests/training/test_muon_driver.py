@@ -91,3 +91,12 @@ def test_checkpoint_reshards_from_tp2_pp2_to_tp1_dp4(tmp_path, uninterrupted):
     assert sorted(resumed) == list(range(STOP + 1, ITERS + 1))
     for it, loss in resumed.items():
         assert abs(loss - losses[it]) <= 1e-5 * abs(losses[it]), (it, loss, losses[it])
+
+
+def test_tp2_pp2_equals_one_process_over_6_iterations(tmp_path, uninterrupted):
+    _, losses = uninterrupted
+    run(BASE + MUON + ["--metrics-file", str(tmp_path / "metrics.jsonl")], 1, tmp_path / "logs")
+    single = train_losses(tmp_path / "metrics.jsonl")
+    assert sorted(single) == list(range(1, ITERS + 1))
+    for it, loss in single.items():
+        assert abs(loss - losses[it]) <= 1e-5 * abs(loss), (it, loss, losses[it])
