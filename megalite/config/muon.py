@@ -1,6 +1,6 @@
 """Megatron's Muon flags (megatron/training/arguments.py: names, defaults and choices), for
---optimizer muon (and the deprecated dist_muon, which Megatron maps to muon with its layer-wise
-distributed optimizer). The optimizer is megalite.optimizer.muon / muon_mixed.
+--optimizer muon (and the deprecated dist_muon, which Megatron maps to muon with
+--use-distributed-optimizer, as here). The optimizer is megalite.optimizer.muon / muon_mixed.
 """
 
 from dataclasses import dataclass
@@ -46,12 +46,15 @@ def check_muon_args(args, fail) -> None:
     """Megatron's mapping of dist_muon, and the combinations megalite refuses, one line each."""
     if args.optimizer not in MUON_OPTIMIZERS:
         return
-    if args.optimizer == "dist_muon":  # Megatron: muon with its layer-wise distributed optimizer
+    if args.optimizer == "dist_muon":  # Megatron: "deprecated, use --optimizer muon --use-distributed-optimizer"
         args.optimizer = "muon"
         args.use_distributed_optimizer = True
-    if args.use_distributed_optimizer or args.use_megatron_fsdp:
-        fail("--optimizer muon (or dist_muon) with --use-distributed-optimizer / --use-megatron-fsdp is not "
-             "implemented: Muon needs whole weight matrices (Megatron's layer-wise distributed optimizer)")
+    if args.use_megatron_fsdp:
+        fail("--optimizer muon with --use-megatron-fsdp is not supported (Megatron refuses it too)")
+    if args.overlap_param_gather_with_optimizer_step:
+        fail("--optimizer muon with --overlap-param-gather-with-optimizer-step is not implemented")
+    if args.num_distributed_optimizer_instances > 1:
+        fail("--optimizer muon with --num-distributed-optimizer-instances > 1 is not implemented")
     if args.use_torch_fsdp2:
         fail("--optimizer muon with --use-torch-fsdp2 is not supported (Megatron refuses it too)")
     if args.fp16:

@@ -22,6 +22,7 @@ With split-qkv a fused QKV weight ([groups, q + k + v rows, in]) is orthogonalis
 matrices, q, k and v, each gathered or reduced as above.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,12 @@ class MuonTarget:
     partition_dim: int | None = None
     tp_group: object = None
     qkv_split: tuple | None = None
+    dp_group: object = None
+    """Under the distributed optimizer: the group the flat main is sharded over (this rank holds
+    elements [lo, hi), possibly none); the update is summed into the full matrix over it."""
+    lo: int = 0
+    hi: int = 0
+    device: object = None
 
 
 class Muon(torch.optim.Optimizer):
@@ -116,7 +123,8 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, *, lr: float, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.01, steps: int = 5, coefficient_type: str = "quintic",
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0, tp_mode: str = "duplicated",
-                 split_qkv: bool = True, fp32_matmul_prec: str = "medium", targets: dict | None = None):
+                 split_qkv: bool = True, fp32_matmul_prec: str = "medium", targets: dict | None = None,
+                 schedule: list | None = None):
         if steps < 1:
             raise ValueError(f"--muon-num-ns-steps must be at least 1, got {steps}")
         if tp_mode not in TP_MODES:
@@ -130,6 +138,9 @@ class Muon(torch.optim.Optimizer):
         self.scale_mode, self.extra_scale_factor, self.tp_mode = scale_mode, extra_scale_factor, tp_mode
         self.split_qkv, self.fp32_matmul_prec = split_qkv, fp32_matmul_prec
         self.targets = targets if targets is not None else {}
+        # (tensor or None, MuonTarget) of every Muon weight of the model in one order on every
+        # rank: a rank holding no element of a DP-sharded weight still takes part in its collectives
+        self.schedule = schedule
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     def _target(self, p) -> MuonTarget:
@@ -143,10 +154,18 @@ class Muon(torch.optim.Optimizer):
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(self.fp32_matmul_prec)
         try:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update(p, group)
+            if self.schedule is None:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            self._update(p, group)
+            else:
+                group_of = {p: group for group in self.param_groups for p in group["params"]}
+                for p, target in self.schedule:
+                    if target.dp_group is None:
+                        self._update(p, group_of[p])
+                    else:
+                        self._update_sharded(p, group_of.get(p), target)
         finally:
             torch.set_float32_matmul_precision(previous)
 
@@ -164,6 +183,26 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - beta)
         update = grad.lerp(buf, beta) if self.nesterov else buf
         weight.add_(self.orthogonalize(update, target), alpha=-lr)
+
+    def _update_sharded(self, p, group, target: MuonTarget) -> None:
+        """_update on this rank's elements [lo, hi) of a flat DP-sharded weight (p None: none):
+        decay and momentum per element, the update summed into the full matrix over the DP group
+        (exact: the other elements are zeros), orthogonalised, this rank's elements applied."""
+        full = torch.zeros(math.prod(target.shape), dtype=torch.float32, device=target.device)
+        if p is not None:
+            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            if wd != 0.0:
+                p.add_(p, alpha=-wd * lr)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - beta)
+            full[target.lo:target.hi] = p.grad.lerp(buf, beta) if self.nesterov else buf
+        dist.all_reduce(full, group=target.dp_group)
+        orthogonal = self.orthogonalize(full.view(target.shape), target).reshape(-1)
+        if p is not None:
+            p.add_(orthogonal[target.lo:target.hi], alpha=-group["lr"])
 
     def orthogonalize(self, update: torch.Tensor, target: MuonTarget) -> torch.Tensor:
         partition_dim = None if self.tp_mode == "blockwise" or target.tp_group is None else target.partition_dim

@@ -7,15 +7,18 @@ resharding of MixedPrecisionOptimizer serve Muon unchanged: "exp_avg" is Adam's 
 first moment or Muon's momentum buffer; "exp_avg_sq" is Adam's second moment (zeros for a Muon
 weight; absent with Lion).
 
-Muon orthogonalises whole (TP-local) matrices, so the main parameters must not be sharded over
-data-parallel ranks: the distributed optimizer and FSDP2 are refused (Megatron serves Muon with
-its layer-wise distributed optimizer and refuses FSDP2).
+Under the distributed optimizer each rank keeps the momentum of its own elements; the update of
+each Muon weight is summed into the full (TP-local) matrix over the DP group, and every rank
+orthogonalises it and applies its own elements (muon.Muon._update_sharded): the result of DDP,
+with the state sharded but the Newton-Schulz work not (Megatron's layer-wise distributed
+optimizer gives each rank whole weights instead). FSDP2 is refused, as Megatron refuses it.
 """
 
 from collections import defaultdict
 
 import torch
 
+from megalite.optimizer.distributed import sharded_dp_group
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.muon import Lion, Muon, MuonTarget, is_muon_param
 from megalite.parallel.data.ddp import DistributedDataParallel
@@ -67,19 +70,25 @@ class MuonMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._scalar_options, self._qkv_split = scalar_options, qkv_split
         super().__init__(chunks, pstate, kind="muon", make_inner=self._make_inner, **kwargs)
 
-    def _target(self, m) -> MuonTarget | None:
-        if not is_muon_param(m.name, m.param, m.name.endswith(EMBEDDING_OR_OUTPUT)):
+    def _target(self, chunk, name, param, entry) -> MuonTarget | None:
+        if not is_muon_param(name, param, name.endswith(EMBEDDING_OR_OUTPUT)):
             return None
-        if (m.lo, m.hi) != (0, m.param.numel()):
-            raise ValueError(f"--optimizer muon: {m.name} is sharded over data-parallel ranks")
-        split = getattr(m.param, "tensor_model_parallel", False) and self.pstate.tp_size > 1
-        qkv = self._qkv_split if ("linear_qkv.weight" in m.name and self._qkv_split
-                                  and m.param.shape[0] % sum(self._qkv_split) == 0) else None
-        return MuonTarget(tuple(m.param.shape), m.param.partition_dim if split else None,
-                          self.pstate.tp_group if split else None, qkv)
+        lo, hi = (entry.lo, entry.hi) if entry is not None else (0, 0)
+        dp_group = sharded_dp_group(chunk, param)
+        if dp_group is None and (lo, hi) != (0, param.numel()):
+            raise ValueError(f"--optimizer muon: {name} holds elements [{lo}, {hi}) of {param.numel()} "
+                             "without a group to gather them over")
+        split = getattr(param, "tensor_model_parallel", False) and self.pstate.tp_size > 1
+        qkv = self._qkv_split if ("linear_qkv.weight" in name and self._qkv_split
+                                  and param.shape[0] % sum(self._qkv_split) == 0) else None
+        return MuonTarget(tuple(param.shape), param.partition_dim if split else None,
+                          self.pstate.tp_group if split else None, qkv, dp_group, lo, hi, param.device)
 
     def _make_inner(self, groups):
-        self._targets = {m.main: t for m in self.mains if (t := self._target(m)) is not None}
+        schedule = [(entry.main if entry is not None else None, target)
+                    for chunk, name, param, entry in self._named_params()
+                    if (target := self._target(chunk, name, param, entry)) is not None]
+        self._targets = {main: target for main, target in schedule if main is not None}
         muon_groups, scalar_groups = [], []
         for group in groups:
             settings = {k: v for k, v in group.items() if k != "params"}
@@ -88,7 +97,7 @@ class MuonMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             muon_groups += [{**settings, "params": muon, "muon": True}] if muon else []
             scalar_groups.append({**settings, "params": scalar})
         lr = self._muon_options["lr"]
-        muon = Muon(muon_groups or [{"params": []}], targets=self._targets, **self._muon_options)
+        muon = Muon(muon_groups or [{"params": []}], targets=self._targets, schedule=schedule, **self._muon_options)
         muon.param_groups = [g for g in muon.param_groups if g["params"]]
         if self._scalar_optimizer == "lion":
             scalar = Lion(scalar_groups, lr=lr, **self._scalar_options)
@@ -138,22 +147,27 @@ def build_muon_optimizer(ddp_chunks, pstate, *, lr: float, weight_decay: float =
                          adam_eps: float = 1e-8, lion_beta1: float = 0.95, lion_beta2: float = 0.98,
                          qkv_split: tuple | None = None, clip_grad: float = 1.0, fp16: bool = False,
                          bf16: bool = False, use_distributed_optimizer: bool = False,
+                         overlap_param_gather: bool = False,
                          log_num_zeros_in_grad: bool = False) -> MuonMixedPrecisionOptimizer:
-    """Muon over `ddp_chunks` (megalite DistributedDataParallel without the distributed
+    """Muon over `ddp_chunks` (megalite DistributedDataParallel, with or without the distributed
     optimizer); `qkv_split` is (q, k, v) rows per query group: (heads / groups * kv_channels,
     kv_channels, kv_channels)."""
     if scalar_optimizer not in SCALAR_OPTIMIZERS:
         raise ValueError(f"--muon-scalar-optimizer {scalar_optimizer!r} is not one of {', '.join(SCALAR_OPTIMIZERS)}")
     if fp16:
         raise ValueError("--optimizer muon with --fp16 is not supported (as in Megatron); use --bf16")
-    if use_distributed_optimizer or any(isinstance(c, FSDPChunk) for c in ddp_chunks):
-        raise ValueError("--optimizer muon with the distributed optimizer or FSDP2 is not implemented: Muon "
-                         "needs each whole weight matrix on a rank (Megatron's layer-wise distributed optimizer)")
+    if any(isinstance(c, FSDPChunk) for c in ddp_chunks):
+        raise ValueError("--optimizer muon with FSDP2 is not implemented (Megatron refuses it too)")
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     expected = torch.bfloat16 if bf16 else torch.float32
     for chunk in ddp_chunks:
-        if not isinstance(chunk, DistributedDataParallel) or chunk.use_distributed_optimizer:
+        if not isinstance(chunk, DistributedDataParallel):
             raise TypeError(f"build_muon_optimizer: chunk {type(chunk).__name__} is not megalite's "
-                            "DistributedDataParallel without the distributed optimizer")
+                            "DistributedDataParallel")
+        if chunk.use_distributed_optimizer != use_distributed_optimizer:
+            raise ValueError(f"build_muon_optimizer: use_distributed_optimizer={use_distributed_optimizer} but the "
+                             f"chunk was wrapped with use_distributed_optimizer={chunk.use_distributed_optimizer}")
         wrong = {b.param_dtype for b in chunk.buffers_} - {expected}
         if wrong:
             raise ValueError(f"build_muon_optimizer: model parameters are {sorted(map(str, wrong))}, "
@@ -167,5 +181,5 @@ def build_muon_optimizer(ddp_chunks, pstate, *, lr: float, weight_decay: float =
     return MuonMixedPrecisionOptimizer(
         ddp_chunks, pstate, muon_options=muon_options, scalar_optimizer=scalar_optimizer,
         scalar_options=scalar_options, qkv_split=qkv_split, clip_grad=clip_grad, loss_scaler=None,
-        weight_decay=weight_decay, overlap_param_gather=False, cpu_offload=False,
+        weight_decay=weight_decay, overlap_param_gather=overlap_param_gather, cpu_offload=False,
         log_num_zeros_in_grad=log_num_zeros_in_grad)

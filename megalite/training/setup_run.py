@@ -207,6 +207,7 @@ def build_optimizer_and_schedule(chunks, optim: OptimizerConfig, pstate):
             chunks, pstate, lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
             adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
             bf16=optim.bf16_main_params, log_num_zeros_in_grad=optim.log_num_zeros_in_grad,
+            use_distributed_optimizer=optim.use_distributed_optimizer, overlap_param_gather=optim.overlap_param_gather,
             qkv_split=qkv_split_of(unwrap(chunks[0]).config), **optim.muon)
         return optimizer, lr_scheduler(optim.lr_schedule, optimizer)
     optimizer = build_optimizer(

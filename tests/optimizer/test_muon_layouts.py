@@ -1,8 +1,11 @@
 """--optimizer muon through megalite's optimizer (build_muon_optimizer): Megatron's split of the
 parameters between Muon and the scalar optimizer; TP 2 x DP 2 (duplicated and distributed TP
-modes, Adam and Lion as scalar optimizer) equal to one process within 1e-5 over 6 steps; a
+modes, Adam and Lion as scalar optimizer, DDP and the distributed optimizer, small buckets
+splitting weights between DP ranks) equal to one process within 1e-5 over 6 steps; a
 run resumed from its state dict bit-identical to the uninterrupted one; the refused layouts.
 """
+
+import math
 
 import pytest
 import torch
@@ -18,17 +21,23 @@ from tests.parallel.data.test_data_parallel import full_params, make_model, trai
 
 TOL = 1e-5
 STEPS, RESUME_AT = 6, 3
+RESUMED = (0, 3)  # DDP, and the distributed optimizer
 FAMILY = "llama"  # GQA (2 query heads per group), SwiGLU, RMSNorm, untied embeddings
 CASES = [dict(tp_mode="duplicated", nesterov=True), dict(tp_mode="distributed", scalar_optimizer="lion"),
-         dict(tp_mode="duplicated", split_qkv=False, scale_mode="unit_rms_norm", coefficient_type="aol")]
+         dict(tp_mode="duplicated", split_qkv=False, scale_mode="unit_rms_norm", coefficient_type="aol"),
+         dict(tp_mode="duplicated", nesterov=True, dist_opt=True),
+         dict(tp_mode="distributed", dist_opt=True, bucket_size=3000)]  # weights split across DP ranks
 
 
-def _build(pstate, case, micro_dp=1):
+def _build(pstate, case):
+    case = dict(case)
+    dist_opt = case.pop("dist_opt", False)
     config = make_config(FAMILY)
-    chunk = DistributedDataParallel(make_model(config, pstate), pstate)
+    chunk = DistributedDataParallel(make_model(config, pstate), pstate, use_distributed_optimizer=dist_opt,
+                                    bucket_size=case.pop("bucket_size", None))
     options = dict(lr=2e-3, weight_decay=0.1, clip_grad=1.0, adam_eps=1e-3, momentum=0.9,
                    fp32_matmul_prec="high", qkv_split=qkv_split_of(config))
-    return chunk, build_muon_optimizer([chunk], pstate, **{**options, **case})
+    return chunk, build_muon_optimizer([chunk], pstate, use_distributed_optimizer=dist_opt, **{**options, **case})
 
 
 def _train(pstate, case, steps, start=0, state=None):
@@ -48,9 +57,13 @@ def _worker(rank, world_size):
     for k, case in enumerate(CASES):
         chunk, optimizer = _train(pstate, case, STEPS)
         out[("params", k)] = full_params(chunk.module, pstate.tp_group)
-    _, optimizer = _train(pstate, CASES[0], RESUME_AT)
-    chunk, _ = _train(pstate, CASES[0], STEPS, RESUME_AT, state=optimizer.state_dict())
-    out["resumed"] = full_params(chunk.module, pstate.tp_group)
+        schedule = optimizer.inner.muon.schedule
+        out[("split", k)] = (sum(main is None for main, _ in schedule),
+                             sum(0 < t.hi - t.lo < math.prod(t.shape) for main, t in schedule if main is not None))
+    for k in RESUMED:
+        _, optimizer = _train(pstate, CASES[k], RESUME_AT)
+        chunk, _ = _train(pstate, CASES[k], STEPS, RESUME_AT, state=optimizer.state_dict())
+        out[("resumed", k)] = full_params(chunk.module, pstate.tp_group)
     return out
 
 
@@ -63,7 +76,7 @@ def single():
         out[("params", k)] = full_params(chunk.module, None)
     _, optimizer = _train(pstate, CASES[0], RESUME_AT)
     chunk, _ = _train(pstate, CASES[0], STEPS, RESUME_AT, state=optimizer.state_dict())
-    out["resumed"] = full_params(chunk.module, None)
+    out[("resumed", 0)] = full_params(chunk.module, None)
     return out
 
 
@@ -92,7 +105,7 @@ def test_parameters_split_as_megatron_splits_them():
         assert len(qkv) == config.num_layers
 
 
-@pytest.mark.parametrize("k", range(len(CASES)), ids=[c["tp_mode"] for c in CASES])
+@pytest.mark.parametrize("k", range(len(CASES)), ids=[f"{c['tp_mode']}{'-distopt' if c.get('dist_opt') else ''}" for c in CASES])
 def test_tp2_dp2_equals_one_process_over_6_steps(spawned, single, k):
     reference = single[("params", k)]
     for rank in range(4):
@@ -102,22 +115,30 @@ def test_tp2_dp2_equals_one_process_over_6_steps(spawned, single, k):
             assert rel_error(value, reference[name]) <= TOL, (rank, name, rel_error(value, reference[name]))
 
 
+def test_distributed_optimizer_cases_split_muon_weights_between_dp_ranks(spawned):
+    """Case 3 shards each bucket in halves, case 4's small buckets also leave ranks without any
+    element of some weights: both paths of Muon._update_sharded run."""
+    absent, partial = zip(*(spawned[rank][("split", 4)] for rank in range(4)))
+    assert sum(absent) > 0 and sum(partial) > 0, (absent, partial)
+    assert all(spawned[rank][("split", k)] == (0, 0) for rank in range(4) for k in (0, 1, 2))
+
+
 def test_resumed_run_is_bit_identical(spawned, single):
     """3 steps, state_dict, a fresh model and optimizer loading it, 3 more steps: bit-identical
     to the 6 uninterrupted steps, in one process and at TP 2 x DP 2."""
     for name, value in single[("params", 0)].items():
-        assert torch.equal(single["resumed"][name], value), name
+        assert torch.equal(single[("resumed", 0)][name], value), name
         for rank in range(4):
-            assert torch.equal(spawned[rank]["resumed"][name], spawned[rank][("params", 0)][name]), (rank, name)
+            for k in RESUMED:
+                assert torch.equal(spawned[rank][("resumed", k)][name], spawned[rank][("params", k)][name]), \
+                    (rank, k, name)
 
 
 def test_refused_layouts():
     pstate = ParallelState.single()
     config = make_config(FAMILY)
-    chunk = DistributedDataParallel(make_model(config, pstate), pstate, use_distributed_optimizer=True)
-    with pytest.raises(ValueError, match="--optimizer muon with the distributed optimizer or FSDP2"):
-        build_muon_optimizer([chunk], pstate, lr=1e-3, use_distributed_optimizer=True)
-    with pytest.raises(ValueError, match="--optimizer muon with the distributed optimizer or FSDP2"):
+    chunk = DistributedDataParallel(make_model(config, pstate), pstate)
+    with pytest.raises(ValueError, match="--optimizer muon with FSDP2"):
         build_muon_optimizer([FSDPChunk.__new__(FSDPChunk)], pstate, lr=1e-3)  # refused before it is read
     with pytest.raises(ValueError, match="--fp16"):
         build_muon_optimizer([chunk], pstate, lr=1e-3, fp16=True)

@@ -1,7 +1,8 @@
 """--optimizer muon through the flags and the training driver (`python -m megalite.pretrain_gpt`,
 four gloo rank processes): the flags reach build_muon_optimizer; a TP 2 x PP 2 run stopped by
 --exit-interval and resumed from its checkpoint is bit-identical to the uninterrupted run; its
-checkpoint resharded onto TP 1 x DP 4 continues it within 1e-5; the refused combinations stop
+checkpoint resharded onto TP 1 x DP 4 under the distributed optimizer (dist_muon) continues it
+within 1e-5; one process equals TP 2 x PP 2 within 1e-5; the refused combinations stop
 with one line before any process group.
 """
 
@@ -40,11 +41,14 @@ def test_flags_reach_the_optimizer():
     assert defaults["split_qkv"] and defaults["momentum"] == 0.9 and not defaults["nesterov"]
     assert defaults["fp32_matmul_prec"] == "medium" and defaults["coefficient_type"] == "quintic"
     assert OptimizerConfig.from_args(validate_args(parse_args(BASE + ["--train-iters", "6"]), 1)).muon is None
+    dist_muon = validate_args(parse_args(BASE + MUON[2:] + ["--optimizer", "dist_muon"]), 4)
+    assert dist_muon.optimizer == "muon" and OptimizerConfig.from_args(dist_muon).use_distributed_optimizer
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--optimizer", "dist_muon"], "--optimizer muon \\(or dist_muon\\) with --use-distributed-optimizer"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2"),
     (["--fp16"], "--fp16"),
     (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec"),
@@ -82,12 +86,15 @@ def test_resumed_tp2_pp2_run_is_bit_identical(tmp_path, uninterrupted):
     assert resumed == losses  # bit-identical floats, every iteration
 
 
-def test_checkpoint_reshards_from_tp2_pp2_to_tp1_dp4(tmp_path, uninterrupted):
+def test_checkpoint_reshards_from_tp2_pp2_to_tp1_dp4_with_dist_muon(tmp_path, uninterrupted):
+    """Loaded by the distributed optimizer (--optimizer dist_muon), which shards the momentum."""
     original, losses = uninterrupted
     name = f"iter_{STOP:07d}"
     shutil.copytree(original / "ckpt" / name, tmp_path / "ckpt" / name)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(STOP))
-    resumed = _run(tmp_path, "--load", str(tmp_path / "ckpt"))
+    args = BASE + MUON[2:] + ["--optimizer", "dist_muon", "--load", str(tmp_path / "ckpt")]
+    run(args + ["--metrics-file", str(tmp_path / "metrics.jsonl")], 4, tmp_path / "logs")
+    resumed = train_losses(tmp_path / "metrics.jsonl")
     assert sorted(resumed) == list(range(STOP + 1, ITERS + 1))
     for it, loss in resumed.items():
         assert abs(loss - losses[it]) <= 1e-5 * abs(losses[it]), (it, loss, losses[it])
