@@ -55,8 +55,6 @@ def check_muon_args(args, fail) -> None:
         fail("--optimizer muon with --overlap-param-gather-with-optimizer-step is not implemented")
     if args.num_distributed_optimizer_instances > 1:
         fail("--optimizer muon with --num-distributed-optimizer-instances > 1 is not implemented")
-    if args.use_torch_fsdp2:
-        fail("--optimizer muon with --use-torch-fsdp2 is not supported (Megatron refuses it too)")
     if args.fp16:
         fail("--optimizer muon with --fp16 is not supported (as in Megatron); use --bf16")
     if args.muon_coefficient_type not in NS_COEFFICIENTS:

@@ -13,7 +13,11 @@ with A = X X^T, the (a, b, c) of the coefficient type (cycled, or the last one r
 --muon-fp32-matmul-prec medium the iteration runs in bf16 (as emerging-optimizers does under
 torch's "medium" float32 matmul precision).
 
-Tensor parallelism (`TPShard.partition_dim` 0 or 1, each rank holding 1/tp of the matrix):
+Data parallelism: under the distributed optimizer (flat shards) and FSDP2 (DTensor shards) the
+decay and momentum are per element on each rank's shard; the update is gathered into the full
+matrix, which every rank orthogonalises, applying its own elements.
+
+Tensor parallelism (`MuonTarget.partition_dim` 0 or 1, each rank holding 1/tp of the matrix):
   blockwise    each rank orthogonalises its shard alone, scaled by the shard's shape;
   duplicated   all-gather the shards, every rank orthogonalises the full matrix, keeps its own;
   distributed  the Gram matrix and the norm are all-reduced over the TP group, so each rank
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
 
 # Published Newton-Schulz coefficient sets (Jordan's Muon; Polar Express, CANS, AOL and
 # DeepSeek-V4 as emerging-optimizers 0.3.0 tabulates them).
@@ -171,6 +176,8 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, p, group) -> None:
         target = self._target(p)
+        if hasattr(p, "full_tensor"):
+            return self._update_dtensor(p, group, target)
         grad = p.grad.view(target.shape)
         weight = p.view(target.shape)
         state = self.state[p]
@@ -203,6 +210,21 @@ class Muon(torch.optim.Optimizer):
         orthogonal = self.orthogonalize(full.view(target.shape), target).reshape(-1)
         if p is not None:
             p.add_(orthogonal[target.lo:target.hi], alpha=-group["lr"])
+
+    def _update_dtensor(self, p, group, target: MuonTarget) -> None:
+        """_update on an FSDP2 DTensor main (sharded over DP): decay and momentum per element on
+        the shards, the update all-gathered, orthogonalised, this rank's shard applied."""
+        lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.detach())
+        if wd != 0.0:
+            p.add_(p, alpha=-wd * lr)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - beta)
+        update = p.grad.lerp(buf, beta) if self.nesterov else buf
+        orthogonal = self.orthogonalize(update.full_tensor().view(target.shape), target)
+        p.add_(distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None), alpha=-lr)
 
     def orthogonalize(self, update: torch.Tensor, target: MuonTarget) -> torch.Tensor:
         partition_dim = None if self.tp_mode == "blockwise" or target.tp_group is None else target.partition_dim

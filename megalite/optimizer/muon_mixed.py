@@ -11,7 +11,8 @@ Under the distributed optimizer each rank keeps the momentum of its own elements
 each Muon weight is summed into the full (TP-local) matrix over the DP group, and every rank
 orthogonalises it and applies its own elements (muon.Muon._update_sharded): the result of DDP,
 with the state sharded but the Newton-Schulz work not (Megatron's layer-wise distributed
-optimizer gives each rank whole weights instead). FSDP2 is refused, as Megatron refuses it.
+optimizer gives each rank whole weights instead). FSDP2 likewise, all-gathering each DTensor
+update (Muon._update_dtensor); Megatron refuses FSDP2 with Muon.
 """
 
 from collections import defaultdict
@@ -74,7 +75,7 @@ class MuonMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if not is_muon_param(name, param, name.endswith(EMBEDDING_OR_OUTPUT)):
             return None
         lo, hi = (entry.lo, entry.hi) if entry is not None else (0, 0)
-        dp_group = sharded_dp_group(chunk, param)
+        dp_group = sharded_dp_group(chunk, param) if isinstance(chunk, DistributedDataParallel) else None
         if dp_group is None and (lo, hi) != (0, param.numel()):
             raise ValueError(f"--optimizer muon: {name} holds elements [{lo}, {hi}) of {param.numel()} "
                              "without a group to gather them over")
@@ -120,7 +121,7 @@ class MuonMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             if entry is None:
                 values[key] = None
             elif self.is_muon(entry.main):
-                buf = self.inner.state[entry.main]["momentum_buffer"]
+                buf = self.inner.state[entry.main]["momentum_buffer"].detach()
                 values[key] = buf if key == "exp_avg" else torch.zeros_like(buf)
             else:
                 values[key] = self.inner.state[entry.main][key]
@@ -156,15 +157,15 @@ def build_muon_optimizer(ddp_chunks, pstate, *, lr: float, weight_decay: float =
         raise ValueError(f"--muon-scalar-optimizer {scalar_optimizer!r} is not one of {', '.join(SCALAR_OPTIMIZERS)}")
     if fp16:
         raise ValueError("--optimizer muon with --fp16 is not supported (as in Megatron); use --bf16")
-    if any(isinstance(c, FSDPChunk) for c in ddp_chunks):
-        raise ValueError("--optimizer muon with FSDP2 is not implemented (Megatron refuses it too)")
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     expected = torch.bfloat16 if bf16 else torch.float32
     for chunk in ddp_chunks:
+        if isinstance(chunk, FSDPChunk):
+            continue
         if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"build_muon_optimizer: chunk {type(chunk).__name__} is not megalite's "
-                            "DistributedDataParallel")
+            raise TypeError(f"build_muon_optimizer: chunk {type(chunk).__name__} is neither megalite's "
+                            "DistributedDataParallel nor FSDPChunk")
         if chunk.use_distributed_optimizer != use_distributed_optimizer:
             raise ValueError(f"build_muon_optimizer: use_distributed_optimizer={use_distributed_optimizer} but the "
                              f"chunk was wrapped with use_distributed_optimizer={chunk.use_distributed_optimizer}")

@@ -1,7 +1,7 @@
 """--optimizer muon through megalite's optimizer (build_muon_optimizer): Megatron's split of the
 parameters between Muon and the scalar optimizer; TP 2 x DP 2 (duplicated and distributed TP
-modes, Adam and Lion as scalar optimizer, DDP and the distributed optimizer, small buckets
-splitting weights between DP ranks) equal to one process within 1e-5 over 6 steps; a
+modes, Adam and Lion as scalar optimizer, DDP, the distributed optimizer (small buckets splitting
+weights between DP ranks too) and FSDP2) equal to one process within 1e-5 over 6 steps; a
 run resumed from its state dict bit-identical to the uninterrupted one; the refused layouts.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from megalite.optimizer.muon_mixed import build_muon_optimizer, qkv_split_of
 from megalite.parallel.data.ddp import DistributedDataParallel
-from megalite.parallel.data.fsdp import FSDPChunk
+from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.state import ParallelLayout, ParallelState
 from tests.distributed import run_distributed
 from tests.model.test_gpt_tp import make_config
@@ -21,20 +21,24 @@ from tests.parallel.data.test_data_parallel import full_params, make_model, trai
 
 TOL = 1e-5
 STEPS, RESUME_AT = 6, 3
-RESUMED = (0, 3)  # DDP, and the distributed optimizer
+RESUMED = (0, 3, 5)  # DDP, the distributed optimizer, FSDP2
 FAMILY = "llama"  # GQA (2 query heads per group), SwiGLU, RMSNorm, untied embeddings
 CASES = [dict(tp_mode="duplicated", nesterov=True), dict(tp_mode="distributed", scalar_optimizer="lion"),
          dict(tp_mode="duplicated", split_qkv=False, scale_mode="unit_rms_norm", coefficient_type="aol"),
          dict(tp_mode="duplicated", nesterov=True, dist_opt=True),
-         dict(tp_mode="distributed", dist_opt=True, bucket_size=3000)]  # weights split across DP ranks
+         dict(tp_mode="distributed", dist_opt=True, bucket_size=3000),  # weights split across DP ranks
+         dict(tp_mode="duplicated", nesterov=True, fsdp=True)]
 
 
 def _build(pstate, case):
     case = dict(case)
-    dist_opt = case.pop("dist_opt", False)
+    dist_opt, fsdp = case.pop("dist_opt", False), case.pop("fsdp", False)
     config = make_config(FAMILY)
-    chunk = DistributedDataParallel(make_model(config, pstate), pstate, use_distributed_optimizer=dist_opt,
-                                    bucket_size=case.pop("bucket_size", None))
+    if fsdp and pstate.dp_size > 1:  # the one-process reference: DDP, the same arithmetic
+        chunk = apply_fsdp2(make_model(config, pstate), pstate)
+    else:
+        chunk = DistributedDataParallel(make_model(config, pstate), pstate, use_distributed_optimizer=dist_opt,
+                                        bucket_size=case.pop("bucket_size", None))
     options = dict(lr=2e-3, weight_decay=0.1, clip_grad=1.0, adam_eps=1e-3, momentum=0.9,
                    fp32_matmul_prec="high", qkv_split=qkv_split_of(config))
     return chunk, build_muon_optimizer([chunk], pstate, use_distributed_optimizer=dist_opt, **{**options, **case})
@@ -62,7 +66,9 @@ def _worker(rank, world_size):
                              sum(0 < t.hi - t.lo < math.prod(t.shape) for main, t in schedule if main is not None))
     for k in RESUMED:
         _, optimizer = _train(pstate, CASES[k], RESUME_AT)
-        chunk, _ = _train(pstate, CASES[k], STEPS, RESUME_AT, state=optimizer.state_dict())
+        with torch.no_grad():  # FSDP2: full_tensor() of a parameter outside no_grad is not a leaf
+            state = optimizer.state_dict()
+        chunk, _ = _train(pstate, CASES[k], STEPS, RESUME_AT, state=state)
         out[("resumed", k)] = full_params(chunk.module, pstate.tp_group)
     return out
 
@@ -105,7 +111,8 @@ def test_parameters_split_as_megatron_splits_them():
         assert len(qkv) == config.num_layers
 
 
-@pytest.mark.parametrize("k", range(len(CASES)), ids=[f"{c['tp_mode']}{'-distopt' if c.get('dist_opt') else ''}" for c in CASES])
+@pytest.mark.parametrize("k", range(len(CASES)), ids=[f"{c['tp_mode']}{'-distopt' if c.get('dist_opt') else ''}{'-fsdp2' if c.get('fsdp') else ''}"
+                              for c in CASES])
 def test_tp2_dp2_equals_one_process_over_6_steps(spawned, single, k):
     reference = single[("params", k)]
     for rank in range(4):
@@ -138,8 +145,6 @@ def test_refused_layouts():
     pstate = ParallelState.single()
     config = make_config(FAMILY)
     chunk = DistributedDataParallel(make_model(config, pstate), pstate)
-    with pytest.raises(ValueError, match="--optimizer muon with FSDP2"):
-        build_muon_optimizer([FSDPChunk.__new__(FSDPChunk)], pstate, lr=1e-3)  # refused before it is read
     with pytest.raises(ValueError, match="--fp16"):
         build_muon_optimizer([chunk], pstate, lr=1e-3, fp16=True)
     with pytest.raises(ValueError, match="--muon-scalar-optimizer"):

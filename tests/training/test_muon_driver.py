@@ -41,6 +41,7 @@ def test_flags_reach_the_optimizer():
     assert defaults["split_qkv"] and defaults["momentum"] == 0.9 and not defaults["nesterov"]
     assert defaults["fp32_matmul_prec"] == "medium" and defaults["coefficient_type"] == "quintic"
     assert OptimizerConfig.from_args(validate_args(parse_args(BASE + ["--train-iters", "6"]), 1)).muon is None
+    assert validate_args(parse_args(BASE + MUON + ["--use-torch-fsdp2"]), 4).use_torch_fsdp2
     dist_muon = validate_args(parse_args(BASE + MUON[2:] + ["--optimizer", "dist_muon"]), 4)
     assert dist_muon.optimizer == "muon" and OptimizerConfig.from_args(dist_muon).use_distributed_optimizer
 
@@ -49,7 +50,6 @@ def test_flags_reach_the_optimizer():
     (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
     (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
      "--num-distributed-optimizer-instances"),
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2"),
     (["--fp16"], "--fp16"),
     (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec"),
     (["--muon-coefficient-type", "cubic"], "--muon-coefficient-type 'cubic'"),
