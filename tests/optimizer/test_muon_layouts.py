@@ -21,7 +21,7 @@ from tests.parallel.data.test_data_parallel import full_params, make_model, trai
 
 TOL = 1e-5
 STEPS, RESUME_AT = 6, 3
-RESUMED = (0, 3, 5)  # DDP, the distributed optimizer, FSDP2
+RESUMED = (0, 1, 3, 5)  # DDP with Adam and with Lion, the distributed optimizer, FSDP2
 FAMILY = "llama"  # GQA (2 query heads per group), SwiGLU, RMSNorm, untied embeddings
 CASES = [dict(tp_mode="duplicated", nesterov=True), dict(tp_mode="distributed", scalar_optimizer="lion"),
          dict(tp_mode="duplicated", split_qkv=False, scale_mode="unit_rms_norm", coefficient_type="aol"),
