@@ -38,6 +38,11 @@ setup(
             "protobuf",
             "triton",
             "megatron-core",
+            # Megatron-Core's Muon needs it (tests/optimizer/muon_oracle.py); it declares Python >= 3.12:
+            # on 3.11, pip install --no-deps --ignore-requires-python emerging-optimizers==0.3.0
+            "emerging-optimizers==0.3.0; python_version >= '3.12'",
+            "absl-py",
+            "typing_extensions",
             "matplotlib",
             "tensorboard",
             "wandb",

@@ -35,6 +35,7 @@ from megalite.config.megatron.checkpoint import MegatronCheckpointArgs
 from megalite.config.mla import MLAArgs, mla_model_fields
 from megalite.config.moe import MoEArgs, moe_config_from_args
 from megalite.config.mup import MupArgs, mup_model_fields
+from megalite.config.muon import MuonArgs
 from megalite.config.run import (CheckpointArgs, DataArgs, DerivedArgs, LoggingArgs,
                                              TrainingArgs)
 from megalite.config.validate import (default_ffn_hidden_size, layout_from_args,
@@ -47,7 +48,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, Fp8Args, MupArgs, RecomputeArgs,
                 PrecisionArgs, TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
-                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, DerivedArgs):
+                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, MuonArgs, DerivedArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -74,7 +75,7 @@ _GROUPS = (
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("multi-latent attention and multi-token prediction", MLAArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
-    ("batch, schedule and optimizer", TrainingArgs), ("data and tokenizer", DataArgs),
+    ("batch, schedule and optimizer", TrainingArgs), ("Muon optimizer", MuonArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
     ("Megatron training loop", MegatronTrainingArgs), ("Megatron data", MegatronDataArgs),
     ("fill-in-the-middle samples", MegatronFimArgs),

@@ -45,7 +45,9 @@ class TrainingArgs:
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     sgd_momentum: float = arg(0.9, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm to this (0 disables).")
-    optimizer: str = arg("adam", "Optimizer.", choices=("adam", "sgd"))
+    optimizer: str = arg("adam", "Optimizer (dist_muon: Megatron's deprecated name of muon with the distributed "
+                         "optimizer).", choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+                         unsupported=("lion", "soap", "adaptive_muon"))
     label_smoothing: float = arg(0.0, "Label smoothing of the cross-entropy loss.")
     seed: int = arg(1234, "Random seed.")
     skip_train: bool = arg(False, "Only evaluate (validation and test) and exit.")

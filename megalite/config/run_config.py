@@ -32,6 +32,7 @@ from megalite.config.megatron.training import (cuda_graph_impl_of, cuda_graph_sc
 from megalite.config.mla import mla_notes
 from megalite.config.moe import dense_expert_notes
 from megalite.config.mup import mup_notes, mup_width_mult
+from megalite.config.muon import muon_options
 from megalite.config.optional_packages import check_optional_packages
 from megalite.config.schedules import BatchSchedule, batch_schedule_from_args, schedule_lengths_from_args
 from megalite.model.config import GPTConfig
@@ -149,13 +150,14 @@ class OptimizerConfig:
     decoupled_min_lr: float | None
     lr_schedule: LRScheduleConfig | None
     mup_width_mult: float  # derived: hidden / --mup-base-hidden-size under --use-mup, else 1 (optimizer.mup)
+    muon: dict | None  # derived: build_muon_optimizer's Muon keywords under --optimizer muon (config.muon)
 
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
         schedule = None if args.skip_train else LRScheduleConfig.from_args(args)
         plan = data_parallel_plan(args)
         return _options(cls, args, bf16_main_params=args.bf16 and not plan.fsdp2, lr_schedule=schedule,
-                        mup_width_mult=mup_width_mult(args),
+                        mup_width_mult=mup_width_mult(args), muon=muon_options(args),
                         use_distributed_optimizer=plan.distributed_optimizer,
                         overlap_param_gather=args.overlap_param_gather and plan.distributed_optimizer)
 

@@ -28,6 +28,7 @@ from megalite.config.megatron.training import (apply_pipeline_split_accounting,
 from megalite.config.mla import check_mla_args
 from megalite.config.moe import check_expert_width, check_moe_args
 from megalite.config.mup import check_mup_args
+from megalite.config.muon import check_muon_args
 from megalite.config.schedules import schedule_lengths_from_args
 
 _POSITIVE = (
@@ -354,6 +355,7 @@ def validate_args(args, world_size: int):
     check_megatron_model_args(args, _fail)
     check_fp8_args(args, _fail)
     check_mup_args(args, _fail)
+    check_muon_args(args, _fail)
     check_mla_args(args, _fail)
     check_dry_run_args(args, _fail)
     check_megatron_checkpoint_args(args, _fail)

@@ -20,6 +20,7 @@ from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.memory_report import memory_report
 from megalite.optimizer.mixed_precision import build_optimizer
+from megalite.optimizer.muon_mixed import build_muon_optimizer, qkv_split_of
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState
@@ -219,6 +220,14 @@ def build_run(args) -> Run:
 def build_optimizer_and_schedule(chunks, optim: OptimizerConfig, pstate):
     """The optimizer and its learning-rate scheduler (not built with --skip-train, which
     needs neither --lr nor --train-iters)."""
+    if optim.muon is not None:
+        optimizer = build_muon_optimizer(
+            chunks, pstate, lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
+            bf16=optim.bf16_main_params, log_num_zeros_in_grad=optim.log_num_zeros_in_grad,
+            use_distributed_optimizer=optim.use_distributed_optimizer, overlap_param_gather=optim.overlap_param_gather,
+            qkv_split=qkv_split_of(unwrap(chunks[0]).config), **optim.muon)
+        return optimizer, lr_scheduler(optim.lr_schedule, optimizer)
     optimizer = build_optimizer(
         chunks, pstate, optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
