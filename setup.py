@@ -31,6 +31,7 @@ setup(
         "dev": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",  # python -m pytest tests -n 2: tests/xdist_scheduling.py
             "transformers",
             "safetensors",
             "tokenizers",

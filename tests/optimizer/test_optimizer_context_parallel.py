@@ -104,9 +104,9 @@ def spawned():
 
 
 @pytest.mark.parametrize("name, layout, family, accum, opts", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_cp2_training_matches_single_process(spawned, name, layout, family, accum, opts):
+def test_cp2_training_matches_single_process(spawned, reference_runs, name, layout, family, accum, opts):
     dp = 2 if layout == "cp2dp2" else 1
-    reference = reference_run(family, GLOBAL_BATCH // (dp * accum), steps=STEPS)
+    reference = reference_runs.get(reference_run, family, GLOBAL_BATCH // (dp * accum), steps=STEPS)
     for rank, result in enumerate(spawned):
         ours = result[name]
         assert not ours["problems"], f"rank {rank}: " + "; ".join(ours["problems"][:5])

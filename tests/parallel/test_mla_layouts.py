@@ -50,8 +50,8 @@ def two_process():
 
 
 @pytest.fixture(scope="module")
-def single():
-    return reference(mla_config())
+def single(reference_runs):
+    return reference_runs.get(reference, mla_config(), per_token=False)
 
 
 def test_reference_trains_every_parameter(single):
@@ -69,9 +69,9 @@ def test_reference_trains_every_parameter(single):
 
 
 @pytest.mark.parametrize("layout", list(TWO))
-def test_two_process_layout_equals_one_process(two_process, single, layout):
-    model, per_token = TWO[layout].get("model"), TWO[layout].get("per_token", False)
-    ref = reference(mla_config(**(model or {})), per_token=per_token) if model or per_token else single
+def test_two_process_layout_equals_one_process(two_process, reference_runs, layout):
+    model, per_token = TWO[layout].get("model", {}), TWO[layout].get("per_token", False)
+    ref = reference_runs.get(reference, mla_config(**model), per_token=per_token)
     # Per-token runs' parameters equal the reference's as closely (1e-6 here) but land where the
     # logits amplify that 10x (1.4e-5 measured at CP2): their logits are held to 5e-5.
     assert check([r[layout] for r in two_process], ref, logits_tol=5e-5 if per_token else None) == []

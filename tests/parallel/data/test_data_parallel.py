@@ -259,14 +259,8 @@ def battery():
 
 
 @pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(family, micro):
-        if (family, micro) not in cache:
-            cache[(family, micro)] = reference_run(family, micro)
-        return cache[(family, micro)]
-    return get
+def references(reference_runs):
+    return lambda family, micro: reference_runs.get(reference_run, family, micro)
 
 
 @pytest.mark.parametrize("name, layout, family, accum, opts", _configs(), ids=[c[0] for c in _configs()])

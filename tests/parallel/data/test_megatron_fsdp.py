@@ -106,8 +106,8 @@ def spawned():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_each_strategy_trains_as_the_single_process_run(spawned, strategy):
-    reference = reference_run("gpt2", MICRO, STEPS)
+def test_each_strategy_trains_as_the_single_process_run(spawned, reference_runs, strategy):
+    reference = reference_runs.get(reference_run, "gpt2", MICRO, STEPS)
     result = spawned[0][strategy]
     for name, expected in reference["params"].items():
         assert rel_error(result["params"][name], expected) <= TOL, f"{strategy}: {name}"
@@ -132,7 +132,7 @@ def test_grad_comm_dtype_is_fsdp2s_reduce_dtype(spawned):
         assert result["reduce_dtypes"] == {torch.bfloat16}, (rank, result["reduce_dtypes"])
 
 
-def test_per_token_loss_with_fsdp2_equals_the_single_process_run(spawned):
+def test_per_token_loss_with_fsdp2_equals_the_single_process_run(spawned, reference_runs):
     config = ep_harness.moe_model_config("alltoall", "softmax")
-    reference = ep_harness.reference(config, per_token=True)
+    reference = reference_runs.get(ep_harness.reference, config, per_token=True)
     assert ep_harness.compare([r["per_token_fsdp2"] for r in spawned], reference) == []

@@ -144,9 +144,9 @@ def spawned(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_instances_train_as_the_single_process_run(spawned, name):
+def test_instances_train_as_the_single_process_run(spawned, reference_runs, name):
     _, family, micro, _ = CASES[name]
-    reference = reference_run(family, micro, STEPS)
+    reference = reference_runs.get(reference_run, family, micro, STEPS)
     result = spawned[0]["train"][name]
     for pname, expected in reference["params"].items():
         assert rel_error(result["params"][pname], expected) <= TOL, f"{name}: {pname}"
@@ -180,9 +180,9 @@ def test_memory_per_rank_is_6_plus_12_over_the_instance_size(spawned, n):
     assert (f"one of {n} instances" in line) == (n > 1), line
 
 
-def test_moe_with_instances_equals_the_single_process_run(spawned):
+def test_moe_with_instances_equals_the_single_process_run(spawned, reference_runs):
     config = ep_harness.moe_model_config("alltoall", "softmax")
-    reference = ep_harness.reference(config)
+    reference = reference_runs.get(ep_harness.reference, config)
     assert ep_harness.compare([r["moe"] for r in spawned], reference) == []
 
 

@@ -182,12 +182,13 @@ def compare(per_rank: list[dict], ref: dict, tol: float = 1e-5) -> list[str]:
     return problems
 
 
-def check_run(results: list[dict], layouts: dict, run) -> None:
-    """Assert that `run` (of train_runs, on every rank) equals the single-process EP = 1 run."""
+def check_run(results: list[dict], layouts: dict, run, reference_runs) -> None:
+    """Assert that `run` (of train_runs, on every rank) equals the single-process EP = 1 run
+    (from `reference_runs`, tests/reference_runs.py: the runs of one dispatcher and router share it)."""
     layout, dispatcher, router = run
     spec = layouts[layout]
-    ref = reference(layout_config(spec, dispatcher, router).replace(sequence_parallel=False),
-                    per_token=spec.get("per_token", False))
+    ref = reference_runs.get(reference, layout_config(spec, dispatcher, router).replace(sequence_parallel=False),
+                             per_token=spec.get("per_token", False))
     assert ref["losses"][1] < ref["losses"][0] + 0.5  # the reference trains at all
     assert compare([r[f"{layout}/{dispatcher}/{router}"] for r in results], ref) == []
 

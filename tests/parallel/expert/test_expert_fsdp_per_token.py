@@ -41,8 +41,8 @@ def results():
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
-def test_fsdp_and_per_token_loss_equal_single_process(results, run):
-    check_run(results, LAYOUTS, run)
+def test_fsdp_and_per_token_loss_equal_single_process(results, run, reference_runs):
+    check_run(results, LAYOUTS, run, reference_runs)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])

@@ -35,8 +35,8 @@ def results():
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
-def test_expert_grid_equals_ep1(results, run):
-    check_run(results, LAYOUTS, run)
+def test_expert_grid_equals_ep1(results, run, reference_runs):
+    check_run(results, LAYOUTS, run, reference_runs)
 
 
 def test_memory_report_shards_experts_over_edp(results):

@@ -62,8 +62,8 @@ def test_layer_at_ep4_with_variable_tokens_per_rank(results, dispatcher, case):
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
-def test_expert_parallel_equals_ep1(results, run):
-    check_run(results, LAYOUTS, run)
+def test_expert_parallel_equals_ep1(results, run, reference_runs):
+    check_run(results, LAYOUTS, run, reference_runs)
 
 
 def _starved_worker(rank, world_size):
