@@ -103,8 +103,9 @@ def data_parallel_plan(args) -> DataParallelPlan:
 
 
 def tp_comm_overlap_settings(args) -> dict | None:
-    """The per-GEMM overlap settings of --tp-comm-overlap (None without it)."""
-    if not args.tp_comm_overlap:
+    """The per-GEMM overlap settings of --tp-comm-overlap (None without it, and with --fp8-format, whose
+    GEMMs the overlapped chunks do not run: megalite/config/fp8.py's start-up line says so)."""
+    if not args.tp_comm_overlap or args.fp8_format is not None:
         return None
     return overlap_settings(_read_cfg(args.tp_comm_overlap_cfg), args.tp_comm_overlap_cfg or "defaults")
 

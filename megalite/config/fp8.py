@@ -45,7 +45,11 @@ class Fp8Args:
     fp8_wgrad: bool | None = arg(
         None, "FP8 weight-gradient GEMMs (default); --no-fp8-wgrad keeps them 16-bit.",
         negative_flag="--no-fp8-wgrad")
-    fp8_param_gather: bool = arg(False, "FP8 parameters all-gathered in FP8: refused (not implemented).")
+    fp8_param_gather: bool = arg(
+        False, "Megatron: keep the parameters in FP8 and all-gather them in FP8. megalite serves it as "
+        "Megatron does under FSDP2 with Transformer Engine 2 (one line): the 16-bit weights are "
+        "all-gathered and each GEMM quantizes them; needs --fp8-format and the distributed optimizer "
+        "or FSDP2, as Megatron checks.")
     first_last_layers_bf16: bool = arg(False, "Keep the first and last decoder layers' linears in 16-bit.")
     num_layers_at_start_in_bf16: int | None = arg(None, "With --first-last-layers-bf16: layers at the start (default 1).")
     num_layers_at_end_in_bf16: int | None = arg(None, "With --first-last-layers-bf16: layers at the end (default 1).")
@@ -73,13 +77,14 @@ def check_fp8_args(args, fail) -> None:
         if getattr(args, name):
             fail(f"--{name.replace('_', '-')}: needs an FP8 attention kernel (Transformer Engine's FP8 "
                  "fused attention, cuDNN); megalite's attention core runs in 16-bit (its linears take --fp8-format)")
-    if args.fp8_param_gather:
-        fail("--fp8-param-gather: needs FP8 parameters (an FP8 weight type the distributed optimizer "
-             "all-gathers), not implemented; without it the weights stay 16-bit and each GEMM quantizes them")
+    if args.fp8_param_gather and not (args.use_distributed_optimizer or args.use_torch_fsdp2
+                                      or args.use_megatron_fsdp):
+        fail("--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2 (as Megatron checks)")
     if args.fp8_format is None:
         given = _given(args, ("fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
                               "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16",
-                              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "tp_only_amax_red"))
+                              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "tp_only_amax_red",
+                              "fp8_param_gather"))
         if given:
             fail(f"{given[0]} needs --fp8-format (e4m3 or hybrid)")
         return
@@ -96,9 +101,6 @@ def check_fp8_args(args, fail) -> None:
         fail(f"--fp8-margin must not be negative, got {args.fp8_margin}")
     if args.fp8_amax_history_len is not None and args.fp8_amax_history_len < 1:
         fail(f"--fp8-amax-history-len must be at least 1, got {args.fp8_amax_history_len}")
-    if args.tp_comm_overlap:
-        fail("--fp8-format with --tp-comm-overlap: the overlapped (chunked) GEMMs are not routed "
-             "through the FP8 GEMM yet; drop one of them")
     if args.torch_compile:
         fail("--fp8-format with --torch-compile: the delayed-scaling amax bookkeeping and _scaled_mm are "
              "not checked under torch.compile; drop one of them")
@@ -149,6 +151,14 @@ def fp8_notes(args) -> list[str]:
     if args.fp8_interval is not None:
         notes.append(f"--fp8-interval {args.fp8_interval}: deprecated (Transformer Engine ignores it since "
                      "1.8); FP8 scales are updated after every optimizer step")
+    if args.tp_comm_overlap:
+        notes.append("--tp-comm-overlap with --fp8-format: the FP8 linears run without the overlap (its "
+                     "chunked GEMMs are 16-bit only): the same numbers, the tensor-parallel communication "
+                     "not hidden behind the GEMMs")
+    if args.fp8_param_gather:
+        notes.append("--fp8-param-gather: the parameters stay 16-bit and are all-gathered in 16-bit (twice the "
+                     "bytes of an FP8 gather), each GEMM quantizing the weight with its scale, as Megatron "
+                     "falls back under FSDP2 with Transformer Engine 2; the GEMMs run in FP8 either way")
     if args.num_experts:
         notes.append("--fp8-format with --num-experts: the routed experts' grouped GEMMs and the router stay "
                      "16-bit (no FP8 grouped GEMM); attention, dense and shared-expert linears run in FP8")

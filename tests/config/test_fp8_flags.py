@@ -1,7 +1,7 @@
 """Megatron's FP8 / FP4 flags (megalite/config/fp8.py): the served ones reach the run's
 Fp8Recipe with Megatron's defaults and meaning; the others stop in one line naming the flag and
 what it needs (mxfp8 / NVFP4: Blackwell; blockwise: a block-scaled GEMM; FP8 attention: an FP8
-attention kernel; FP8 parameters), never accepted and ignored."""
+attention kernel), never accepted and ignored; --fp8-param-gather is served with one line."""
 
 import pytest
 
@@ -40,6 +40,15 @@ def test_fp8_interval_is_accepted_with_its_deprecation_line():
     assert len(notes) == 1 and notes[0].startswith("--fp8-interval 4: deprecated")
 
 
+def test_fp8_param_gather_is_served_with_one_line_under_the_distributed_optimizer():
+    """As Megatron falls back under FSDP2 with Transformer Engine 2: 16-bit weights gathered, each GEMM
+    quantizing them; the recipe is the one without the flag."""
+    args = parsed("--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer", 2)
+    notes = fp8_notes(args)
+    assert len(notes) == 1 and notes[0].startswith("--fp8-param-gather: the parameters stay 16-bit"), notes
+    assert fp8_recipe_from_args(args) == fp8_recipe_from_args(parsed("--fp8-format hybrid --use-distributed-optimizer", 2))
+
+
 def test_moe_runs_say_which_gemms_stay_16_bit():
     notes = fp8_notes(parsed("--fp8-format hybrid --num-experts 4 --disable-bias-linear", 1))
     assert any("--num-experts" in n and "routed experts" in n for n in notes), notes
@@ -52,7 +61,8 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
     ("--fp4-format e2m1", ["--fp4-format", "Blackwell", "Hopper"]),
     ("--fp4-recipe nvfp4", ["--fp4-recipe", "Blackwell"]),
     ("--fp4-param-gather", ["--fp4-param-gather", "Blackwell"]),
-    ("--fp8-format hybrid --fp8-param-gather", ["--fp8-param-gather", "FP8 parameters"]),
+    ("--fp8-format hybrid --fp8-param-gather", ["--fp8-param-gather", "--use-distributed-optimizer"]),
+    ("--fp8-param-gather --use-distributed-optimizer", ["--fp8-param-gather", "needs --fp8-format"]),
     ("--fp8-format hybrid --fp8-dot-product-attention", ["--fp8-dot-product-attention", "FP8 attention kernel"]),
     ("--fp8-format hybrid --fp8-multi-head-attention", ["--fp8-multi-head-attention", "FP8 attention kernel"]),
     ("--fp8-margin 0", ["--fp8-margin needs --fp8-format"]),
@@ -75,9 +85,15 @@ def test_refused_in_one_line_naming_the_flag(extra, words):
     assert all(w in message for w in words), message
 
 
-def test_tp_comm_overlap_is_refused_with_fp8():
-    message = refused("--fp8-format hybrid --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 2)
-    assert "--tp-comm-overlap" in message and "FP8" in message, message
+def test_tp_comm_overlap_with_fp8_runs_without_the_overlap_and_says_so():
+    from megalite.config.dist_opt import tp_comm_overlap_settings
+
+    flags = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+    args = parsed("--fp8-format hybrid " + flags, 2)
+    assert tp_comm_overlap_settings(args) is None
+    assert any(n.startswith("--tp-comm-overlap with --fp8-format: the FP8 linears run without the overlap")
+               for n in fp8_notes(args)), fp8_notes(args)
+    assert tp_comm_overlap_settings(parsed(flags, 2)) is not None
 
 
 def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):

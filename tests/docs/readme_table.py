@@ -54,7 +54,8 @@ README = {
     "bash scripts/pretrain_gpt.sh": Elsewhere((DEMO,), "the embedded default end to end (slow): corpus, tokenizer, "
                                               "data, TP=2 PP=2 training, plot, summary"),
     'pip install torch==2.13.0 -e ".[dev]"': PIP,
-    "python -m pytest tests": Elsewhere((".ci/run",), "CI runs the README's test command as written, in a fresh "
+    "pip install --no-deps --ignore-requires-python emerging-optimizers==0.3.0": PIP,
+    "python -m pytest tests -n 2": Elsewhere((".ci/run",), "CI runs the README's test command as written, in a fresh "
                                         "virtual environment; this test is part of that suite"),
     'pip install -e ".[gpu]"': PIP,
     'pip install -e ".[data]"': PIP,

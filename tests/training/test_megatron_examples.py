@@ -2,8 +2,7 @@
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh,
 flag for flag, with sizes scaled down, paths replaced by test data and fp16 by fp32 (CPU), each
 training 3 iterations in CPU rank processes: gpt3 at TP=2 PP=2 (the script's TP=8 PP=16), llama3
-at DP=2 (its 8 GPUs) with every flag but the FP8 block, whose --fp8-param-gather stops the run
-naming the flag."""
+at DP=2 (its 8 GPUs), with and without its FP8 block."""
 
 import json
 import subprocess
@@ -111,11 +110,11 @@ def test_llama3_8b_example_flags_train_without_fp8(tmp_path):
         assert sum(line in row for row in log.splitlines()) == 1, (line, log[-3000:])
 
 
-def test_llama3_8b_example_with_fp8_stops_naming_the_flag(tmp_path):
-    """The full flag set with the script's FP8 block: one line naming --fp8-param-gather (FP8
-    parameters are not implemented; its --fp8-format hybrid, --fp8-amax-history-len 1024 and
-    --fp8-amax-compute-algo max are served), exit 2, before any process group or file. (Flags of other, not yet merged, branches are left out
-    here so that this part is checked on every branch.)"""
+def test_llama3_8b_example_trains_with_its_fp8_block(tmp_path):
+    """The full flag set with the script's FP8 block (--fp8-format hybrid, --fp8-amax-history-len 1024,
+    --fp8-amax-compute-algo max, --fp8-param-gather): 3 iterations at DP=2 with FP8 GEMMs, and
+    --fp8-param-gather's one line. (Flags of other, not yet merged, branches are left out here so that
+    this part is checked on every branch.)"""
     known = {s for action in build_parser()._actions for s in action.option_strings}
     argv, skipping = [], False
     for token in llama3_8b_argv(tmp_path, fp8=True):
@@ -123,8 +122,7 @@ def test_llama3_8b_example_with_fp8_stops_naming_the_flag(tmp_path):
             skipping = token not in known
         if not skipping:
             argv.append(token)
-    ranks = launch(argv, 1, tmp_path / "logs")
-    assert ranks.wait(120) == [2], ranks.output()
-    errors = [row for row in ranks.logs[0].read_text().splitlines() if "error" in row]
-    assert len(errors) == 1 and "--fp8-param-gather" in errors[0] and "FP8 parameters" in errors[0], errors
-    assert not (tmp_path / "ckpt").exists()
+    ranks = run(argv, 2, tmp_path / "logs", timeout=400)
+    assert sorted(_losses(tmp_path / "metrics.jsonl")) == [1, 2, 3], ranks.output()
+    log = ranks.logs[0].read_text()
+    assert sum("--fp8-param-gather: the parameters stay 16-bit" in row for row in log.splitlines()) == 1, log[-3000:]
