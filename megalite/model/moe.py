@@ -142,7 +142,7 @@ class MoELayer(nn.Module):
         logits = self.router.gating(tokens)
         if sequence_parallel:
             logits = gather_rows(logits, [s * b] * tp, tp_group, grad_is_partial=False)
-        probs, routing_map = self.router.route(logits, logits.shape[0] // b, b)
+        probs, routing_map = self.router.route(logits, logits.shape[0] // b, b, tp if sequence_parallel else 1)
         if tp > 1:  # this rank's share of the TP group's rows (its own under sequence parallelism)
             sizes = [logits.shape[0] // tp + (r < logits.shape[0] % tp) for r in range(tp)]
             start = sum(sizes[:comm.group_rank(tp_group)])
