@@ -50,7 +50,8 @@ class MoEArgs:
     moe_grouped_gemm: bool = arg(False, "Local experts as one grouped matmul (torch._grouped_mm where "
                                         "the device has it, a loop of matmuls otherwise).")
     moe_token_dispatcher_type: str = arg(
-        "allgather", "How tokens reach their experts' ranks.", choices=TOKEN_DISPATCHERS, unsupported=("flex",))
+        "allgather", "How tokens reach their experts' ranks (flex: Megatron's DeepEP/HybridEP kernels, served by "
+        "megalite's alltoall dispatcher).", choices=TOKEN_DISPATCHERS)
 
 
 def moe_config_from_args(args, ffn_hidden_size: int) -> MoEConfig | None:
@@ -68,7 +69,7 @@ def moe_config_from_args(args, ffn_hidden_size: int) -> MoEConfig | None:
         pad_to_capacity=args.moe_pad_expert_input_to_capacity, token_drop_policy=args.moe_token_drop_policy,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         shared_expert_gate=args.moe_shared_expert_gate, grouped_gemm=args.moe_grouped_gemm,
-        token_dispatcher_type=args.moe_token_dispatcher_type)
+        token_dispatcher_type="alltoall" if args.moe_token_dispatcher_type == "flex" else args.moe_token_dispatcher_type)
 
 
 def check_expert_width(args, fail) -> None:
