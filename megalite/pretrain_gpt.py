@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megalite.config.arguments import parse_args  # noqa: E402
+from megalite.config.megatron.engine import apply_logging_level  # noqa: E402
 from megalite.checkpoint.dcp.format import CheckpointError  # noqa: E402
 from megalite.checkpoint.dcp.storage import dcp_failure  # noqa: E402
 from megalite.training.rerun import RerunFault  # noqa: E402
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
+    apply_logging_level(args)
     if args.dry_run:
         from megalite.dryrun.cli import run_dry
 

@@ -7,6 +7,7 @@ field.arg). The groups are combined into one `Arguments` in arguments.py.
 from dataclasses import dataclass
 
 from megalite.config.field import MEGALITE, arg
+from megalite.model.config import RECOMPUTE_MODULES
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -118,8 +119,6 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 def check_recompute_modules(args, fail) -> None:
     """Megatron's checks of --recompute-modules (TransformerConfig.__post_init__, selective
     recompute only), then the modules megalite's layers do not have."""
-    from megalite.model.config import RECOMPUTE_MODULES
-
     modules = args.recompute_modules
     if modules is None or args.recompute_granularity != "selective":
         return  # without selective recompute Megatron ignores them (a start-up line says so)
@@ -129,6 +128,10 @@ def check_recompute_modules(args, fail) -> None:
         fail("--recompute-modules moe_act needs --moe-grouped-gemm (as in Megatron)")
     if "mla_up_proj" in modules and not args.multi_latent_attention:
         fail("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)")
+    discarding = [m for m in modules if m in ("layernorm", "moe_act")]
+    if discarding and args.torch_compile:
+        fail(f"--recompute-modules {discarding[0]} with --torch-compile: its output-discarding hooks "
+             "(saved-tensor hooks) run eagerly only; give it without --torch-compile")
     if missing := [m for m in modules if m not in RECOMPUTE_MODULES]:
         fail(f"--recompute-modules {missing[0]}: not implemented in megalite (it recomputes "
              f"{', '.join(RECOMPUTE_MODULES)})")
