@@ -110,3 +110,19 @@ def test_expert_activation_is_not_kept(monkeypatch, grouped):
     torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_dry_run_formula_is_not_given_for_other_modules():
+    """The dry run's Korthikanti activation formula models selective recompute of core attention
+    alone: with other --recompute-modules it gives none rather than a wrong number."""
+    from megalite.config.arguments import model_config_from_args
+    from megalite.dryrun.formulas import korthikanti_activation_bytes
+    from tests.config.test_arguments import parsed
+
+    def formula(modules):
+        args = parsed("--bf16 --recompute-granularity selective" + (f" --recompute-modules {modules}" if modules else ""),
+                      1)
+        return korthikanti_activation_bytes(args, model_config_from_args(args, 100), 1, 1, 0, [4])
+
+    assert formula(None) == formula("core_attn") > 0
+    assert formula("core_attn mlp") is None
