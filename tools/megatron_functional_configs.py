@@ -14,8 +14,10 @@ sets: the GPT configs (test_cases/gpt, recipes whose spec.model is gpt) and the 
 
 In scope: every training config (MODE neither inference nor rl) with a non-empty MODEL_ARGS.
 A config with several argument sets (MODEL_ARGS_2, ...) is accepted when all of them are.
-A case no recipe runs (the mixtral release configs) gets the smallest multiple of 8 GPUs (one
-node) that its TP x PP x CP and ETP x EP x PP grids divide: the world it needs at DP 1.
+In the MoE set, a case no recipe runs (the mixtral and deepseekv3 release configs, and cases whose
+recipe lines are commented out; the vendored file lists them under without_recipe) gets the
+smallest multiple of 8 GPUs (whole nodes) that its TP x PP x CP and ETP x EP x PP grids divide.
+The GPT set keeps 8 for such cases.
 """
 
 import argparse
