@@ -88,6 +88,7 @@ def _main(argv, signals: StopSignals) -> int:
     import torch.distributed as dist
 
     from megalite.config.arguments import parse_args
+    from megalite.config.megatron.engine import apply_logging_level
     from megalite.checkpoint.dcp.format import CheckpointError
     from megalite.training.rerun import RerunFault
 
@@ -97,6 +98,7 @@ def _main(argv, signals: StopSignals) -> int:
     except ValueError as error:
         print(f"pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
+    apply_logging_level(args)
     if args.dry_run:
         from megalite.dryrun.cli import run_dry
 

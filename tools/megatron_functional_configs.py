@@ -1,23 +1,29 @@
-"""Megatron-LM's GPT functional-test configs against megalite's parser and validation.
+"""Megatron-LM's functional-test configs against megalite's parser and validation.
 
-Megatron-LM runs each tests/functional_tests/test_cases/gpt/<case>/model_config.yaml by turning
-its MODEL_ARGS into a command line (tests/functional_tests/shell_test_utils/_run_training.sh:
+Megatron-LM runs each tests/functional_tests/test_cases/<model>/<case>/model_config.yaml by
+turning its MODEL_ARGS into a command line (tests/functional_tests/shell_test_utils/_run_training.sh:
 envsubst, then yq and bash) on the world size of its recipe (tests/test_utils/recipes/**.yaml:
-nodes x gpus; MODEL_ENV_VARS' GPUS_PER_NODE per argument set). This tool does the same:
+nodes x gpus; MODEL_ENV_VARS' GPUS_PER_NODE per argument set). This tool does the same for two
+sets: the GPT configs (test_cases/gpt, recipes whose spec.model is gpt) and the MoE configs
+(test_cases/moe and test_cases/mixtral, recipes whose spec.model is moe):
 
     # once, from a Megatron-LM checkout: the command lines and world sizes, vendored
-    python tools/megatron_functional_configs.py extract --megatron-lm ~/Megatron-LM \
-        --output tests/config/megatron_gpt_functional_configs.json
-    # parse and validate every in-scope config for its own world size
-    python tools/megatron_functional_configs.py count [--verbose]
+    python tools/megatron_functional_configs.py extract --megatron-lm ~/Megatron-LM
+    # parse and validate every in-scope config for its own world size, set by set
+    python tools/megatron_functional_configs.py count [--set gpt|moe] [--verbose]
 
 In scope: every training config (MODE neither inference nor rl) with a non-empty MODEL_ARGS.
 A config with several argument sets (MODEL_ARGS_2, ...) is accepted when all of them are.
+In the MoE set, a case no recipe runs (the mixtral and deepseekv3 release configs, and cases whose
+recipe lines are commented out; the vendored file lists them under without_recipe) gets the
+smallest multiple of 8 GPUs (whole nodes) that its TP x PP x CP and ETP x EP x PP grids divide.
+The GPT set keeps 8 for such cases.
 """
 
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import subprocess
@@ -27,8 +33,14 @@ import yaml
 
 HERE = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(HERE)
-VENDORED = os.path.join(REPO, "tests", "config", "megatron_gpt_functional_configs.json")
-CASES = "tests/functional_tests/test_cases/gpt"
+# set name -> (test-case folders, the recipes' spec.model, vendored file)
+SETS = {
+    "gpt": (("tests/functional_tests/test_cases/gpt",), "gpt",
+            os.path.join(REPO, "tests", "config", "megatron_gpt_functional_configs.json")),
+    "moe": (("tests/functional_tests/test_cases/moe", "tests/functional_tests/test_cases/mixtral"), "moe",
+            os.path.join(REPO, "tests", "config", "megatron_moe_functional_configs.json")),
+}
+VENDORED = SETS["gpt"][2]
 RECIPES = "tests/test_utils/recipes"
 DEFAULT_WORLD_SIZE = 8  # recipes/h100/gpt.yaml's spec: 1 node x 8 GPUs
 # What run_ci_test.sh / the recipe script export before envsubst (REPEAT: the first repeat).
@@ -87,15 +99,15 @@ def _read(megatron_lm: str, path: str) -> str:
     return _git(megatron_lm, "show", f"HEAD:{path}")
 
 
-def recipe_world_sizes(megatron_lm: str) -> dict[str, set[int]]:
-    """Test case -> the world sizes (nodes x gpus) of the GPT recipes that run it."""
+def recipe_world_sizes(megatron_lm: str, model: str = "gpt") -> dict[str, set[int]]:
+    """Test case -> the world sizes (nodes x gpus) of the recipes of `model` that run it."""
     sizes = collections.defaultdict(set)
     for path in _git(megatron_lm, "ls-tree", "-r", "--name-only", "HEAD", RECIPES).split():
         if not path.endswith(".yaml"):
             continue
         recipe = yaml.safe_load(_read(megatron_lm, path))
         spec = recipe.get("spec", {}) if isinstance(recipe, dict) else {}
-        if spec.get("model") != "gpt":
+        if spec.get("model") != model:
             continue
         for product in recipe.get("products", []):
             for case in product.get("test_case", []):
@@ -103,15 +115,31 @@ def recipe_world_sizes(megatron_lm: str) -> dict[str, set[int]]:
     return sizes
 
 
-def extract(megatron_lm: str) -> dict:
-    """Every in-scope config: its command lines (one per argument set) and world sizes."""
+def _flag_value(argv: list[str], flag: str, default: int = 1) -> int:
+    return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+
+def smallest_world_size(argv: list[str]) -> int:
+    """The fewest whole 8-GPU nodes whose ranks the config's TP x PP x CP and ETP x EP x PP
+    grids divide (for a case that no recipe runs)."""
+    tp, pp = _flag_value(argv, "--tensor-model-parallel-size"), _flag_value(argv, "--pipeline-model-parallel-size")
+    cp, ep = _flag_value(argv, "--context-parallel-size"), _flag_value(argv, "--expert-model-parallel-size")
+    etp = _flag_value(argv, "--expert-tensor-parallel-size", tp)
+    return math.lcm(DEFAULT_WORLD_SIZE, tp * pp * cp, etp * ep * pp)
+
+
+def extract(megatron_lm: str, which: str = "gpt") -> dict:
+    """Every in-scope config of set `which`: its command lines (one per argument set) and world sizes."""
+    folders, model, _ = SETS[which]
     commit = _git(megatron_lm, "rev-parse", "HEAD").strip()
-    sizes = recipe_world_sizes(megatron_lm)
-    configs, skipped = {}, collections.Counter()
-    paths = sorted(p for p in _git(megatron_lm, "ls-tree", "-r", "--name-only", "HEAD", CASES).split()
-                   if p.endswith("/model_config.yaml"))
+    sizes = recipe_world_sizes(megatron_lm, model)
+    configs, skipped, without_recipe = {}, collections.Counter(), []
+    paths = sorted(p for folder in folders for p in _git(megatron_lm, "ls-tree", "-r", "--name-only", "HEAD",
+                                                         folder).split() if p.endswith("/model_config.yaml"))
     for path in paths:
         case = path.split("/")[-2]
+        if case in configs:
+            raise ValueError(f"{path}: a second test case named {case}")
         config = yaml.load(envsubst(_read(megatron_lm, path)), Loader=_StringLoader)
         if config.get("MODE") in ("inference", "rl"):
             skipped[f"MODE {config['MODE']}"] += 1
@@ -124,11 +152,19 @@ def extract(megatron_lm: str) -> dict:
         for key in sorted((k for k in config if re.fullmatch(r"MODEL_ARGS(_\d+)?", k)),
                           key=lambda k: int(k.split("_")[-1]) if k[-1].isdigit() else 1):
             gpus = (per_set.get(key) or {}).get("GPUS_PER_NODE")
-            worlds = sorted({int(gpus)} if gpus else sizes.get(case) or {DEFAULT_WORLD_SIZE})
-            runs.append({"argument_set": key, "world_sizes": worlds, "argv": command_line(config[key])})
+            argv = command_line(config[key])
+            if gpus or case in sizes or which == "gpt":
+                worlds = sorted({int(gpus)} if gpus else sizes.get(case) or {DEFAULT_WORLD_SIZE})
+            else:
+                worlds = [smallest_world_size(argv)]
+                without_recipe.append(case)
+            runs.append({"argument_set": key, "world_sizes": worlds, "argv": argv})
         configs[case] = runs
-    return {"source": f"NVIDIA/Megatron-LM {commit}, {CASES}/*/model_config.yaml and {RECIPES}",
-            "out_of_scope": dict(skipped), "configs": configs}
+    source = f"NVIDIA/Megatron-LM {commit}, {', '.join(f + '/*/model_config.yaml' for f in folders)} and {RECIPES}"
+    result = {"source": source, "out_of_scope": dict(skipped), "configs": configs}
+    if without_recipe:
+        result["without_recipe"] = sorted(set(without_recipe))
+    return result
 
 
 def pack(extracted: dict) -> dict:
@@ -187,35 +223,47 @@ def count(configs: dict) -> dict:
     return {"accepted": accepted, "refused": refused, "flags": (known_occurrences, occurrences)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    get = commands.add_parser("extract", help="vendor the configs of a Megatron-LM checkout")
-    get.add_argument("--megatron-lm", required=True, help="a git checkout of NVIDIA/Megatron-LM")
-    get.add_argument("--output", default=VENDORED)
-    tally = commands.add_parser("count", help="parse and validate the vendored configs")
-    tally.add_argument("--input", default=VENDORED)
-    tally.add_argument("--verbose", action="store_true", help="one line per refused config")
-    options = parser.parse_args(argv)
-    if options.command == "extract":
-        data = pack(extract(options.megatron_lm))
-        with open(options.output, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, separators=(",", ":"))
-            handle.write("\n")
-        print(f"{len(data['configs'])} in-scope configs ({data['source']}); out of scope: {data['out_of_scope']}")
-        return 0
-    result = count(load(options.input))
+def _report(name: str, path: str, verbose: bool) -> None:
+    result = count(load(path))
     total = len(result["accepted"]) + len(result["refused"])
     known, occurrences = result["flags"]
-    print(f"{len(result['accepted'])} of {total} configs parse and validate for their own world size; "
+    print(f"{name}: {len(result['accepted'])} of {total} configs parse and validate for their own world size; "
           f"{known} of {occurrences} flag occurrences ({100 * known / occurrences:.1f}%) are flags megalite knows")
     reasons = collections.Counter(re.sub(r"\d+", "N", e.split(": ", 1)[-1] if "world size" in e else e)[:110]
                                   for e in result["refused"].values())
     for reason, n in reasons.most_common():
         print(f"  {n:3d}  {reason}")
-    if options.verbose:
+    if verbose:
         for case, error in result["refused"].items():
             print(f"{case}: {error}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    get = commands.add_parser("extract", help="vendor the configs of a Megatron-LM checkout")
+    get.add_argument("--megatron-lm", required=True, help="a git checkout of NVIDIA/Megatron-LM")
+    get.add_argument("--set", choices=sorted(SETS), help="one set (default: both, each to its own file)")
+    get.add_argument("--output", help="the vendored file (only with --set; default: the set's own)")
+    tally = commands.add_parser("count", help="parse and validate the vendored configs")
+    tally.add_argument("--set", choices=sorted(SETS), help="one set (default: both, reported separately)")
+    tally.add_argument("--input", help="a vendored file (only with --set; default: the set's own)")
+    tally.add_argument("--verbose", action="store_true", help="one line per refused config")
+    options = parser.parse_args(argv)
+    path_option = options.output if options.command == "extract" else options.input
+    if path_option and not options.set:
+        parser.error(f"--{'output' if options.command == 'extract' else 'input'} needs --set")
+    for name in [options.set] if options.set else list(SETS):
+        path = path_option or SETS[name][2]
+        if options.command == "count":
+            _report(name, path, options.verbose)
+            continue
+        data = pack(extract(options.megatron_lm, name))
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, separators=(",", ":"))
+            handle.write("\n")
+        print(f"{name}: {len(data['configs'])} in-scope configs ({data['source']}); "
+              f"out of scope: {data['out_of_scope']}")
     return 0
 
 

@@ -27,10 +27,11 @@ from megalite.config.field import MEGALITE, arg, flag_of
 from megalite.config.fp8 import Fp8Args
 from megalite.config.megatron.data import MegatronDataArgs
 from megalite.config.megatron.fim import MegatronFimArgs
+from megalite.config.megatron.engine import MegatronEngineArgs
 from megalite.config.megatron.logs import MegatronLoggingArgs
 from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fields, mlp_activation
 from megalite.config.megatron.training import MegatronTrainingArgs
-from megalite.config.model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs
+from megalite.config.model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs, recompute_modules_of
 from megalite.config.megatron.checkpoint import MegatronCheckpointArgs
 from megalite.config.mla import MLAArgs, mla_model_fields
 from megalite.config.moe import MoEArgs, moe_config_from_args
@@ -48,7 +49,8 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 @dataclass
 class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, Fp8Args, MupArgs, RecomputeArgs,
                 PrecisionArgs, TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
-                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, MuonArgs, DerivedArgs):
+                MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, MuonArgs, DerivedArgs,
+                MegatronEngineArgs):
     """Every option of a training run (snake_case of Megatron's flag names)."""
 
     config: str | None = arg(
@@ -83,6 +85,7 @@ _GROUPS = (
     ("checkpoints (Megatron formats and policies)", MegatronCheckpointArgs),
     ("distributed optimizer, Megatron-FSDP and tensor-parallel overlap", DistOptArgs),
     ("shard initialisation and dry runs", DryRunArgs),
+    ("Megatron fusions, Transformer Engine switches, MoE communication schedules", MegatronEngineArgs),
 )
 _HINTS = typing.get_type_hints(Arguments)
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -301,6 +304,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         recompute_granularity=granularity,
         recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=recompute_modules_of(args),
         label_smoothing=args.label_smoothing,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fused_kernels=args.fused_kernels,

@@ -7,6 +7,7 @@ field.arg). The groups are combined into one `Arguments` in arguments.py.
 from dataclasses import dataclass
 
 from megalite.config.field import MEGALITE, arg
+from megalite.model.config import RECOMPUTE_MODULES
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -100,13 +101,54 @@ class RecomputeArgs:
     recompute_activations: bool = arg(
         False, "Selective recompute of core attention (same as --recompute-granularity selective).")
     recompute_granularity: str | None = arg(
-        None, "full: recompute whole layers; selective: core attention only.",
+        None, "full: recompute whole layers; selective: the --recompute-modules (default core attention).",
         choices=("full", "selective"))
     recompute_method: str | None = arg(
         None, "With full recompute: uniform (groups of --recompute-num-layers) or block (the "
         "first --recompute-num-layers of each stage). Default uniform.", choices=("uniform", "block"))
     recompute_num_layers: int | None = arg(
         None, "With full recompute: layers per group (uniform) or per stage (block); default all.")
+    recompute_modules: list[str] | None = arg(
+        None, "With selective recompute, what is recomputed (default core_attn): core_attn, mlp (dense MLPs), moe "
+        "(whole MoE layers), shared_experts, layernorm and moe_act (their outputs recomputed instead of kept); "
+        "Megatron's mla_up_proj and its gated-delta-net and hyper-connection modules are refused.")
+
+
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                              "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+
+
+def check_recompute_modules(args, fail) -> None:
+    """Megatron's checks of --recompute-modules (TransformerConfig.__post_init__, selective
+    recompute only), then the modules megalite's layers do not have."""
+    modules = args.recompute_modules
+    if modules is None or args.recompute_granularity != "selective":
+        return  # without selective recompute Megatron ignores them (a start-up line says so)
+    if unknown := [m for m in modules if m not in MEGATRON_RECOMPUTE_MODULES]:
+        fail(f"--recompute-modules {unknown[0]}: unknown module (Megatron's: {', '.join(MEGATRON_RECOMPUTE_MODULES)})")
+    if "moe_act" in modules and not args.moe_grouped_gemm:
+        fail("--recompute-modules moe_act needs --moe-grouped-gemm (as in Megatron)")
+    if "mla_up_proj" in modules and not args.multi_latent_attention:
+        fail("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)")
+    discarding = [m for m in modules if m in ("layernorm", "moe_act")]
+    if discarding and args.torch_compile:
+        fail(f"--recompute-modules {discarding[0]} with --torch-compile: its output-discarding hooks "
+             "(saved-tensor hooks) run eagerly only; give it without --torch-compile")
+    if missing := [m for m in modules if m not in RECOMPUTE_MODULES]:
+        fail(f"--recompute-modules {missing[0]}: not implemented in megalite (it recomputes "
+             f"{', '.join(RECOMPUTE_MODULES)})")
+
+
+def recompute_modules_of(args) -> tuple:
+    """The GPTConfig's recompute_modules: Megatron's default core_attn when none are given."""
+    return ("core_attn",) if args.recompute_modules is None else tuple(args.recompute_modules)
+
+
+def recompute_notes(args) -> list[str]:
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        return [f"--recompute-modules {' '.join(args.recompute_modules)}: no effect without --recompute-granularity "
+                "selective (as in Megatron)"]
+    return []
 
 
 @dataclass

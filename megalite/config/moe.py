@@ -36,7 +36,7 @@ class MoEArgs:
     moe_router_load_balancing_type: str = arg(
         "aux_loss", "Load-balancing loss.",
         choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"),
-        unsupported=("global_aux_loss", "sinkhorn", "quantile_balancing"))
+        unsupported=("global_aux_loss", "quantile_balancing"))
     moe_aux_loss_coeff: float = arg(0.0, "Coefficient of the load-balancing loss.")
     moe_z_loss_coeff: float | None = arg(None, "Coefficient of the router z-loss.")
     moe_router_enable_expert_bias: bool = arg(
@@ -50,7 +50,8 @@ class MoEArgs:
     moe_grouped_gemm: bool = arg(False, "Local experts as one grouped matmul (torch._grouped_mm where "
                                         "the device has it, a loop of matmuls otherwise).")
     moe_token_dispatcher_type: str = arg(
-        "allgather", "How tokens reach their experts' ranks.", choices=TOKEN_DISPATCHERS, unsupported=("flex",))
+        "allgather", "How tokens reach their experts' ranks (flex: Megatron's DeepEP/HybridEP kernels, served by "
+        "megalite's alltoall dispatcher).", choices=TOKEN_DISPATCHERS)
 
 
 def moe_config_from_args(args, ffn_hidden_size: int) -> MoEConfig | None:
@@ -68,7 +69,7 @@ def moe_config_from_args(args, ffn_hidden_size: int) -> MoEConfig | None:
         pad_to_capacity=args.moe_pad_expert_input_to_capacity, token_drop_policy=args.moe_token_drop_policy,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         shared_expert_gate=args.moe_shared_expert_gate, grouped_gemm=args.moe_grouped_gemm,
-        token_dispatcher_type=args.moe_token_dispatcher_type)
+        token_dispatcher_type="alltoall" if args.moe_token_dispatcher_type == "flex" else args.moe_token_dispatcher_type)
 
 
 def check_expert_width(args, fail) -> None:
@@ -124,6 +125,7 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         if e % groups or group_topk > groups or k % group_topk:
             fail(f"group-limited routing needs --num-experts {e} divisible by --moe-router-num-groups "
                  f"{groups}, --moe-router-group-topk {group_topk} <= groups and dividing --moe-router-topk {k}")
+    _check_sinkhorn(args, fail)
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
@@ -134,6 +136,26 @@ def check_moe_args(args, fail, world_size: int | None = None) -> None:
         MoEConfig(num_experts=e, ffn_hidden_size=1, layer_freq=args.moe_layer_freq).layer_pattern(args.num_layers or 1)
     except ValueError as err:
         fail(str(err))
+
+
+def _check_sinkhorn(args, fail) -> None:
+    """Megatron's sinkhorn routing asserts a zero --moe-aux-loss-coeff and takes no score
+    function, pre-softmax, scaling, grouping or expert bias (its own sigmoid for top-1, else
+    softmax): megalite refuses those rather than ignore them."""
+    if args.moe_router_load_balancing_type != "sinkhorn":
+        return
+    if args.moe_aux_loss_coeff:
+        fail(f"--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff (got "
+             f"{args.moe_aux_loss_coeff}; Megatron asserts it is 0)")
+    ignored = [flag for flag, given in (
+        ("--moe-router-score-function", args.moe_router_score_function != "softmax"),
+        ("--moe-router-pre-softmax", args.moe_router_pre_softmax),
+        ("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor is not None),
+        ("--moe-router-group-topk", args.moe_router_group_topk is not None),
+        ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias)) if given]
+    if ignored:
+        fail(f"{ignored[0]} has no effect with --moe-router-load-balancing-type sinkhorn (its scores are "
+             "sigmoid for top-1, else softmax, as in Megatron): give one of them")
 
 
 def _check_dense_expert_tensor_parallel(args, fail, world_size: int | None) -> None:

@@ -25,6 +25,8 @@ from megalite.config.megatron.checkpoint import checkpoint_flag_notes
 from megalite.config.megatron.data import megatron_data_notes
 from megalite.config.megatron.fim import fim_notes, fim_transform_from_args
 from megalite.config.megatron.logs import megatron_logging_notes
+from megalite.config.megatron.engine import engine_notes
+from megalite.config.model import recompute_notes
 from megalite.config.megatron.model import start_up_notes, tokenizer_from_args
 from megalite.config.megatron.training import (cuda_graph_impl_of, cuda_graph_scope_of,
                                                          interleaved_group_size, megatron_training_notes,
@@ -353,7 +355,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
             + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
             + mup_notes(args) + dist_opt_notes(args)
-            + mla_notes(args) + fp8_notes(args))
+            + mla_notes(args) + fp8_notes(args) + engine_notes(args) + recompute_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:

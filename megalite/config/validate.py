@@ -20,12 +20,14 @@ from megalite.config.fp8 import check_fp8_args
 from megalite.config.megatron.checkpoint import check_megatron_checkpoint_args
 from megalite.config.megatron.data import apply_megatron_data_args
 from megalite.config.megatron.fim import check_fim_args
+from megalite.config.megatron.engine import check_engine_args
 from megalite.config.megatron.logs import check_megatron_logging_args
 from megalite.config.megatron.model import check_megatron_model_args
 from megalite.config.megatron.training import (apply_pipeline_split_accounting,
                                                            check_megatron_training_args, finish_batch_args,
                                                            interleaved_group_size, split_accounting)
 from megalite.config.mla import check_mla_args
+from megalite.config.model import check_recompute_modules
 from megalite.config.moe import check_expert_width, check_moe_args
 from megalite.config.mup import check_mup_args
 from megalite.config.muon import check_muon_args
@@ -368,6 +370,8 @@ def validate_args(args, world_size: int):
     layout = layout_from_args(args, world_size)
     layers_per_chunk = _check_pipeline(args, layout)
     _check_recompute(args, layers_per_chunk)
+    check_recompute_modules(args, _fail)
+    check_engine_args(args, _fail)
     _check_parallel(args, layout)
     check_megatron_training_args(args, world_size, _fail)
     _check_batch(args, layout)

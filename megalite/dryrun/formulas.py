@@ -70,9 +70,11 @@ def layers_in_flight(schedule: str, pipeline_size: int, pp_rank: int, num_microb
 def korthikanti_activation_bytes(args, config, tp_size: int, cp_size: int, pp_rank: int,
                                  chunk_layers: list[int]) -> int | None:
     """formulas.md's activation bytes for this rank (None for fp32 activations: the formula
-    counts 16-bit ones)."""
+    counts 16-bit ones; None for --recompute-modules other than core_attn alone)."""
     if not (args.bf16 or args.fp16):
         return None
+    if config.recompute_granularity == "selective" and config.recompute_modules != ("core_attn",):
+        return None  # the formula knows selective recompute of core attention alone (--recompute-modules)
     s = args.seq_length // cp_size
     per_layer = activation_bytes_per_layer(
         s, args.micro_batch_size, config.hidden_size, config.num_attention_heads,

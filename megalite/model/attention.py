@@ -138,7 +138,7 @@ class SelfAttention(nn.Module):
             context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
             return self.linear_proj(context)
         q, k, v = _without_partial_views(qkv, q, k, v)
-        if self.config.recompute_granularity == "selective":
+        if self.config.recomputes("core_attn"):
             # The tracker matters only when attention dropout draws from it (core_attention).
             forks = self.training and self.config.attention_dropout > 0
             context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)

@@ -11,6 +11,8 @@ from megalite.parallel.state import ParallelLayout
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 UNFUSABLE_OPS = ("bias_gelu", "swiglu", "rotary", "cross_entropy")
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act")
+"""The --recompute-modules megalite's layers recompute (Megatron's names)."""
 
 @dataclass
 class GPTConfig:
@@ -81,6 +83,10 @@ class GPTConfig:
     """Split norms, dropouts and residuals along the sequence over the TP group."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (core attention only)."""
+    recompute_modules: tuple = ("core_attn",)
+    """With selective recompute, the submodules recomputed in backward (--recompute-modules):
+    core_attn, mlp (dense MLPs), moe (whole MoE layers), shared_experts, layernorm and moe_act
+    (their outputs, which the next module would save, recomputed instead); see recomputes()."""
     recompute_method: str = "uniform"
     """With full recompute: 'uniform' or 'block' (--recompute-method)."""
     recompute_num_layers: int | None = None
@@ -144,6 +150,10 @@ class GPTConfig:
     extra: dict = field(default_factory=dict)
     """Free-form metadata carried along (tokenizer files, source model); not used by layers."""
 
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (a --recompute-modules name)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
+
     def __post_init__(self):
         # Shapes no layout can build, refused before the defaults below derive from them;
         # the checks that depend on the TP and PP sizes run when a GPTModel is built.
@@ -177,6 +187,9 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"GPTConfig.unfused_kernels: unknown ops {sorted(unknown)} (known: {UNFUSABLE_OPS})")
         self.unfused_kernels = tuple(op for op in UNFUSABLE_OPS if op in self.unfused_kernels)  # one order
+        self.recompute_modules = tuple(self.recompute_modules)  # a list from a config file
+        if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
+            raise ValueError(f"GPTConfig.recompute_modules: unknown modules {sorted(unknown)} (known: {RECOMPUTE_MODULES})")
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -130,7 +130,7 @@ class MLASelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             return self.linear_proj(self.core_attention(q, k, v, kv_cache.attention_mask(q.shape[0], q.device)))
-        if self.config.recompute_granularity == "selective":
+        if self.config.recomputes("core_attn"):
             forks = self.training and self.config.attention_dropout > 0
             context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
         else:

@@ -18,6 +18,7 @@ from torch import nn
 from megalite import kernels
 from megalite.model.mlp import MLP
 from megalite.model.moe_router import TopKRouter
+from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel import comm
 from megalite.parallel.expert.collectives import gather_rows, scatter_rows
 from megalite.parallel.expert.dispatch import build_dispatcher
@@ -77,11 +78,16 @@ class LocalExperts(nn.ModuleDict):
         share of each output, summed over the ETP group by the dispatcher's combine."""
         grouped = self.config.moe.grouped_gemm
         hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, grouped)
+        if not (self.config.recomputes("moe_act") and self.training and torch.is_grad_enabled()):
+            return grouped_mm(self._activation(hidden), self._stacked("linear_fc2"), counts, grouped)
+        activated = RecomputedOutput(self._activation, hidden)  # --recompute-modules moe_act
+        with activated.consumers() as h:
+            return grouped_mm(h, self._stacked("linear_fc2"), counts, grouped)
+
+    def _activation(self, hidden):
         if self.config.activation == "swiglu":
-            hidden = kernels.swiglu(hidden, impl=self.config.kernel_impl)
-        else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
-        return grouped_mm(hidden, self._stacked("linear_fc2"), counts, grouped)
+            return kernels.swiglu(hidden, impl=self.config.kernel_impl)
+        return F.gelu(hidden, approximate="tanh" if self.config.activation == "openai_gelu" else "none")
 
 
 class SharedExpert(MLP):
@@ -142,7 +148,7 @@ class MoELayer(nn.Module):
         logits = self.router.gating(tokens)
         if sequence_parallel:
             logits = gather_rows(logits, [s * b] * tp, tp_group, grad_is_partial=False)
-        probs, routing_map = self.router.route(logits, logits.shape[0] // b, b)
+        probs, routing_map = self.router.route(logits, logits.shape[0] // b, b, tp if sequence_parallel else 1)
         if tp > 1:  # this rank's share of the TP group's rows (its own under sequence parallelism)
             sizes = [logits.shape[0] // tp + (r < logits.shape[0] % tp) for r in range(tp)]
             start = sum(sizes[:comm.group_rank(tp_group)])
@@ -157,7 +163,8 @@ class MoELayer(nn.Module):
             out = gather_rows(out, sizes, tp_group, grad_is_partial=False)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.config.recomputes("shared_experts") and self.training and torch.is_grad_enabled()
+            out = out + (checkpointed(self.shared_experts, None, x) if shared else self.shared_experts(x))
         return out
 
 

@@ -74,6 +74,40 @@ def topk_routing(logits, moe, expert_bias=None):
     return torch.zeros_like(logits).scatter(1, indices, probs), routing_map
 
 
+def sinkhorn(cost, tol: float = 1e-4):
+    """The doubly-normalised assignment exp(cost) * d0 d1^T whose rows each sum to 1/T and
+    whose columns approach 1/E (Sinkhorn-Knopp, iterated until the column scales change by
+    less than `tol` on average; S-BASE's balancing as Megatron-Core's moe_utils.sinkhorn)."""
+    weights = torch.exp(cost)
+    tokens, experts = weights.shape
+    row_scale = torch.ones(tokens, dtype=weights.dtype, device=weights.device)
+    col_scale = torch.ones(experts, dtype=weights.dtype, device=weights.device)
+    change = math.inf
+    while change > tol:
+        row_scale = (1 / tokens) * 1 / (torch.sum(col_scale * weights, 1) + 1e-8)
+        new_col_scale = (1 / experts) * 1 / (torch.sum(row_scale.unsqueeze(1) * weights, 0) + 1e-8)
+        change = torch.mean(torch.abs(col_scale - new_col_scale))
+        col_scale = new_col_scale
+    return col_scale * weights * row_scale.unsqueeze(1)
+
+
+def sinkhorn_routing(logits, topk: int, balance: bool, parts: int = 1):
+    """(probs [T, E], routing_map [T, E]) of --moe-router-load-balancing-type sinkhorn: with
+    `balance` (training) each token's top-k of the Sinkhorn-balanced fp32 logits, else of its
+    scores; the probabilities are the scores (sigmoid for top-1, else softmax over all
+    experts) at the chosen experts, not renormalised. Sinkhorn balances each of `parts`
+    consecutive row blocks alone (Megatron routes each sequence-parallel rank's rows alone)."""
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    with torch.no_grad():
+        if balance:
+            balanced = torch.cat([sinkhorn(part.float()) for part in logits.detach().chunk(parts)])
+            indices = balanced.topk(topk, dim=1).indices
+        else:
+            indices = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return scores * routing_map, routing_map
+
+
 def expert_capacity(num_tokens: int, moe) -> int:
     return math.ceil(num_tokens * moe.router_topk / moe.num_experts * moe.capacity_factor)
 
@@ -184,9 +218,11 @@ class TopKRouter(nn.Module):
         return "seq_load_balancing_loss", seq_aux_loss(scores.view(seq_length, batch, -1), counts,
                                                        seq_length * cp, moe.router_topk, moe.aux_loss_coeff)
 
-    def route(self, logits, seq_length: int, batch: int):
+    def route(self, logits, seq_length: int, batch: int, sequence_parts: int = 1):
         """(probs [T, E], routing_map bool [T, E]) of logits [T, E] for tokens in [seq, batch]
-        order, attaching the auxiliary losses to the graph when training."""
+        order, attaching the auxiliary losses to the graph when training. `sequence_parts`:
+        the sequence-parallel ranks whose rows the logits concatenate (sinkhorn balances each
+        rank's rows alone, as Megatron routes them)."""
         moe, cp = self.moe, comm.group_size(self.cp_group)
         training = self.training and torch.is_grad_enabled()
         # Megatron's per-token mode: x the micro-batch's tokens (on one model replica, all CP ranks')
@@ -195,10 +231,13 @@ class TopKRouter(nn.Module):
             loss = z_loss(logits, moe.z_loss_coeff)
             self._log("z_loss", loss / moe.z_loss_coeff)
             logits = AttachLoss.apply(logits, loss / cp, scale)
-        probs, routing_map = topk_routing(logits, moe, self.expert_bias)
+        if moe.load_balancing_type == "sinkhorn":  # Megatron balances in training mode, grad or not
+            probs, routing_map = sinkhorn_routing(logits, moe.router_topk, self.training, sequence_parts)
+        else:
+            probs, routing_map = topk_routing(logits, moe, self.expert_bias)
         if moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, moe)
-        if training and moe.load_balancing_type != "none" and moe.aux_loss_coeff:
+        if training and moe.load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.aux_loss_coeff:
             name, loss = self._balancing_loss(logits, seq_length, batch)
             self._log(name, loss * cp / moe.aux_loss_coeff)
             probs = AttachLoss.apply(probs, loss, scale)

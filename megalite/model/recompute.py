@@ -2,6 +2,7 @@
 
 import contextlib
 
+import torch
 import torch.utils.checkpoint
 
 
@@ -42,3 +43,46 @@ def checkpointed(fn, tracker, *args):
     if torch.compiler.is_compiling():
         return _checkpoint_with_tracker_eager(fn, tracker, *args)
     return _checkpoint_with_tracker(fn, tracker, *args)
+
+
+class RecomputedOutput:
+    """fn(*inputs), whose result the modules after it do not keep for backward: while
+    `consumers()` is open, a tensor they save that is the result (or a view of it) is stored
+    as its shape and offsets, and rebuilt by running fn again on the same inputs when backward
+    needs it (Megatron's output-discarding checkpoint of --recompute-modules layernorm and
+    moe_act). fn must be deterministic (no dropout); its own backward keeps what it saved."""
+
+    def __init__(self, fn, *inputs):
+        self.fn, self.inputs = fn, inputs
+        self.output = fn(*inputs)
+        out = self.output
+        # A fresh contiguous result can be rebuilt with the same layout; anything else is kept.
+        self._discardable = out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0
+        self._storage = out.untyped_storage().data_ptr()
+        self._rebuilt = None
+
+    def _pack(self, saved):
+        if self._discardable and saved.untyped_storage().data_ptr() == self._storage \
+                and saved.dtype == self.output.dtype:
+            return (self, saved.size(), saved.stride(), saved.storage_offset())
+        return saved
+
+    @staticmethod
+    def _unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        self, size, stride, offset = packed
+        if self._rebuilt is None:
+            with torch.no_grad():
+                self._rebuilt = self.fn(*(x.detach() for x in self.inputs))
+        return self._rebuilt.as_strided(size, stride, offset)
+
+    @contextlib.contextmanager
+    def consumers(self):
+        """The region whose saved copies of `output` are rebuilt instead of kept; `output` is
+        released at its end (the caller's references should end there too)."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self.output
+        finally:
+            self.output = None

@@ -1,5 +1,6 @@
 """A pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -8,6 +9,7 @@ from megalite.model.mla import MLASelfAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import build_norm
+from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel.random import rng_fork_if
 
 
@@ -36,5 +38,24 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x, rotary=None, attention_mask=None, inference_cache=None):
         kv_cache = None if inference_cache is None else inference_cache.layer(self.layer_number)
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache), x)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        x = self._dropout_add(self._after_norm(self.input_layernorm, self.self_attention, x, rotary, attention_mask,
+                                               kv_cache), x)
+        return self._dropout_add(self._after_norm(self.pre_mlp_layernorm, self._mlp, x), x)
+
+    def _recomputes(self, module: str) -> bool:
+        return self.config.recomputes(module) and self.training and torch.is_grad_enabled()
+
+    def _after_norm(self, norm, module, x, *args):
+        """module(norm(x), *args); with --recompute-modules layernorm the norm's output is not kept
+        for backward but recomputed from x (which the norm keeps anyway)."""
+        if not self._recomputes("layernorm"):
+            return module(norm(x), *args)
+        normed = RecomputedOutput(norm, x)
+        with normed.consumers() as h:
+            return module(h, *args)
+
+    def _mlp(self, h):
+        """The MLP, or with --recompute-modules mlp (dense) / moe (MoE layer) recomputed in backward."""
+        if self._recomputes("moe" if isinstance(self.mlp, MoELayer) else "mlp"):
+            return checkpointed(self.mlp, None, h)  # no random draws inside
+        return self.mlp(h)

@@ -67,9 +67,12 @@ def test_expert_grid_over_tensor_and_context_ranks():
     (MOE + " --moe-shared-expert-gate", 1, ["--moe-shared-expert-intermediate-size"]),
     (MOE + " --moe-layer-freq [1,0]", 1, ["--moe-layer-freq", "4 layers"]),
     (MOE + " --moe-layer-freq os.system", 1, ["--moe-layer-freq"]),
-    (MOE + " --moe-token-dispatcher-type flex", 1, ["--moe-token-dispatcher-type", "flex"]),
+    (MOE + " --moe-token-dispatcher-type flex --moe-pad-expert-input-to-capacity --moe-expert-capacity-factor 1", 1,
+     ["--moe-token-dispatcher-type flex", "deepep", "--moe-pad-expert-input-to-capacity"]),
     (MOE + " --moe-router-score-function sqrtsoftplus", 1, ["--moe-router-score-function"]),
-    (MOE + " --moe-router-load-balancing-type sinkhorn", 1, ["--moe-router-load-balancing-type"]),
+    (MOE + " --moe-router-load-balancing-type quantile_balancing", 1, ["--moe-router-load-balancing-type"]),
+    (MOE + " --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.1", 1, ["sinkhorn",
+                                                                                      "--moe-aux-loss-coeff"]),
     (MOE + " --moe-aux-loss-coeff -1", 1, ["--moe-aux-loss-coeff"]),
 ])
 def test_refused_naming_the_flag(extra, world, words):

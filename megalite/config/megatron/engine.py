@@ -1,0 +1,166 @@
+"""Megatron's kernel-fusion, Transformer Engine, communication-schedule and logging switches
+(the ones its MoE functional tests give): each leaves the model's math unchanged in Megatron,
+so megalite accepts it with one start-up line saying how it serves it (`engine_notes`), or
+refuses it by name where it cannot (`check_engine_args`). Nothing is accepted silently.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from megalite.config.field import arg
+from megalite.config.megatron.training import _check_cuda_graphs, cuda_graph_impl_of
+
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                   "fused_group_mlp", "gdp_qkv")
+
+
+@dataclass
+class MegatronEngineArgs:
+    """Fusions, Transformer Engine switches, MoE communication schedules, logging level."""
+
+    moe_permute_fusion: bool = arg(
+        False, "Megatron: Transformer Engine's fused token permutation in the MoE dispatcher. megalite "
+        "permutes with torch index operations (same rows, same order).")
+    moe_router_fusion: bool = arg(
+        False, "Megatron: Transformer Engine's fused top-k routing and auxiliary-loss kernels. megalite's "
+        "router computes the same in plain torch.")
+    moe_flex_dispatcher_backend: str = arg(
+        "deepep", "Megatron: the kernels of --moe-token-dispatcher-type flex (DeepEP, HybridEP or NCCL EP, "
+        "which need multi-GPU NVLink nodes). megalite serves flex with its all-to-all dispatcher.",
+        choices=FLEX_BACKENDS)
+    overlap_moe_expert_parallel_comm: bool = arg(
+        False, "Megatron: overlap one micro-batch's expert-parallel all-to-alls with another's compute (a "
+        "schedule; the math is unchanged). megalite runs them in order.")
+    delay_wgrad_compute: bool = arg(
+        False, "Megatron: with --overlap-moe-expert-parallel-comm, compute weight gradients after the "
+        "data gradients (a schedule; the math is unchanged). megalite computes them together.")
+    use_transformer_engine_op_fuser: bool = arg(
+        False, "Megatron: Transformer Engine's operation fuser for some submodules. megalite uses its own "
+        "kernels (same math).")
+    te_rng_tracker: bool = arg(
+        False, "Megatron: Transformer Engine's CUDA-graph-safe RNG tracker. megalite keeps its own tracker "
+        "of the tensor-parallel RNG streams.")
+    enable_experimental: bool = arg(
+        False, "Megatron: let code marked experimental run. megalite gates no feature behind it.")
+    logging_level: int | None = arg(
+        None, "Level of the root Python logger (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR), as Megatron's.")
+    no_use_layer_wise_param_layout: bool = arg(
+        False, "Megatron: the legacy parameter layout of its layer-wise distributed optimizer (--optimizer "
+        "dist_muon), which megalite does not have.")
+    cuda_graph_modules: list[str] | None = arg(
+        None, "Megatron's new name of --cuda-graph-scope (what the CUDA graphs capture): served as that.")
+    fine_grained_activation_offloading: bool = arg(
+        False, "Megatron: offload the inputs of --offload-modules to CPU memory: refused (not in megalite).")
+    offload_modules: list[str] | None = arg(
+        None, f"Megatron: the modules of --fine-grained-activation-offloading ({', '.join(OFFLOAD_MODULES)}).")
+    outer_dp_sharding_strategy: str | None = arg(
+        None, "Megatron-FSDP's hybrid sharding (HSDP): the outer data-parallel group's strategy, no_shard "
+        "(Megatron's default) or optim. megalite has no HSDP, so only no_shard, which then changes nothing.",
+        choices=("no_shard", "optim"))
+
+
+def _renamed(fail):
+    return lambda message: fail(message.replace("--cuda-graph-scope", "--cuda-graph-modules"))
+
+
+def check_engine_args(args, fail) -> None:
+    """Megatron's own refusals of these flags (TransformerConfig.__post_init__, validate_args),
+    then what megalite cannot serve; fills --cuda-graph-scope from --cuda-graph-modules."""
+    if args.cuda_graph_modules is not None:
+        if args.cuda_graph_scope not in (None, list(args.cuda_graph_modules)):  # equal: validated before
+            fail("--cuda-graph-modules and --cuda-graph-scope (its deprecated name) contradict each other (give one)")
+        args.cuda_graph_scope = list(args.cuda_graph_modules)
+        _check_cuda_graphs(args, _renamed(fail))
+    if args.logging_level is not None and args.logging_level < 0:
+        fail(f"--logging-level must not be negative, got {args.logging_level}")
+    if args.moe_flex_dispatcher_backend == "ncclep" and args.moe_token_dispatcher_type != "flex":
+        fail("--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex (as in Megatron)")
+    if args.moe_token_dispatcher_type == "flex" and args.moe_pad_expert_input_to_capacity \
+            and args.moe_flex_dispatcher_backend == "deepep":
+        fail("--moe-token-dispatcher-type flex with the deepep backend does not pad to capacity "
+             "(--moe-pad-expert-input-to-capacity), as in Megatron")
+    if args.overlap_moe_expert_parallel_comm:
+        _check_expert_overlap(args, fail)
+    if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
+        fail("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as in Megatron)")
+    if args.fine_grained_activation_offloading or args.offload_modules:
+        flag = "--fine-grained-activation-offloading" if args.fine_grained_activation_offloading else "--offload-modules"
+        fail(f"{flag}: not implemented in megalite (it needs the named modules' saved activations moved to CPU "
+             "memory on a side stream and back before their backward); use --recompute-modules instead")
+    if args.outer_dp_sharding_strategy == "optim":
+        fail("--outer-dp-sharding-strategy optim: Megatron-FSDP's hybrid sharding (HSDP) is not implemented in "
+             "megalite (only no_shard, which without HSDP changes nothing)")
+
+
+def _check_expert_overlap(args, fail) -> None:
+    """Megatron's asserts on --overlap-moe-expert-parallel-comm (transformer_config.py)."""
+    modules = args.recompute_modules or []
+    needs = [
+        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
+        (args.moe_token_dispatcher_type in ("alltoall", "flex"), "--moe-token-dispatcher-type alltoall or flex"),
+        (args.recompute_granularity != "full" and args.recompute_method is None
+         and args.recompute_num_layers is None, "no full recompute (--recompute-granularity full, --recompute-method, "
+                                                 "--recompute-num-layers)"),
+        ("moe" not in modules, "no moe in --recompute-modules"),
+        (args.bf16 or args.fp16, "--bf16 or --fp16"),
+        (args.pipeline_model_parallel_size == 1 or args.num_layers_per_virtual_pipeline_stage is not None
+         or args.num_virtual_stages_per_pipeline_rank is not None, "virtual pipeline stages at "
+                                                                   "--pipeline-model-parallel-size > 1"),
+        ((args.mtp_num_layers or 0) <= 1, "at most one --mtp-num-layers"),
+    ]
+    missing = [need for met, need in needs if not met]
+    if missing:
+        fail(f"--overlap-moe-expert-parallel-comm needs {missing[0]} (as in Megatron)")
+
+
+def apply_logging_level(args) -> None:
+    """--logging-level sets the root logger's level, as Megatron's initialize does."""
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
+
+
+def engine_notes(args) -> list[str]:
+    """One start-up line per flag of this family that was given."""
+    notes = []
+    said = (
+        ("moe_permute_fusion", "--moe-permute-fusion: megalite's dispatcher permutes tokens with torch index "
+         "operations (no fused permutation kernel; the same rows in the same order)"),
+        ("moe_router_fusion", "--moe-router-fusion: megalite's router computes the top-k and its losses in plain "
+         "torch (Transformer Engine's fused router kernels not used; the same math)"),
+        ("use_transformer_engine_op_fuser", "--use-transformer-engine-op-fuser: megalite's own kernels, Transformer "
+         "Engine's operation fuser not used (the same math)"),
+        ("te_rng_tracker", "--te-rng-tracker: megalite's own tracker of the tensor-parallel RNG streams, Transformer "
+         "Engine's not used (dropout masks are drawn from other streams than Megatron's)"),
+        ("enable_experimental", "--enable-experimental: megalite gates no feature behind Megatron's experimental "
+         "switch (no effect)"),
+        ("no_use_layer_wise_param_layout", "--no-use-layer-wise-param-layout: no effect without Megatron's layer-wise "
+         "distributed optimizer (--optimizer dist_muon), which megalite does not have"),
+    )
+    notes += [line for name, line in said if getattr(args, name)]
+    if args.logging_level is not None:
+        notes.append(f"--logging-level {args.logging_level}: the root Python logger's level (megalite's "
+                     f"{logging.getLevelName(args.logging_level)} and above are shown)")
+    if args.moe_token_dispatcher_type == "flex":
+        notes.append(f"--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend "
+                     f"{args.moe_flex_dispatcher_backend}): served by megalite's all-to-all dispatcher (the same tokens "
+                     "reach the same experts); DeepEP, HybridEP and NCCL EP kernels need multi-GPU NVLink nodes "
+                     "and are not used")
+    elif args.moe_flex_dispatcher_backend != "deepep":
+        notes.append(f"--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend}: no effect without "
+                     "--moe-token-dispatcher-type flex (as in Megatron)")
+    if args.overlap_moe_expert_parallel_comm:
+        notes.append("--overlap-moe-expert-parallel-comm: megalite runs each micro-batch's expert-parallel "
+                     "all-to-alls in order, without overlapping them with another micro-batch's compute (a "
+                     "schedule; the math is unchanged)")
+    if args.delay_wgrad_compute:
+        notes.append("--delay-wgrad-compute: megalite computes weight gradients with the data gradients, not "
+                     "delayed (a schedule; the math is unchanged)")
+    if args.cuda_graph_modules is not None:
+        notes.append("--cuda-graph-modules: Megatron's new name of --cuda-graph-scope, served as it"
+                     + ("" if cuda_graph_impl_of(args) != "none" else " (the --cuda-graph-scope line says why it has "
+                                                                      "no effect here)"))
+    if args.outer_dp_sharding_strategy == "no_shard":
+        notes.append("--outer-dp-sharding-strategy no_shard: Megatron's default, effective only with Megatron-FSDP's "
+                     "hybrid sharding (HSDP), which megalite does not have (no effect)")
+    return notes
