@@ -58,6 +58,8 @@ README = {
     "python -m pytest tests -n 2": Elsewhere((".ci/run",), "CI runs the README's test command as written, in a fresh "
                                         "virtual environment; this test is part of that suite"),
     'pip install -e ".[gpu]"': PIP,
+    "pip install -e .": PIP,
+    'pip install -e ".[tensorboard]"': PIP,
     'pip install -e ".[data]"': PIP,
     "python -m megalite.pretrain_gpt": Prose("names the driver; its runs are the commands below"),
     "python -m megalite.pretrain_gpt --dry-run": Prose("names the dry-run mode; run:readme-dry-run-405b runs it"),

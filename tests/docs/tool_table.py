@@ -116,14 +116,15 @@ TOOLS = {
         Run("doc-plan-yaml", needs=("readme-calibrate", "model-yaml"), slow=True,
             check=checks.printed(r"^   NPROC_PER_NODE=2 bash scripts/pretrain_gpt.sh ")),
     # tools/megatron_functional_configs.py
-    "python tools/megatron_functional_configs.py count [--verbose]":
-        Run("doc-functional-configs-count", replace=(("[--verbose]", "--verbose"),), slow=True,
-            check=checks.printed(r"^150 of 161 configs parse and validate for their own world size")),
-    "python tools/megatron_functional_configs.py extract --megatron-lm ~/Megatron-LM --output "
-    "tests/config/megatron_gpt_functional_configs.json":
-        CannotRun("needs a Megatron-LM checkout, which nothing here may download; the JSON it wrote is vendored "
-                  "and read by the count", ("tests/config/test_megatron_functional_configs.py::test_accepted_count",
-                                            "run:doc-functional-configs-count")),
+    "python tools/megatron_functional_configs.py count [--set gpt|moe] [--verbose]":
+        Run("doc-functional-configs-count", replace=(("[--set gpt|moe] [--verbose]", "--verbose"),), slow=True,
+            check=checks.printed(r"^gpt: 152 of 161 configs parse and validate for their own world size")),
+    "python tools/megatron_functional_configs.py count":
+        SameAs("doc-functional-configs-count", replace=(("count", "count [--set gpt|moe] [--verbose]"),)),
+    "python tools/megatron_functional_configs.py extract --megatron-lm ~/Megatron-LM":
+        CannotRun("needs a Megatron-LM checkout, which nothing here may download; the JSON files it wrote are "
+                  "vendored and read by the count", ("tests/config/test_megatron_functional_configs.py::test_accepted_count",
+                                                     "run:doc-functional-configs-count")),
 }
 
 BENCHMARKS = {
