@@ -35,7 +35,7 @@ def _pip_install(command: str):
     from tests.docs.commands import REPO
 
     setup = (REPO / "setup.py").read_text()
-    for extra in ",".join(re.findall(r"\.\[([\w,-]+)\]", command)).split(","):
+    for extra in [e for group in re.findall(r"\.\[([\w,-]+)\]", command) for e in group.split(",")]:
         assert re.search(rf'^\s+"{extra}": \[', setup, re.M), f'setup.py has no extra "{extra}"'
     pin = re.search(r"torch==(\S+)", command)
     assert pin is None or torch.__version__.split("+")[0] == pin[1], (command, torch.__version__)
