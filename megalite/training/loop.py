@@ -113,7 +113,8 @@ class Trainer:
         writers closed, and nothing but collectable references left on the model and its
         process groups (remove_grad_hooks), so that dropping the run frees them."""
         self.finish_pending_save()
-        self.run.optimizer.finish_param_sync()
+        if self.run.optimizer is not None:  # --skip-train builds none
+            self.run.optimizer.finish_param_sync()
         for chunk in self.run.chunks:
             if isinstance(chunk, DistributedDataParallel):
                 chunk.remove_grad_hooks()
