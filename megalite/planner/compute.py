@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from megalite.parallel.expert.groups import ExpertLayout
 from megalite.planner.cluster import Cluster
-from megalite.planner.gpu_kernels import (accumulation_bytes, attention_seconds, embedding_seconds, measured_layer,
+from megalite.planner.gpu_kernels import (accumulated_parameters, accumulation_bytes, attention_seconds, embedding_seconds, measured_layer,
                                           output_seconds)
 from megalite.planner.layouts import Layout
 from megalite.planner.parameters import layer_parameters
@@ -202,7 +202,7 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     groups = groups_of(layout)
     times = ChunkTimes()
     dense, core = _layer_gemms(cluster, workload, layout, tokens, moe_layer)
-    accumulate = accumulation_bytes(workload, sum(layer_parameters(config, layer, layout.tp, layout.ep)))
+    accumulate = accumulation_bytes(workload, accumulated_parameters(workload, layer, layout))
     if cluster.kernels is not None:
         count = sum(1 for *_, kind in layer_gemms(workload, layout, tokens, moe_layer) if kind != "core")
         times = ChunkTimes.of(*measured_layer(cluster, workload, layout, tokens, moe_layer, (dense, core, count),
@@ -262,7 +262,8 @@ def output_times(cluster: Cluster, workload: Workload, layout: Layout) -> ChunkT
     tokens = layout.micro_batch_size * workload.seq_length / layout.cp
     vocab = config.padded_vocab_size(t) / t
     untied = config.untie_embeddings_and_output_weights or layout.pp > 1 or layout.vp > 1
-    accumulate = accumulation_bytes(workload, vocab * config.hidden_size) if untied else 0.0
+    fused = workload.gradient_accumulation_fusion  # the output layer's weight gradient accumulates in its GEMM
+    accumulate = accumulation_bytes(workload, vocab * config.hidden_size) if untied and not fused else 0.0
     gemm = gemm_time(cluster, tokens, config.hidden_size, vocab, e)
     if cluster.kernels is not None:
         times = ChunkTimes.of(output_seconds(cluster, workload, layout, tokens, vocab, accumulate, gemm), gemm)

@@ -38,7 +38,7 @@ ISSUE23_PROFILE-style table, with the date, the GPU and the versions.
 
 from megalite.planner.cluster import Cluster
 from megalite.planner.layouts import Layout
-from megalite.planner.parameters import layer_parameters
+from megalite.planner.parameters import fused_linear_weights, layer_parameters
 from megalite.planner.workload import Workload
 
 # Bytes a torch reference moves, in units of its output's size (swiglu: the activation's, half
@@ -134,10 +134,9 @@ def layer_traffic(workload: Workload, layout: Layout, tokens: float, moe_layer: 
     copies = (q * grouped + (kv if new_q and not new_k else 0) + (kv if new_q or new_k else 0)) * tokens
     traffic.move("torch", 2 * e * copies, 0.0)
     traffic.call("aten", grouped + (new_q and not new_k) + (new_q or new_k), 0)
-    # autograd assembles the QKV gradient from its slices: three zeroed full-size gradients
-    # written with one slice each, read with the slice gradients, summed by two adds
-    traffic.move("torch", 0.0, 10 * e * tokens * (q + 2 * kv))
-    traffic.call("aten", 0, 5)
+    # the QKV gradient is assembled from the three slice gradients by one cat (SplitGroupedQKV)
+    traffic.move("torch", 0.0, 2 * e * tokens * (q + 2 * kv))
+    traffic.call("aten", 0, 1)
     if config.add_bias_linear:  # the row-parallel biases added after the reduction; bias gradients
         traffic.move("torch", 2 * 2 * e * tokens * h / split, e * tokens * (q + 2 * kv + 2 * h / split))
         traffic.call("aten", 2, 3)
@@ -252,13 +251,15 @@ def output_traffic(workload: Workload, layout: Layout, tokens: float, vocab: flo
 
 def embedding_traffic(workload: Workload, layout: Layout, tokens: float, vocab: float) -> Traffic:
     """The lookup (and the embedding dropout), and the dense gradient of the table; a table the
-    output layer shares on this stage gets two gradients, which autograd adds."""
+    output layer shares on this stage gets two gradients, which autograd adds (unless gradient
+    accumulation fusion adds the output layer's into main_grad in its GEMM)."""
     config, e = workload.config, workload.activation_bytes
     h = config.hidden_size
     traffic = Traffic()
     traffic.move("torch", 2 * e * tokens * h, e * (tokens * h + vocab * h))
     traffic.call("aten", 1, 1)
-    if not config.untie_embeddings_and_output_weights and layout.pp == 1 and layout.vp == 1:
+    tied = not config.untie_embeddings_and_output_weights and layout.pp == 1 and layout.vp == 1
+    if tied and not workload.gradient_accumulation_fusion:  # fused, the output layer's share goes to main_grad
         traffic.move("torch", 0.0, 3 * e * vocab * h)
         traffic.call("aten", 0, 1)
     if config.position_embedding_type == "learned_absolute":  # the position lookup, added
@@ -300,6 +301,14 @@ def embedding_seconds(cluster: Cluster, workload: Workload, layout: Layout, toke
     return [("memory-bound", gpu_f, gpu_b)]
 
 
+def accumulated_parameters(workload: Workload, layer: int, layout: Layout) -> float:
+    """Parameters of transformer layer `layer` on one rank whose gradients the DDP hook adds into
+    main_grad (the rest are accumulated inside their GEMM under gradient accumulation fusion)."""
+    config = workload.config
+    total = sum(layer_parameters(config, layer, layout.tp, layout.ep))
+    return total - fused_linear_weights(config, layer, layout.tp) * workload.gradient_accumulation_fusion
+
+
 def accumulation_bytes(workload: Workload, num_params: float) -> float:
     """Bytes of adding one micro-batch's weight gradients into the main-gradient buffers."""
     weight, grad = (4, 4) if workload.precision == "fp32" else (2, 2) if workload.precision == "fp16" else (2, 4)
@@ -319,11 +328,15 @@ def step_traffic(workload: Workload, layout: Layout) -> dict:
     for layer in range(config.num_layers):
         moe = config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers)
         piece = layer_traffic(workload, layout, tokens, moe)
-        piece.move("torch", 0.0, accumulation_bytes(workload, sum(layer_parameters(config, layer, layout.tp, layout.ep))))
+        piece.move("torch", 0.0, accumulation_bytes(workload, accumulated_parameters(workload, layer, layout)))
         _add(total, piece)
     _add(total, output_traffic(workload, layout, tokens, vocab))
     _add(total, embedding_traffic(workload, layout, tokens, vocab))
-    tables = (1 + bool(config.untie_embeddings_and_output_weights)) * vocab * config.hidden_size
+    # the embedding's gradient is added by the hook; an untied output layer's is fused
+    untied_unfused = config.untie_embeddings_and_output_weights and not workload.gradient_accumulation_fusion
+    tables = (1 + untied_unfused) * vocab * config.hidden_size
+    if config.position_embedding_type == "learned_absolute":
+        tables += config.max_position_embeddings * config.hidden_size
     total.move("torch", 0.0, accumulation_bytes(workload, tables + config.hidden_size))  # and the final norm's
     steps = layout.num_microbatches(workload.global_batch_size)
     return {kind: [steps * pair[0], steps * pair[1]] for kind, pair in total.bytes.items()}

@@ -54,6 +54,21 @@ def layer_parameters(config: GPTConfig, layer: int, t: int, ep: int = 1) -> tupl
     return dense, expert
 
 
+def fused_linear_weights(config: GPTConfig, layer: int, t: int) -> int:
+    """The weights of transformer layer `layer` on one TP rank whose gradients
+    --gradient-accumulation-fusion accumulates inside the weight-gradient GEMM: the column- and
+    row-parallel linears of standard attention, of a dense MLP and of a shared expert (routed
+    experts, the router, norms, biases and multi-latent attention's projections keep the hook's add)."""
+    h, d = config.hidden_size, config.kv_channels
+    q, kv = config.num_attention_heads * d, config.num_query_groups * d
+    attention = 0 if config.mla is not None else h * (q + 2 * kv) // t + q * h // t
+    moe = config.moe
+    if moe is None or not moe.is_moe_layer(layer, config.num_layers):
+        return attention + _mlp(config, config.ffn_hidden_size, t, False)
+    return attention + (_mlp(config, moe.shared_expert_intermediate_size, t, False)
+                        if moe.shared_expert_intermediate_size else 0)
+
+
 def chunk_parameters(config: GPTConfig, t: int, p: int, v: int, rank: int, chunk: int,
                      ep: int = 1, split: dict | None = None) -> tuple[int, int]:
     """(dense, expert) parameters of model chunk `chunk` of pipeline rank `rank` (`split`:

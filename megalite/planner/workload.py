@@ -42,6 +42,9 @@ class Workload:
     """--account-for-embedding-in-pipeline-split among the model's flags."""
     account_for_loss: bool = False
     """--account-for-loss-in-pipeline-split among the model's flags."""
+    gradient_accumulation_fusion: bool = True
+    """Linear weight gradients accumulated into main_grad inside their GEMM (Megatron's default;
+    off with --no-gradient-accumulation-fusion or --torch-compile among the model's flags)."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -130,7 +133,9 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
         i += 1 + takes_value
     return Workload(config, args.seq_length, batch, precision, flash, flags, source="flags",
                     account_for_embedding=args.account_for_embedding_in_pipeline_split,
-                    account_for_loss=args.account_for_loss_in_pipeline_split)
+                    account_for_loss=args.account_for_loss_in_pipeline_split,
+                    gradient_accumulation_fusion=args.gradient_accumulation_fusion is not False
+                    and not args.torch_compile)
 
 
 def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:

