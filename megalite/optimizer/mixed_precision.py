@@ -327,6 +327,24 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
                                      device=main.device if on_device else "cpu")}
 
 
+def check_chunks(who: str, chunks, use_distributed_optimizer: bool, expected: torch.dtype, precision: str) -> None:
+    """Each chunk is megalite's DistributedDataParallel, wrapped for this optimizer's kind (distributed
+    or not) with parameters of `expected` dtype, or an FSDPChunk (apply_fsdp2); else one line naming
+    `who` and what differs."""
+    for chunk in chunks:
+        if not isinstance(chunk, (DistributedDataParallel, FSDPChunk)):
+            raise TypeError(f"{who}: chunk {type(chunk).__name__} is neither megalite "
+                            "DistributedDataParallel nor FSDPChunk (apply_fsdp2)")
+        if isinstance(chunk, DistributedDataParallel):
+            if chunk.use_distributed_optimizer != use_distributed_optimizer:
+                raise ValueError(f"{who}: use_distributed_optimizer={use_distributed_optimizer} but the "
+                                 f"chunk was wrapped with use_distributed_optimizer={chunk.use_distributed_optimizer}")
+            wrong = {b.param_dtype for b in chunk.buffers_} - {expected}
+            if wrong:
+                raise ValueError(f"{who}: model parameters are {sorted(map(str, wrong))}, expected "
+                                 f"{expected} for {precision}")
+
+
 def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam", lr: float,
                     weight_decay: float = 0.01, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
                     adam_eps: float = 1e-8, sgd_momentum: float = 0.9, clip_grad: float = 1.0,
@@ -353,18 +371,7 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
         raise ValueError("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather")
     chunks = list(ddp_chunks)
     expected = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
-    for chunk in chunks:
-        if not isinstance(chunk, (DistributedDataParallel, FSDPChunk)):
-            raise TypeError(f"build_optimizer: chunk {type(chunk).__name__} is neither megalite "
-                            "DistributedDataParallel nor FSDPChunk (apply_fsdp2)")
-        if isinstance(chunk, DistributedDataParallel):
-            if chunk.use_distributed_optimizer != use_distributed_optimizer:
-                raise ValueError(f"build_optimizer: use_distributed_optimizer={use_distributed_optimizer} but the "
-                                 f"chunk was wrapped with use_distributed_optimizer={chunk.use_distributed_optimizer}")
-            wrong = {b.param_dtype for b in chunk.buffers_} - {expected}
-            if wrong:
-                raise ValueError(f"build_optimizer: model parameters are {sorted(map(str, wrong))}, expected "
-                                 f"{expected} for fp16={fp16} bf16={bf16}")
+    check_chunks("build_optimizer", chunks, use_distributed_optimizer, expected, f"fp16={fp16} bf16={bf16}")
     scaler = None
     if fp16:
         scaler = ConstantLossScaler(loss_scale) if loss_scale is not None else DynamicLossScaler(

@@ -20,10 +20,9 @@ from collections import defaultdict
 import torch
 
 from megalite.optimizer.distributed import sharded_dp_group
-from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer, check_chunks
 from megalite.optimizer.muon import Lion, Muon, MuonTarget, is_muon_param
 from megalite.parallel.data.ddp import DistributedDataParallel
-from megalite.parallel.data.fsdp import FSDPChunk
 
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 SCALAR_OPTIMIZERS = ("adam", "lion")
@@ -160,19 +159,7 @@ def build_muon_optimizer(ddp_chunks, pstate, *, lr: float, weight_decay: float =
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     expected = torch.bfloat16 if bf16 else torch.float32
-    for chunk in ddp_chunks:
-        if isinstance(chunk, FSDPChunk):
-            continue
-        if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"build_muon_optimizer: chunk {type(chunk).__name__} is neither megalite's "
-                            "DistributedDataParallel nor FSDPChunk")
-        if chunk.use_distributed_optimizer != use_distributed_optimizer:
-            raise ValueError(f"build_muon_optimizer: use_distributed_optimizer={use_distributed_optimizer} but the "
-                             f"chunk was wrapped with use_distributed_optimizer={chunk.use_distributed_optimizer}")
-        wrong = {b.param_dtype for b in chunk.buffers_} - {expected}
-        if wrong:
-            raise ValueError(f"build_muon_optimizer: model parameters are {sorted(map(str, wrong))}, "
-                             f"expected {expected} for bf16={bf16}")
+    check_chunks("build_muon_optimizer", ddp_chunks, use_distributed_optimizer, expected, f"bf16={bf16}")
     muon_options = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         steps=num_ns_steps, coefficient_type=coefficient_type, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor, tp_mode=tp_mode, split_qkv=split_qkv,
