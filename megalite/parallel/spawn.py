@@ -19,6 +19,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,10 +29,40 @@ from torch.distributed import distributed_c10d
 from megalite.parallel.state import ParallelLayout, ParallelState
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (connect(), bind to 0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORT_LOW = 15000
+_next_port = [None]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for a rendezvous that binds it later (after its ranks start Python).
+
+    Not one the kernel picks: between this check and the bind, any process's connect() or
+    gloo's pair listeners may take a kernel-picked port (a run then fails with "The server
+    socket has failed to listen"). Ports below the kernel's range are taken only by those who
+    name them; each process walks them from its own starting point, so two processes calling
+    this at once (parallel test workers) meet only if one overtakes the other's walk."""
+    high = max(_ephemeral_low(), _PORT_LOW + 1000)
+    span = high - _PORT_LOW
+    if _next_port[0] is None:
+        _next_port[0] = (os.getpid() * 7919 + time.monotonic_ns()) % span
+    for _ in range(span):
+        port = _PORT_LOW + _next_port[0] % span
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_LOW}-{high - 1}")
 
 
 def pair_state(rank: int) -> ParallelState:

@@ -4,7 +4,6 @@ fp32 main parameters start from them); optimizer state loaded after it is built.
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor, unwrap
 from megalite.parallel.random import seed_everything
+from megalite.parallel.spawn import free_port
 from megalite.parallel.state import ParallelState
 from megalite.training.cuda_graphs import layer_graphs_for
 from megalite.parallel.tensor.comm_overlap import enable_tp_comm_overlap
@@ -98,12 +98,6 @@ class Run:
         return ps.is_last_stage and ps.tp_rank == 0 and ps.cp_rank == 0 and ps.dp_rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(parallel: ParallelConfig) -> tuple[ParallelState, torch.device]:
     """Join the process group (the options already validated) and build the parallel state."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,7 +112,7 @@ def init_distributed(parallel: ParallelConfig) -> tuple[ParallelState, torch.dev
     if "MASTER_PORT" not in os.environ:
         if world > 1:
             raise ValueError("MASTER_PORT is not set: launch with torchrun or srun (scripts/pretrain_gpt.sh)")
-        os.environ["MASTER_PORT"] = str(_free_port())  # a lone process needs no agreed port
+        os.environ["MASTER_PORT"] = str(free_port())  # a lone process needs no agreed port
     dist.init_process_group(parallel.backend, rank=rank, world_size=world,
                             timeout=timedelta(minutes=parallel.distributed_timeout_minutes))
     return ParallelState.create(parallel.layout, parallel.distributed_timeout_minutes), device

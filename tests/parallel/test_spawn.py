@@ -4,6 +4,7 @@ a collective its peer never joins, on a group the function made itself, fails af
 collective timeout with gloo's error and its traceback."""
 
 import os
+import socket
 import time
 
 import pytest
@@ -51,3 +52,16 @@ def test_a_rank_that_dies_silently_is_named_at_once():
 
 def test_results_come_back_in_rank_order():
     assert [t.item() for t in run_distributed(_rank_sum, 2)] == [1.0, 1.0]
+
+
+def test_free_port_is_one_the_kernel_never_hands_out_and_skips_taken_ones():
+    """A kernel-picked port could be taken by any connect() or gloo pair listener between the
+    check and the rendezvous' bind (CI saw "The server socket has failed to listen")."""
+    from megalite.parallel import spawn
+
+    low = spawn._ephemeral_low()
+    ports = [spawn.free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(spawn._PORT_LOW <= p < max(low, spawn._PORT_LOW + 1000) for p in ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[-1] + 1))
+        assert spawn.free_port() != ports[-1] + 1
