@@ -19,7 +19,7 @@ from megalite.model.config import GPTConfig
 from megalite.model.mla_config import mla_cos_sin
 from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
-from megalite.model.recompute import checkpointed
+from megalite.model.recompute import checkpointed, prepare_for_compile
 from megalite.model.rope import rotary_cos_sin_for
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel import comm
@@ -286,6 +286,7 @@ class GPTModel(nn.Module):
         a chunk's layer count does not multiply the compile time, and what lies between the
         regions (full recompute with its RNG tracker, rotary tables, context-parallel position
         bookkeeping) stays eager."""
+        prepare_for_compile()
         if self.embedding is not None:
             self.embedding.compile(**compile_kwargs)
         for layer in self.layers.values():

@@ -27,8 +27,17 @@ def _checkpoint_with_tracker(fn, tracker, *args):
 
 
 # Dynamo cannot trace a checkpoint whose context_fn is a closure, nor the tracker's
-# get/set_rng_state: inside a compiled layer this runs eagerly (a graph break).
-_checkpoint_with_tracker_eager = torch.compiler.disable(_checkpoint_with_tracker)
+# get/set_rng_state: inside a compiled layer this runs eagerly (a graph break). Made on first
+# need: torch.compiler.disable imports torch._dynamo, inductor and triton, seconds added to
+# every process's start-up (each spawned rank, each tool) that never compiles.
+_EAGER_UNDER_COMPILE: dict[str, object] = {}
+
+
+def prepare_for_compile() -> None:
+    """Make the eager checkpoint before any region is compiled (GPTModel.compile_regions calls
+    it): made while tracing, it would cost one more graph break."""
+    if "checkpoint" not in _EAGER_UNDER_COMPILE:
+        _EAGER_UNDER_COMPILE["checkpoint"] = torch.compiler.disable(_checkpoint_with_tracker)
 
 
 def checkpointed(fn, tracker, *args):
@@ -41,7 +50,8 @@ def checkpointed(fn, tracker, *args):
     if tracker is None:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     if torch.compiler.is_compiling():
-        return _checkpoint_with_tracker_eager(fn, tracker, *args)
+        prepare_for_compile()
+        return _EAGER_UNDER_COMPILE["checkpoint"](fn, tracker, *args)
     return _checkpoint_with_tracker(fn, tracker, *args)
 
 
