@@ -4,10 +4,7 @@ import functools
 
 from megalite.parallel import spawn
 from megalite.parallel.spawn import free_port
-
-# Imported once by the fork server the ranks start from (each rank would import them again)
-PRELOAD = ("tests.rank_start", "megalite.model.gpt", "megalite.training.setup_run", "megalite.optimizer.mixed_precision",
-           "megalite.parallel.pipeline.executor")
+from tests.rank_start import PRELOAD
 
 
 @functools.wraps(spawn.run_distributed)

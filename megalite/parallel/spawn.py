@@ -104,19 +104,17 @@ def _worker(rank, world_size, port, collective_timeout, fn, args, results, envir
             dist.destroy_process_group()
 
 
-def _fork_server_context(fn, preload: Sequence[str]):
+def fork_server_context(preload: Sequence[str] = ()):
+    """multiprocessing's fork-server context; `preload` (module names) is imported by the
+    server when it starts, that is on the first use in this process."""
     ctx = mp.get_context("forkserver")
-    # heeded when the server starts: on the first call in this process
-    modules = ["megalite.parallel.spawn", *preload]
-    if fn.__module__ != "__main__":
-        modules.append(fn.__module__)
-    ctx.set_forkserver_preload(modules)
+    ctx.set_forkserver_preload(["megalite.parallel.spawn", *preload])
     return ctx
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300, collective_timeout: float = 300,
                     preload: Sequence[str] = ()):
-    ctx = _fork_server_context(fn, preload)
+    ctx = fork_server_context([*preload, *([fn.__module__] if fn.__module__ != "__main__" else [])])
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)

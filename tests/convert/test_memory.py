@@ -22,6 +22,7 @@ MIB = 2**20
 MEASURE = r"""
 import json, sys
 import torch
+import torch._dynamo  # torch imports its compiler on the first call of some functions (~100 MiB of code, not tensors)
 from megalite.convert.cli import main
 
 torch.set_num_threads(1)

@@ -14,6 +14,7 @@ from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from megalite.checkpoint.dcp.checkpoint import TRACKER, iteration_dir
 from megalite.training.metrics import read_metrics
 from tests.distributed import free_port
+from tests.forked_program import ForkedProgram
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,9 +65,13 @@ class Ranks:
 
 
 def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = None,
-           separate_stderr: bool = False, program: tuple[str, ...] = ("-m", "megalite.pretrain_gpt")) -> Ranks:
+           separate_stderr: bool = False, program: tuple[str, ...] = ("-m", "megalite.pretrain_gpt"),
+           fork: bool = True) -> Ranks:
     """Start the ranks (`python *program *args`); each writes stdout and stderr to
-    log_dir/rank<R>.log, or with `separate_stderr` its stderr alone to rank<R>.err."""
+    log_dir/rank<R>.log, or with `separate_stderr` its stderr alone to rank<R>.err. Each rank is
+    its own process, forked from the tests' fork server with torch and megalite imported
+    (tests/forked_program.py); `fork=False` starts a fresh interpreter per rank, for what only
+    one shows (start-up before the imports, interpreter teardown, a base install)."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
@@ -75,9 +80,16 @@ def launch(args: list[str], world_size: int, log_dir: Path, env: dict | None = N
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": str(REPO), **(env or {})}
         log = log_dir / f"rank{rank}.log"
-        with open(log, "w") as out, open(log.with_suffix(".err") if separate_stderr else os.devnull, "w") as err:
-            procs.append(subprocess.Popen([sys.executable, *program, *args], env=rank_env,
-                                          stdout=out, stderr=err if separate_stderr else subprocess.STDOUT, cwd=REPO))
+        err_log = log.with_suffix(".err") if separate_stderr else None
+        log.write_text("")
+        if err_log:
+            err_log.write_text("")
+        if fork:
+            procs.append(ForkedProgram(program, args, rank_env, REPO, log, err_log))
+        else:
+            with open(log, "w") as out, open(err_log or os.devnull, "w") as err:
+                procs.append(subprocess.Popen([sys.executable, *program, *args], env=rank_env, stdout=out,
+                                              stderr=err if separate_stderr else subprocess.STDOUT, cwd=REPO))
         logs.append(log)
     return Ranks(procs, logs)
 

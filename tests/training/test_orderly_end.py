@@ -26,7 +26,8 @@ JOB = drop_flags(SCRIPT_BASE, "--lr-warmup-iters") + ["--distributed-backend", "
                                        "--moe-ffn-hidden-size", "40"]], ids=["tp2", "dp2-overlap", "ep2"])
 def test_no_gloo_thread_outlives_the_run(tmp_path, parallel):
     args = JOB + parallel + ["--save", str(tmp_path / "ckpt")]
-    ranks = launch(args, 2, tmp_path / "logs", program=(str(REPO / "tests" / "training" / "end_watch.py"),))
+    ranks = launch(args, 2, tmp_path / "logs", program=(str(REPO / "tests" / "training" / "end_watch.py"),),
+                   fork=False)  # interpreter teardown is what this test watches
     assert ranks.wait(300) == [0, 0], ranks.output()
     assert "saved checkpoint at iteration 2" in ranks.logs[0].read_text()
 

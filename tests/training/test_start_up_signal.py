@@ -56,7 +56,7 @@ def test_a_signal_during_start_up_stops_before_training_with_nothing_saved(tmp_p
     args = SCRIPT_BASE + ["--distributed-backend", "gloo", "--tensor-model-parallel-size", "2", "--train-iters", "4",
                           "--eval-iters", "1", "--save", str(save), "--save-interval", "1",
                           "--exit-reason-file", str(reason), "--metrics-file", str(metrics)]
-    ranks = launch(args, 2, tmp_path / "logs")
+    ranks = launch(args, 2, tmp_path / "logs", fork=False)  # a start-up before torch is imported
     try:
         loaded = signal_when_caught([ranks.procs[r].pid for r in signalled], sig)
         codes = ranks.wait(240)
