@@ -15,7 +15,9 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 from megalite.parallel.spawn import fork_server_context
 from tests.rank_start import PRELOAD
@@ -94,3 +96,24 @@ class ForkedProgram:
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
+
+
+def run_program(argv: list[str], env: dict | None = None, cwd=None, timeout: float | None = None,
+                capture_output: bool = True, text: bool = True):
+    """subprocess.run(argv, capture_output=True, text=True, ...) for `argv` = [sys.executable,
+    "-m", module, *args] or [sys.executable, script, *args], the program forked as above."""
+    if not (capture_output and text):
+        raise ValueError("run_program captures the output as text")
+    if argv[0] != sys.executable:
+        raise ValueError(f"run_program runs this interpreter's programs, not {argv[0]}")
+    program, args = (tuple(argv[1:3]), argv[3:]) if argv[1] == "-m" else ((argv[1],), argv[2:])
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        proc = ForkedProgram(program, args, os.environ if env is None else env, cwd or os.getcwd(), out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(list(argv), code, out.read_text(), err.read_text())

@@ -29,6 +29,7 @@ from tests.checkpoint.megatron_files import write_megatron_torch
 from tests.checkpoint.test_dcp_checkpoint import _Exploit  # a pickle that runs `touch MARKER`
 from tests.distributed import free_port
 from tests.training.launch import BASE, REPO
+from tests.forked_program import run_program
 
 TENSOR = "model/layers.0.input_layernorm.weight"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -38,7 +39,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 def trained(tmp_path_factory) -> Path:
     """A checkpoint of iteration 3 written by `python -m megalite.pretrain_gpt`."""
     ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
-    proc = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *BASE, "--train-iters", "3", "--save",
+    proc = run_program([sys.executable, "-m", "megalite.pretrain_gpt", *BASE, "--train-iters", "3", "--save",
                            str(ckpt), "--eval-iters", "0"], capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(free_port())})
@@ -95,7 +96,7 @@ def test_a_malicious_record_is_refused_in_one_line_naming_the_shard(tmp_path, tr
     shard = replace_record(ckpt, TENSOR, malicious_record(marker))
     before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
     env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, *_tool(tool, ckpt, tmp_path / "out")], capture_output=True, text=True,
+    proc = run_program([sys.executable, *_tool(tool, ckpt, tmp_path / "out")], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     record = rf"the record of tensor {TENSOR}" + (r" \(bytes \d+-\d+\)" if tool != "convert" else "")
@@ -160,7 +161,7 @@ def test_generate_given_a_megatron_checkpoint_prints_the_conversion_to_run(tmp_p
                f"--save-dir {megatron}-megalite")
     assert capsys.readouterr().err.splitlines() == [f"generate: error: {megatron}: a Megatron-LM torch checkpoint, "
                                                     f"not megalite's format; convert it first: {command}"]
-    converted = subprocess.run([sys.executable, *shlex.split(command)[1:]], capture_output=True, text=True, cwd=REPO,
+    converted = run_program([sys.executable, *shlex.split(command)[1:]], capture_output=True, text=True, cwd=REPO,
                                env=ENV, timeout=300)
     assert converted.returncode == 0, converted.stderr[-3000:]
     assert generate_main([*generate, "--load", f"{megatron}-megalite"]) == 0

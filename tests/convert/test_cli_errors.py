@@ -2,7 +2,6 @@
 status 2, and nothing under --save-dir."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 
 from megalite.checkpoint.hf.safetensors_io import read_header
 from tests.convert.hf_models import convert, hf_model, hf_to_megalite, save_hf
+from tests.forked_program import run_program
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -149,7 +149,7 @@ def test_existing_output_and_corrupted_checkpoint(capsys, tmp_path, llama_dir):
 
 def test_tool_exit_status_and_single_line(tmp_path):
     """The script itself (a fresh process): exit 2, one line, no traceback."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools/checkpoint/convert.py"), "--loader", "hf", "--saver",
+    proc = run_program([sys.executable, str(REPO / "tools/checkpoint/convert.py"), "--loader", "hf", "--saver",
                            "megalite", "--load-dir", str(tmp_path / "missing"), "--save-dir", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -6,7 +6,6 @@ megalite's does."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from megalite.parallel.state import ParallelState
 from megalite.config.arguments import parse_args, validate_args
 from tests.convert.hf_models import megalite_to_hf
 from tests.distributed import free_port
+from tests.forked_program import run_program
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ TRAIN_ITERS, EVAL_ITERS, WORLD = 4, 2, 4
 
 
 def _run(*argv, env=None):
-    proc = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=600,
+    proc = run_program([sys.executable, *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, f"{argv[:3]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc

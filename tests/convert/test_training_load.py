@@ -4,7 +4,6 @@ converted weights again. The checkpoint was converted at TP=2 PP=2 and is loaded
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
 from megalite.model.config import GPTConfig
 from megalite.config.arguments import model_config_from_args, parse_args
 from tests.convert.hf_models import FAMILIES, hf_model, hf_to_megalite, save_hf, write_hf_tokenizer
+from tests.forked_program import run_program
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_pretrain_gpt_loads_it(tmp_path):
     converted = MegaliteCheckpoint(ckpt)
     for mode in (["--finetune"], ["--no-load-optim", "--no-load-rng"]):
         out = tmp_path / f"after{len(mode)}"
-        proc = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *flags, *run, *mode, "--save", str(out)],
+        proc = run_program([sys.executable, "-m", "megalite.pretrain_gpt", *flags, *run, *mode, "--save", str(out)],
                               capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         saved = MegaliteCheckpoint(out)

@@ -4,7 +4,6 @@ the library's generation, in one process and at TP=2 under torchrun."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from megalite.inference import SamplingParams, generate_tokens, load_model
 from megalite.inference.cli import main as generate_main
 from tests.convert.hf_models import hf_model, hf_to_megalite, megalite_to_hf, save_hf, write_hf_tokenizer
 from tests.distributed import free_port
+from tests.forked_program import run_program
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["hello world", "the quick brown fox"]
@@ -43,7 +43,7 @@ def run_tool(root, *extra, torchrun_ranks=0, in_process=False):
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun_ranks), "--master-port",
                 str(free_port()), *args, "--tensor-model-parallel-size", str(torchrun_ranks)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    proc = run_program([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -105,7 +105,7 @@ def test_bad_input_is_one_line(tmp_path, checkpoint, capsys):
         assert generate_main(extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("generate: error:") and expect in err and len(err.strip().splitlines()) == 1, err
-    proc = subprocess.run([sys.executable, str(REPO / "tools/generate.py"), "--load", str(tmp_path / "none"),
+    proc = run_program([sys.executable, str(REPO / "tools/generate.py"), "--load", str(tmp_path / "none"),
                            "--prompt", "x"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"generate: error: {tmp_path / 'none'}: no such checkpoint directory"]
