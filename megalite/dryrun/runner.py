@@ -255,8 +255,10 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
+        shards = sum(p.to_local().untyped_storage().nbytes() // 4 for c in chunks if isinstance(c, FSDPChunk)
+                     for p in c.module.parameters())
         report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer,
-                                        models)
+                                        models, shards)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
                                                           layout.coords(rank)[2], [len(m.layers) for m in models])

@@ -1,6 +1,6 @@
 """`python -m tests.planner.fsdp2_dry_runs FLAGS [--next FLAGS ...]`: one dry run per group of
 pretrain_gpt flags, all in this one process (under the fake CUDA shim), a JSON line each:
-{'peak_total', 'peak', 'resident'} of the first stage."""
+{'peak_total', 'peak', 'resident', 'formula'} of the first stage."""
 
 import json
 import sys
@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
             current.append(arg)
     for flags in groups:
         report = reports(flags)[0]
-        print(json.dumps({"peak_total": report.peak_total, "peak": report.peak, "resident": report.resident}),
+        print(json.dumps({"peak_total": report.peak_total, "peak": report.peak, "resident": report.resident,
+                          "formula": report.formula}),
               flush=True)
     return 0
 
