@@ -109,3 +109,10 @@ def test_a_card_without_a_preset_gets_one_line(capsys, card, nearest):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no preset for this card" in err
     assert (f"the nearest preset is {nearest} " in err) if nearest else "nearest" not in err
+
+
+def test_an_empty_search_space_is_said(capsys):
+    assert main(["--cluster", "h100", "--num-gpus", "4", "--fsdp2", "on", "--pp", "2", "--", "--num-layers", "4",
+                 "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]) == 1
+    assert "no layout in the search space" in capsys.readouterr().out
