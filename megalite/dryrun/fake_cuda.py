@@ -115,3 +115,30 @@ def exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+class CpuStreamsAsCuda:
+    """Within this context a CPU-only torch answers FSDP2's stream and device calls on the fake
+    CUDA device (torch.cuda.current_device, Stream, Event, current_stream, stream) with
+    torch.cpu's no-op stand-ins: FSDP2 orders its all-gathers and reduce-scatters on CUDA
+    streams, and on fake tensors there is nothing to order. A CUDA build keeps its own."""
+
+    _NAMES = ("current_device", "set_device", "Stream", "Event", "current_stream", "stream")
+
+    def __enter__(self):
+        import torch
+
+        self._saved = None
+        if torch.version.cuda is None:
+            self._saved = {name: getattr(torch.cuda, name) for name in self._NAMES}
+            torch.cuda.current_device = lambda: 0
+            torch.cuda.set_device = torch.cpu.set_device
+            for name in ("Stream", "Event", "current_stream", "stream"):
+                setattr(torch.cuda, name, getattr(torch.cpu, name))
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for name, value in (self._saved or {}).items():
+            setattr(torch.cuda, name, value)

@@ -29,10 +29,12 @@ from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
 
-def expected_bytes(args, buffers: list, optimizer, models=()) -> dict:
+def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_elements: int = 0) -> dict:
     """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring),
     the parameters' with the `models`' buffers (the MoE routers' expert biases and token counts,
-    fp32 per expert), which the held parameters include."""
+    fp32 per expert), which the held parameters include. Under FSDP2 (`fsdp_shard_elements`: the
+    rank's parameter shards, padded as allocated) ZeRO-3's fp32 weights, gradients and Adam's
+    moments: 4 + 4 + 8 bytes per element."""
     weight = 2 if args.bf16 or args.fp16 else 4
     grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
     main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
@@ -47,6 +49,9 @@ def expected_bytes(args, buffers: list, optimizer, models=()) -> dict:
             params += sum(max(0, min(end, s1) - max(start, s0)) for start, end in bucket.param_ranges.values())
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
     model_buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
+    if fsdp_shard_elements:
+        return {"parameters": 4 * fsdp_shard_elements + model_buffers, "gradients": 4 * fsdp_shard_elements,
+                "optimizer": moments * fsdp_shard_elements + steps}
     return {"parameters": weight * elements + model_buffers, "gradients": grad * elements,
             "optimizer": copies * shard + moments * params + steps}
 

@@ -15,6 +15,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megalite.dryrun.balanced_routing import alltoall_formula_bytes, assume_balanced_routing
+from megalite.dryrun.fake_cuda import CpuStreamsAsCuda
 from megalite.dryrun.formulas import expected_bytes, korthikanti_activation_bytes
 from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.dryrun.pipeline_sends import ScheduledSendsP2P, send_completion_times
@@ -25,6 +26,7 @@ from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.moe import moe_layers
 from megalite.parallel.context import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
+from megalite.parallel.data.fsdp import FSDPChunk
 from megalite.parallel.expert.dispatch import AllToAllDispatcher
 from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
@@ -163,6 +165,9 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
             pstate.expert = ExpertState.create(pstate, args.expert_model_parallel_size, args.num_experts,
                                                expert_tensor_size=args.expert_tensor_parallel_size)
         config = model_config_from_args(args, vocab_size)
+        parallel = ParallelConfig.from_args(args, world_size)
+        if parallel.use_torch_fsdp2:
+            config = config.replace(params_dtype="float32")  # FSDP2 keeps fp32 shards, as run_config builds it
         fake = contextlib.nullcontext() if real else FakeTensorMode()
         # The module running now, for MixCheck's errors: ModTracker (MemTracker's own tracker, here
         # without its leak, step_tracker.py) adds no backward hooks while backward runs.
@@ -185,10 +190,10 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                                     device="meta", **split_accounting(args))
         if not real:
             assume_balanced_routing(models)
-        with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention():
+        with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention(), CpuStreamsAsCuda():
             for m in models:
                 materialize_(m, device, init=real)
-            chunks = wrap_chunks(models, ParallelConfig.from_args(args, world_size), pstate)
+            chunks = wrap_chunks(models, parallel, pstate)
             optimizer, _ = build_optimizer_and_schedule(chunks, OptimizerConfig.from_args(args), pstate)
             if optimizer.loss_scaler is not None and not real:  # fp16: run the inf check, take its answer as "none"
                 find_inf = optimizer._unscale_and_find_inf
@@ -207,6 +212,12 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                     interleaved_group_size(args), args.recompute_granularity == "full", pstate.pp_rank))
             # A steady iteration: the optimizer state every step but the first starts with (Adam's
             # moments, made by its first step: here one on the zero gradients).
+            # (FSDP2's sharded parameters are the main parameters: without a gradient Adam makes no
+            # moments for them, so they get zero gradients for this step)
+            for chunk in chunks:
+                if isinstance(chunk, FSDPChunk):
+                    for param in chunk.module.parameters():
+                        param.grad = torch.zeros_like(param)
             optimizer.inner.step()
             mt = StepMemTracker()
             _track_megalite_state(mt, chunks, optimizer)
@@ -244,8 +255,10 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         report.comm, report.calls = dict(counter.bytes), dict(counter.calls)
         report.num_params = sum(p.numel() for m in models for p in m.parameters())
         report.num_buffer = sum(b.grad_data.numel() for c in chunks for b in getattr(c, "buffers_", []))
+        shards = sum(p.to_local().untyped_storage().nbytes() // 4 for c in chunks if isinstance(c, FSDPChunk)
+                     for p in c.module.parameters())
         report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer,
-                                        models)
+                                        models, shards)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
                                                           layout.coords(rank)[2], [len(m.layers) for m in models])

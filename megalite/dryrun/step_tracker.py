@@ -13,6 +13,13 @@ messages per micro-batch more than the run (and the real runs measured with MemT
 `AcyclicModTracker` registers that hook in "any" mode, whose closure holds no node: the module
 then leaves the backward stack at its first input gradient rather than its last, the same
 moment for the single-input modules of a transformer.
+
+Under FSDP2 the parameters are DTensors, and DTensor derives each op's output shape by running
+the op on fake global-shape tensors in the active FakeTensorMode (torch 2.13's
+ShardingPropagator._propagate_tensor_meta_non_cached): inside the dry run that is the dry run's
+own mode, so MemTracker counted those full-size stand-ins as allocations (16 times a rank's
+parameter shard in Adam's step, none of which a GPU allocates). `StepMemTracker` counts no op
+run during that propagation.
 """
 
 import weakref
@@ -22,6 +29,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
 
 
@@ -56,6 +64,31 @@ class StepMemTracker(MemTracker):
         super().__init__()
         self._mod_tracker = AcyclicModTracker()
         self.activation_peak: dict = {}
+        self._propagating = 0  # inside DTensor's shape propagation (not a device allocation)
+        self._propagate = None
+
+    def __enter__(self):
+        propagate = self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def propagate_untracked(*args, **kwargs):
+            tracker._propagating += 1
+            try:
+                return propagate(*args, **kwargs)
+            finally:
+                tracker._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate_untracked
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:

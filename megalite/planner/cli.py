@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--sequence-parallel", type=_choices("--sequence-parallel", onoff, onoff), default=[False, True])
     search.add_argument("--distributed-optimizer", type=_choices("--distributed-optimizer", onoff, onoff),
                         default=[False, True])
+    search.add_argument("--fsdp2", type=_choices("--fsdp2", onoff, onoff), default=[False, True],
+                        help="--use-torch-fsdp2 (ZeRO-3) layouts: on, off or on,off (default; PP 1, dense models)")
     search.add_argument("--schedules", type=_choices("--schedules", ("default", "zb_h1")), default=["default"])
     search.add_argument("--memory-fraction", type=_positive("--memory-fraction", 1.0), default=0.9,
                         help="share of device memory a layout may fill (default 0.9)")
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
         space = Space(tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp, ep=args.ep,
                       micro_batch_size=args.micro_batch_size, sequence_parallel=args.sequence_parallel,
                       recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
-                      schedules=args.schedules)
+                      fsdp2=args.fsdp2, schedules=args.schedules)
         result = plan(workload, cluster, space, args.memory_fraction, args.simulate)
     except ValueError as error:
         print(f"plan.py: error: {error}", file=sys.stderr)

@@ -29,6 +29,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 
+from megalite.planner.cards import nearest_preset
+
+
 def read_json(path: str, flag: str):
     """The JSON in file `path` given to `flag`; a ValueError in one line when it cannot be read."""
     try:
@@ -369,7 +372,11 @@ PRESETS["a100-megatron2021"] = dict(
 def preset(name: str, num_gpus: int, **overrides) -> Cluster:
     """A preset cluster of `num_gpus` devices, fields overridden where given (not None)."""
     if name not in PRESETS:
-        raise ValueError(f"--cluster {name!r}: not a preset ({', '.join(PRESETS)}) nor a calibration JSON file")
+        near = nearest_preset(name, PRESETS)
+        hint = (f"; the nearest preset is {near[0]} ({near[1]}): --cluster {near[0]} with --peak-tflops / "
+                "--gpu-memory-gib / ... overrides, or --calibrate on the card" if near else "")
+        raise ValueError(f"--cluster {name!r}: no preset for this card ({', '.join(PRESETS)}) and not a calibration "
+                         f"JSON file{hint}")
     values = dict(PRESETS[name], num_gpus=num_gpus)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Cluster(**values)

@@ -1,6 +1,10 @@
 """Candidate layouts: TP x CP x PP (x virtual stages) x DP (with EP carved from DP for MoE
-models) x sequence parallelism x recompute x distributed optimizer x micro-batch size x
-pipeline schedule, each valid for the model and the batch as megalite validates a run.
+models) x sequence parallelism x recompute x distributed optimizer or FSDP2 x micro-batch size
+x pipeline schedule, each valid for the model and the batch as megalite validates a run.
+
+FSDP2 (--use-torch-fsdp2, ZeRO-3) is searched for dense models without pipeline parallelism
+(PP 1), with DP x CP > 1: the layouts its memory model (memory.py) was checked on against the
+dry run.
 
 `Space` restricts what is enumerated (every option of tools/plan.py that takes a list).
 """
@@ -28,6 +32,8 @@ class Layout:
     recompute: str = "none"
     distributed_optimizer: bool = False
     schedule: str = "none"
+    fsdp2: bool = False
+    """--use-torch-fsdp2: weights, gradients and optimizer state sharded over DP x CP."""
 
     @property
     def world_size(self) -> int:
@@ -57,7 +63,9 @@ class Layout:
             flags += ["--recompute-granularity", self.recompute]
         if self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
-        if self.dp * self.cp > 1:
+        if self.fsdp2:  # FSDP2 overlaps its own all-gathers and reduce-scatters
+            flags.append("--use-torch-fsdp2")
+        elif self.dp * self.cp > 1:
             flags += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if self.distributed_optimizer else [])
         return flags + ["--micro-batch-size", str(self.micro_batch_size)]
 
@@ -69,6 +77,7 @@ class Layout:
         parts += ["SP"] if self.sequence_parallel else []
         parts += [{"none": "", "selective": "sel", "full": "full"}[self.recompute]] if self.recompute != "none" else []
         parts += ["DO"] if self.distributed_optimizer else []
+        parts += ["FSDP2"] if self.fsdp2 else []
         parts += ["zb"] if self.schedule == "zb_h1" else []
         return " ".join(parts)
 
@@ -90,6 +99,8 @@ class Space:
     sequence_parallel: list = field(default_factory=lambda: [False, True])
     recompute: list = field(default_factory=lambda: list(RECOMPUTE))
     distributed_optimizer: list = field(default_factory=lambda: [False, True])
+    fsdp2: list = field(default_factory=lambda: [False, True])
+    """Whether to search --use-torch-fsdp2 layouts (where fsdp2_allowed) and / or the others."""
     schedules: list = field(default_factory=lambda: ["default"])
     """'default' (Megatron's: 1f1b, interleaved with v > 1) and/or 'zb_h1' (v = 1 only)."""
     max_virtual_stages: int = 8
@@ -158,7 +169,16 @@ def _variants(workload, space, tp, pp, dp, vp, cp, ep):
                 continue
             for sp in space.sequence_parallel if tp > 1 else [False]:  # SP at t = 1 is no SP
                 for recompute in space.recompute:
+                    if True in space.fsdp2 and fsdp2_allowed(workload, pp, dp, cp):
+                        yield Layout(tp, pp, dp, vp, cp, ep, mbs, sp, recompute, False, schedule, fsdp2=True)
+                    if False not in space.fsdp2:
+                        continue
                     for distributed in space.distributed_optimizer:
                         if distributed and dp * cp == 1:
                             continue
                         yield Layout(tp, pp, dp, vp, cp, ep, mbs, sp, recompute, distributed, schedule)
+
+
+def fsdp2_allowed(workload: Workload, pp: int, dp: int, cp: int) -> bool:
+    """FSDP2 layouts the planner models: a dense model, no pipeline, something to shard over."""
+    return pp == 1 and dp * cp > 1 and workload.config.moe is None

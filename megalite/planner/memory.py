@@ -14,17 +14,30 @@ Beyond formulas.md's table, and labelled so:
   bound);
 - multi-latent attention's terms, and each MTP depth on the last stage as one more layer plus
   its own inputs and logits (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP").
+
+FSDP2 (--use-torch-fsdp2, PP 1; `fsdp2_extras`): fp32 weights and Adam's two moments sharded
+over DP x CP, 12 bytes per parameter / (DP x CP), whatever the precision (the fp32 gradient
+shards, 4 more, come into being in backward as the activations are freed); the
+root module's embedding, output layer and final norm unsharded in the compute dtype from the
+first forward to the end of backward (FSDP2 does not reshard the root after forward); with
+gradient accumulation the unsharded fp32 gradient of every parameter, accumulated under no_sync
+until the last micro-batch (which FSDP2 layouts with several micro-batches per step pay); the 16-bit logits (the loss's gradient overwrites them) with one fp32 row chunk at the end of
+the forward, or, later in backward when
+they are freed, the recompute working set, the output layer's gradient and one layer gathered
+twice (itself and the prefetched next) with its gradient and the fp32 reduce-scatter input.
+Checked against the dry run (tests/planner/test_fsdp2.py).
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
 
+from megalite.kernels.cross_entropy_torch import TORCH_CHUNK_ELEMENTS
 from megalite.optimizer.memory_report import bytes_per_parameter
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.simulator import held_activations
 from megalite.planner.layouts import Layout
 from megalite.parallel.pipeline.stage_layout import stage_layers
-from megalite.planner.parameters import rank_parameters
+from megalite.planner.parameters import layer_parameters, rank_parameters
 from megalite.planner.workload import Workload
 from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
@@ -93,6 +106,8 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
     if expert:
         ew, eg, eo = state_bytes(workload.precision, expert, layout.distributed_optimizer, shards // layout.ep)
         w, g, o = w + ew, g + eg, o + eo
+    if layout.fsdp2:  # the sharded gradients come into being in backward as activations are freed
+        w, g, o = 4 * dense / shards, 0.0, 8 * dense / shards
     m = layout.num_microbatches(workload.global_batch_size)
     held = held_chunk_activations(layout.schedule, p, rank, m, v)
     # the rank's layers over its chunks (--account-for-*-in-pipeline-split: fewer on the first / last)
@@ -109,7 +124,32 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
             extra = mtp_activation_bytes(tokens, 1, config.hidden_size, t, layout.sequence_parallel)
             activations += last * depths * (layer_activation_bytes(workload, layout)
                                             + extra * workload.activation_bytes / 2)
+    if layout.fsdp2:
+        root, accumulated, logits, recompute = fsdp2_extras(workload, layout, dense, m, recompute)
+        w, g = w + root, g + accumulated
     return RankMemory(rank, w, g, o, activations, recompute, logits, dense + expert, held / v)
+
+
+def fsdp2_extras(workload: Workload, layout: Layout, params: int, m: int,
+                 recompute: float) -> tuple[float, float, float, float]:
+    """(unsharded root parameters, accumulated unsharded gradients, logits, backward's working set
+    beyond the logits) of an FSDP2 rank holding `params` parameters (its TP shard, unsharded)."""
+    config, t, compute = workload.config, layout.tp, workload.activation_bytes
+    tokens, local_vocab = workload.seq_length // layout.cp * layout.micro_batch_size, config.padded_vocab_size(t) // t
+    # the loss's gradient overwrites the 16-bit logits, one fp32 row chunk at a time
+    # (megalite.kernels.cross_entropy_torch; the Triton kernel on a GPU needs no chunk)
+    chunk = min(tokens, max(1, TORCH_CHUNK_ELEMENTS // local_vocab)) * local_vocab
+    logits = tokens * local_vocab * compute + chunk * (4 + compute)
+    vocab = config.padded_vocab_size(t) // t * config.hidden_size
+    root = vocab * (2 if config.untie_embeddings_and_output_weights else 1) + config.hidden_size
+    if config.position_embedding_type == "learned_absolute":
+        root += config.max_position_embeddings * config.hidden_size
+    accumulated = 4 * params if m > 1 else 0.0
+    layer = max(layer_parameters(config, i, t)[0] for i in range(config.num_layers))
+    # under accumulation the output layer's gradient and the reduce-scatter input add to the
+    # accumulated fp32 gradients already counted
+    backward = recompute + layer * 3 * compute + (compute * vocab + 4 * layer if m == 1 else 0.0)
+    return compute * root, accumulated, logits, max(0.0, backward - logits)
 
 
 def peak_memory(workload: Workload, layout: Layout) -> RankMemory:

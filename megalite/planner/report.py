@@ -39,6 +39,10 @@ def table(plan: Plan, top: int = 10) -> str:
              f"{workload.config.num_attention_heads} heads, seq {workload.seq_length}, global batch "
              f"{workload.global_batch_size}, {workload.precision}",
              f"layouts: {plan.enumerated} enumerated, {plan.fitting} fit, {len(plan.ranked)} simulated"]
+    if not plan.enumerated:
+        lines.append("no layout in the search space for this model and world (FSDP2 is searched at PP 1, for dense "
+                     "models, with DP x CP > 1; the distributed optimizer with DP x CP > 1)")
+        return "\n".join(lines)
     if not plan.ranked:
         lines.append("no layout fits; the smallest predicted footprints:")
         lines += [f"  {layout.short()}: {memory_text(memory)}" for layout, memory in plan.rejected]

@@ -3,7 +3,11 @@ through megalite's schedule simulator (the real action lists of the layout's sch
 cost per rank and chunk, the pipeline send as the message latency), then the data-parallel
 gradient reduction (overlapped with the last micro-batch's backward under
 --overlap-grad-reduce), the tied-embedding all-reduce, the optimizer step and the distributed
-optimizer's parameter all-gather (overlapped with the next step's first forward).
+optimizer's parameter all-gather (overlapped with the next step's first forward). Under FSDP2
+each micro-batch all-gathers every layer's weights in forward and again in backward, prefetched
+one layer ahead (hidden behind the compute where that is longer; the first layer's gather is
+not), and the last micro-batch's backward reduce-scatters the fp32 gradients (the last layer's
+after the compute has ended).
 
 Processes sharing a CPU (cluster.slowdown, measured by --calibrate) compute more slowly the more
 of them compute at once: the compute times are for one process alone, and every stretch of
@@ -28,7 +32,7 @@ from megalite.planner.compute import ChunkTimes, embedding_times, groups_of, lay
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import RankMemory, peak_memory, state_bytes
 from megalite.planner.op_count import op_counts
-from megalite.planner.parameters import rank_parameters
+from megalite.planner.parameters import layer_parameters, rank_parameters
 from megalite.planner.workload import Workload
 from megalite.training.flops import flops_per_token
 
@@ -161,7 +165,10 @@ def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: i
         groups.append((expert, edp))
     reduce = gather = 0.0
     for count, ranks in groups:
-        if layout.distributed_optimizer:
+        if layout.fsdp2:  # fp32 gradients (FSDP2's reduce dtype); weights gathered in the compute dtype
+            reduce += cluster.collective_time("reduce_scatter", count * 4, ranks)
+            gather += cluster.collective_time("all_gather", count * workload.activation_bytes, ranks)
+        elif layout.distributed_optimizer:
             reduce += cluster.collective_time("reduce_scatter", count * grad, ranks)
             gather += cluster.collective_time("all_gather", count * weight, ranks)
         else:
@@ -174,12 +181,24 @@ def _data_parallel(cluster: Cluster, workload: Workload, layout: Layout, rank: i
     return reduce, gather, embedding
 
 
+def _fsdp2_exposed(workload: Workload, layout: Layout, reduce: float, gather: float, forward: float,
+                   backward: float, m: int) -> float:
+    """Seconds of FSDP2's all-gathers (`gather`: every weight once) and reduce-scatter (`reduce`)
+    not hidden behind a micro-batch's `forward` / `backward`, over the step's `m` micro-batches."""
+    dense = rank_parameters(workload.config, layout.tp, 1, 1, 0)[0]
+    layer = max(layer_parameters(workload.config, i, layout.tp)[0] for i in range(workload.config.num_layers))
+    share = layer / dense  # one layer's part of a full gather or reduce
+    exposed = m * max(share * gather, gather - forward)
+    exposed += (m - 1) * max(0.0, gather - backward)
+    return exposed + max(share * reduce, gather + reduce - backward)
+
+
 def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> float:
     """The optimizer step over this rank's shard, the gradient norm's read of every gradient and
     its all-reduce, and zeroing the gradient buffers."""
     dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
                                     workload.layer_split(layout.pp, layout.vp))
-    shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    shards = layout.dp * layout.cp if layout.distributed_optimizer or layout.fsdp2 else 1
     updated = dense / shards + expert / max(1, shards // layout.ep)
     norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
     if cluster.kernels is not None:
@@ -224,8 +243,11 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
         reduce, gather, embedding = _data_parallel(cluster, workload, layout, rank)
         last_backward = sum(c.backward for c in row)
         first_forward = sum(c.forward for c in row)
-        exposed = max(0.0, reduce - last_backward) if overlap else reduce
-        exposed += max(0.0, gather - first_forward) if overlap else gather
+        if layout.fsdp2:
+            exposed = _fsdp2_exposed(workload, layout, reduce, gather, first_forward, last_backward, m)
+        else:
+            exposed = max(0.0, reduce - last_backward) if overlap else reduce
+            exposed += max(0.0, gather - first_forward) if overlap else gather
         optimizer = _optimizer(cluster, workload, layout, rank) * share
         ends.append(finish[rank] + contention + exposed + embedding + optimizer)
         details.append((exposed + embedding, optimizer))

@@ -20,7 +20,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # Options the planner chooses; a model's flags or YAML must leave them unset.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "num_virtual_stages_per_pipeline_rank", "context_parallel_size", "expert_model_parallel_size",
-                 "sequence_parallel", "use_distributed_optimizer", "recompute_granularity", "recompute_activations",
+                 "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "recompute_granularity", "recompute_activations",
                  "recompute_method", "recompute_num_layers", "micro_batch_size", "pipeline_schedule",
                  "overlap_grad_reduce", "overlap_param_gather", "decoder_first_pipeline_num_layers",
                  "decoder_last_pipeline_num_layers")

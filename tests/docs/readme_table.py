@@ -199,6 +199,13 @@ README = {
                                            ("--global-batch-size 512", "--global-batch-size 8")),
             needs=("llama3-config",), slow=True, timeout=600,
             check=checks.printed(r"^dry runs of the finalists", r"--recompute-granularity full")),
+    "python tools/plan.py --cluster h100 --num-gpus 8 --tp 1 --pp 1 --micro-batch-size 2 -- --num-layers 32 "
+    "--hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+    "--ffn-hidden-size 14336 --swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --bf16 --attention-backend flash "
+    "--tokenizer-type NullTokenizer --vocab-size 128255 --max-position-embeddings 8192 --seq-length 8192 "
+    "--global-batch-size 16":
+        Run("readme-plan-fsdp2-llama31-8b", check=checks.printed(r"^ 1 TP1 PP1 DP8 mb2 full FSDP2 ")),
     "python tools/plan.py --calibrate cpu8.json --world-size 8":
         Run("readme-calibrate", replace=(("--world-size 8", "--world-size 2"),), slow=True, timeout=600,
             check=checks.files("cpu8.json")),

@@ -46,6 +46,7 @@ LAYOUTS = {
     "tp2-pp2-dp1-fp32": [a for a in _layout(2, 2, 1) if a != "--bf16"],
     "tp2-pp2v2-dp1-sp-full-recompute": [a for a in _layout(2, 2, 1) if a != "--recompute-activations"]
     + "--recompute-granularity full --recompute-method block --recompute-num-layers 1".split(),
+    "tp1-pp1-dp2-fsdp2": [a for a in _layout(1, 1, 2) if a != "--use-distributed-optimizer"] + ["--use-torch-fsdp2"],
 }
 
 

@@ -41,7 +41,7 @@ def test_search_space_options_restrict_the_layouts(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cluster", "tpu"] + MODEL, "--cluster 'tpu': not a preset"),
+    (["--cluster", "tpu"] + MODEL, "--cluster 'tpu': no preset for this card"),
     (["--hf-config", "x.json"] + MODEL, "either as --hf-config or as flags"),
     (["--cluster", "a100"] + MODEL + ["--tensor-model-parallel-size", "2"], "the planner chooses the layout"),
     (["--cluster", "a100"], "no model"),

@@ -28,7 +28,7 @@ from megalite.planner.verify import dry_run_flags, measure
 from megalite.planner.workload import from_flags
 
 PAPER_X = 140e12  # TFLOP/s per GPU, section 5.1 ("On n = 1024 A100 GPUs using batch size 1536, ...")
-SPACE = dict(sequence_parallel=[False], recompute=["full"], distributed_optimizer=[False])
+SPACE = dict(sequence_parallel=[False], recompute=["full"], distributed_optimizer=[False], fsdp2=[False])  # 2021: no FSDP
 
 
 def gpt(layers, hidden, heads, batch):

@@ -26,6 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -87,7 +88,7 @@ def apply_fsdp2(model: nn.Module, pstate: ParallelState, *, param_dtype: torch.d
         raise ValueError(f"apply_fsdp2: parameters must be float32 (they are the main parameters); got {wrong}. "
                          "Build the model with params_dtype='float32' and pass param_dtype=torch.bfloat16")
     device_type = next(model.parameters()).device.type
-    mesh = DeviceMesh.from_group(pstate.dp_cp_group, device_type)
+    mesh = _mesh(pstate.dp_cp_group, device_type)
     attributes = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
                   for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -135,4 +136,11 @@ def _expert_mesh(model: nn.Module, pstate: ParallelState, device_type: str) -> D
     group = pstate.expert.edp_group
     if group is None:
         group = dist.new_group([pstate.rank], use_local_synchronization=True)
-    return DeviceMesh.from_group(group, device_type)
+    return _mesh(group, device_type)
+
+
+def _mesh(group, device_type: str) -> DeviceMesh:
+    """The DeviceMesh of `group`; its rank table is a real tensor even under the dry run's
+    FakeTensorMode (whose fake tensors cannot answer DeviceMesh's nonzero())."""
+    with unset_fake_temporarily():
+        return DeviceMesh.from_group(group, device_type)

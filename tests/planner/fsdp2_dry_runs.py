@@ -1,0 +1,32 @@
+"""`python -m tests.planner.fsdp2_dry_runs FLAGS [--next FLAGS ...]`: one dry run per group of
+pretrain_gpt flags, all in this one process (under the fake CUDA shim), a JSON line each:
+{'peak_total', 'peak', 'resident', 'formula'} of the first stage."""
+
+import json
+import sys
+
+from megalite.dryrun.fake_cuda import exit_now, fake_cuda_ready, reexec_with_fake_cuda
+
+
+def main(argv: list[str]) -> int:
+    if not fake_cuda_ready():
+        reexec_with_fake_cuda(["-m", "tests.planner.fsdp2_dry_runs", *argv])  # does not return
+    from tests.dryrun.dry_run_json import reports
+
+    groups, current = [], []
+    for arg in argv + ["--next"]:
+        if arg == "--next":
+            groups.append(current)
+            current = []
+        else:
+            current.append(arg)
+    for flags in groups:
+        report = reports(flags)[0]
+        print(json.dumps({"peak_total": report.peak_total, "peak": report.peak, "resident": report.resident,
+                          "formula": report.formula}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main(sys.argv[1:]))
