@@ -119,7 +119,7 @@ def check_gdn_args(args, fail) -> None:
         gdn = gdn_config_from_args(args)
         gdn.layer_pattern(args.num_layers)
     except (ValueError, SyntaxError) as error:
-        fail(f"--linear-attention-freq / --linear-*: {error}")
+        fail(f"--experimental-attention-variant gdn: {error}")
     tp = args.tensor_model_parallel_size
     for name in ("linear_num_key_heads", "linear_num_value_heads"):
         if getattr(args, name) % tp:

@@ -126,3 +126,31 @@ def test_bad_shapes_refused():
         GDNConfig(linear_num_key_heads=3, linear_num_value_heads=4)
     with pytest.raises(ValueError, match="linear_attention_freq"):
         GDNConfig(linear_attention_freq=(0, 2))
+
+
+def test_unequal_blocks_shard_and_reassemble():
+    """partition_stride as a tuple of block sizes: each block split over the ranks on its own,
+    reassembled exactly, and DCP's chunk table naming the same rows."""
+    from megalite.checkpoint.dcp.format import tp_chunks
+    from megalite.parallel.sharding import full_from_shards, shard_of_full
+    full = torch.arange(14.0).view(14, 1)
+    blocks = (4, 4, 2, 2, 2)
+    shards = [shard_of_full(full, 0, blocks, r, 2) for r in range(2)]
+    assert shards[1].flatten().tolist() == [2, 3, 6, 7, 9, 11, 13]
+    assert torch.equal(full_from_shards(shards, 0, blocks), full)
+    rows = [[int(full[o[0]:o[0] + z[0]].flatten()[i]) for o, z, _ in chunks for i in range(z[0])]
+            for chunks in tp_chunks((14, 1), 0, blocks, 2)]
+    assert rows[1] == [2, 3, 6, 7, 9, 11, 13]
+    assert [local for _, _, local in tp_chunks((14, 1), 0, blocks, 2)[1]] == [0, 2, 4, 5, 6]
+
+
+def test_full_recompute_gives_the_same_gradients():
+    config = hybrid_config(moe=None)
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for cfg in (config, config.replace(recompute_granularity="full")):
+        model = GPTModel(cfg)
+        model(tokens, labels=tokens).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-6)
