@@ -154,3 +154,21 @@ def test_full_recompute_gives_the_same_gradients():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-6)
+
+
+def test_hugging_face_export_refused_in_one_line():
+    from megalite.checkpoint.hf.mapping import family_of
+    for config in (hybrid_config(moe=None), hybrid_config(moe=None, gdn=None)):
+        with pytest.raises(ValueError, match="Gated DeltaNet and gated attention") as info:
+            family_of(config)
+        assert "\n" not in str(info.value)
+
+
+def test_generation_with_the_state_equals_recomputing_and_config_round_trips():
+    from megalite.inference.generate import generate_tokens, inference_config
+    config = hybrid_config()
+    again = inference_config(config.to_dict())
+    assert again.gdn == config.gdn and again.attention_output_gate
+    model = GPTModel(again).eval()
+    prompt = [3, 14, 15, 92, 65]
+    assert generate_tokens(model, prompt, 6) == generate_tokens(model, prompt, 6, use_cache=False)
