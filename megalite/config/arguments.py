@@ -33,6 +33,7 @@ from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fie
 from megalite.config.megatron.training import MegatronTrainingArgs
 from megalite.config.model import ModelArgs, ParallelArgs, PrecisionArgs, RecomputeArgs, recompute_modules_of
 from megalite.config.megatron.checkpoint import MegatronCheckpointArgs
+from megalite.config.gdn import GDNArgs, gdn_model_fields
 from megalite.config.mla import MLAArgs, mla_model_fields
 from megalite.config.moe import MoEArgs, moe_config_from_args
 from megalite.config.mup import MupArgs, mup_model_fields
@@ -47,7 +48,7 @@ __all__ = ["Arguments", "build_parser", "load_config_file", "parse_args", "valid
 
 
 @dataclass
-class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, ModelArgs, MegatronModelArgs, Fp8Args, MupArgs, RecomputeArgs,
+class Arguments(ParallelArgs, ContextArgs, MoEArgs, MLAArgs, GDNArgs, ModelArgs, MegatronModelArgs, Fp8Args, MupArgs, RecomputeArgs,
                 PrecisionArgs, TrainingArgs, DataArgs, LoggingArgs, CheckpointArgs, MegatronCheckpointArgs, MegatronTrainingArgs,
                 MegatronDataArgs, MegatronFimArgs, MegatronLoggingArgs, DistOptArgs, DryRunArgs, MuonArgs, DerivedArgs,
                 MegatronEngineArgs):
@@ -76,6 +77,7 @@ _GROUPS = (
     ("maximal update parameterisation (muP)", MupArgs), ("parallelism", ParallelArgs),
     ("context parallelism", ContextArgs), ("mixture of experts", MoEArgs),
     ("multi-latent attention and multi-token prediction", MLAArgs),
+    ("Gated DeltaNet linear attention and gated attention", GDNArgs),
     ("recompute", RecomputeArgs), ("precision", PrecisionArgs),
     ("batch, schedule and optimizer", TrainingArgs), ("Muon optimizer", MuonArgs), ("data and tokenizer", DataArgs),
     ("logging", LoggingArgs), ("checkpoints", CheckpointArgs),
@@ -316,4 +318,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         cp_comm_type=cp_comm_type_of(args),
         cp_a2a_size=cp_a2a_size_of(args),
         **mla_model_fields(args),
+        **gdn_model_fields(args),
     )

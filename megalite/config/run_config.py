@@ -31,6 +31,7 @@ from megalite.config.megatron.model import start_up_notes, tokenizer_from_args
 from megalite.config.megatron.training import (cuda_graph_impl_of, cuda_graph_scope_of,
                                                          interleaved_group_size, megatron_training_notes,
                                                          split_accounting)
+from megalite.config.gdn import gdn_notes
 from megalite.config.mla import mla_notes
 from megalite.config.moe import dense_expert_notes
 from megalite.config.mup import mup_notes, mup_width_mult
@@ -148,6 +149,7 @@ class OptimizerConfig:
     overlap_param_gather_with_optimizer_step: bool
     optimizer_cpu_offload: bool
     log_num_zeros_in_grad: bool
+    apply_wd_to_qk_layernorm: bool
     decoupled_lr: float | None
     decoupled_min_lr: float | None
     lr_schedule: LRScheduleConfig | None
@@ -355,7 +357,7 @@ def startup_notes(args, device_type: str = "cpu") -> list[str]:
     return (notes + start_up_notes(args, device_type) + megatron_training_notes(args) + megatron_data_notes(args)
             + megatron_logging_notes(args) + checkpoint_flag_notes(args) + dense_expert_notes(args) + fim_notes(args)
             + mup_notes(args) + dist_opt_notes(args)
-            + mla_notes(args) + fp8_notes(args) + engine_notes(args) + recompute_notes(args))
+            + mla_notes(args) + gdn_notes(args) + fp8_notes(args) + engine_notes(args) + recompute_notes(args))
 
 
 def run_config(args, world_size: int) -> RunConfig:

@@ -26,6 +26,7 @@ from megalite.config.megatron.model import check_megatron_model_args
 from megalite.config.megatron.training import (apply_pipeline_split_accounting,
                                                            check_megatron_training_args, finish_batch_args,
                                                            interleaved_group_size, split_accounting)
+from megalite.config.gdn import check_gdn_args
 from megalite.config.mla import check_mla_args
 from megalite.config.model import check_recompute_modules
 from megalite.config.moe import check_expert_width, check_moe_args
@@ -359,6 +360,7 @@ def validate_args(args, world_size: int):
     check_mup_args(args, _fail)
     check_muon_args(args, _fail)
     check_mla_args(args, _fail)
+    check_gdn_args(args, _fail)
     check_dry_run_args(args, _fail)
     check_megatron_checkpoint_args(args, _fail)
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",

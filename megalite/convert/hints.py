@@ -10,6 +10,7 @@ import shlex
 from megalite.model.config import GPTConfig
 from megalite.model.moe_config import MoEConfig
 from megalite.config.arguments import parse_args
+from megalite.config.gdn import gdn_flags
 from megalite.config.mla import mla_flags
 from megalite.config.moe import MoEArgs
 
@@ -81,7 +82,7 @@ def model_flags(config: GPTConfig) -> list[str]:
     flags += {"bfloat16": ["--bf16"], "float16": ["--fp16"], "float32": []}[config.params_dtype]
     if config.moe is not None:
         flags += moe_flags(config.moe)
-    return flags + mla_flags(config) + [flag for flag in kernel_flags(config) if flag not in flags]
+    return flags + mla_flags(config) + gdn_flags(config) + [flag for flag in kernel_flags(config) if flag not in flags]
 
 
 def moe_flags(moe: MoEConfig) -> list[str]:

@@ -42,6 +42,15 @@ class KVCache:
         return (key_pos > query_pos).view(1, 1, num_queries, -1)
 
 
+class LinearAttentionState:
+    """One Gated DeltaNet layer's generation state: the causal convolution's last kernel-1
+    inputs conv [b, channels (this TP rank's), kernel - 1] and the delta rule's state
+    recurrent [b, heads (this rank's), dk, dv] (fp32); None before the first call."""
+
+    def __init__(self):
+        self.conv = self.recurrent = None
+
+
 class InferenceCache:
     """Every layer's KVCache plus the shared position offset, for sequences of at most
     `max_length` tokens."""
@@ -51,11 +60,17 @@ class InferenceCache:
             raise ValueError(f"max_length must be positive, got {max_length}")
         self.max_length = max_length
         self.offset = 0
-        self.layers: dict[int, KVCache] = {}
+        self.layers: dict[int, KVCache | LinearAttentionState] = {}
 
     def layer(self, layer_number: int) -> KVCache:
         if layer_number not in self.layers:
             self.layers[layer_number] = KVCache(self)
+        return self.layers[layer_number]
+
+    def linear_layer(self, layer_number: int) -> LinearAttentionState:
+        """A linear-attention layer's state (Gated DeltaNet): constant in the sequence length."""
+        if layer_number not in self.layers:
+            self.layers[layer_number] = LinearAttentionState()
         return self.layers[layer_number]
 
     def check_room(self, num_tokens: int) -> None:

@@ -70,7 +70,9 @@ class SelfAttention(nn.Module):
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         self.softmax_scale = config.softmax_scale if config.softmax_scale is not None else self.head_dim ** -0.5
         dtype = getattr(torch, config.params_dtype)
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        # --attention-output-gate: each group's block is [q heads, their gate heads, k, v] (Megatron's)
+        self.gated = config.attention_output_gate
+        qkv_size = ((2 if self.gated else 1) * config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_group=tp_group, bias=config.add_bias_linear or config.add_qkv_bias,
             sequence_parallel=config.sequence_parallel, init_std=config.hidden_init_std,
@@ -127,8 +129,16 @@ class SelfAttention(nn.Module):
         and values are appended to it and the queries attend to every cached position."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
-        q, k, v = SplitGroupedQKV.apply(qkv, self.q_per_group)
+        gate = None
+        if self.gated:
+            qkv = qkv.view(s, b, self.groups, 2 * self.q_per_group + 2, self.head_dim)
+            n = self.q_per_group
+            q = qkv[:, :, :, :n].reshape(s, b, self.heads, self.head_dim)
+            gate = qkv[:, :, :, n:2 * n].reshape(s, b, self.heads * self.head_dim)
+            k, v = qkv[:, :, :, 2 * n], qkv[:, :, :, 2 * n + 1]
+        else:
+            qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+            q, k, v = SplitGroupedQKV.apply(qkv, self.q_per_group)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
@@ -136,7 +146,7 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
-            return self.linear_proj(context)
+            return self.linear_proj(self._gated(context, gate))
         q, k, v = _without_partial_views(qkv, q, k, v)
         if self.config.recomputes("core_attn"):
             # The tracker matters only when attention dropout draws from it (core_attention).
@@ -144,4 +154,9 @@ class SelfAttention(nn.Module):
             context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
         else:
             context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.linear_proj(self._gated(context, gate))
+
+    @staticmethod
+    def _gated(context, gate):
+        """context * sigmoid(gate) (fp32 sigmoid) with --attention-output-gate."""
+        return context if gate is None else (context * torch.sigmoid(gate.float())).to(context.dtype)

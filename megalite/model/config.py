@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from megalite.model.gdn_config import GDNConfig
 from megalite.model.mla_config import MLAConfig
 from megalite.model.moe_config import MoEConfig
 from megalite.parallel.context import CP_COMM_TYPES
@@ -143,6 +144,12 @@ class GPTConfig:
     mla: MLAConfig | None = None
     """Multi-latent attention in place of self-attention (--multi-latent-attention); None: MHA/GQA.
     With it, qk_layernorm means the query and key/value latent norms."""
+    gdn: GDNConfig | None = None
+    """Gated DeltaNet linear attention in place of self-attention on the layers its
+    linear_attention_freq picks (--experimental-attention-variant gdn); None: none."""
+    attention_output_gate: bool = False
+    """Full attention's output times sigmoid(a gate projected with q, k, v), per head
+    (--attention-output-gate; Qwen3-Next's gated attention)."""
     mtp_num_layers: int | None = None
     """Multi-token prediction depths after the last layer (--mtp-num-layers); None: none."""
     mtp_loss_scaling_factor: float = 0.1
@@ -171,6 +178,12 @@ class GPTConfig:
             self.moe.layer_pattern(self.num_layers)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.gdn, dict):
+            self.gdn = GDNConfig(**self.gdn)
+        if self.gdn is not None:
+            self.gdn.layer_pattern(self.num_layers)
+        if self.attention_output_gate and self.mla is not None:
+            raise ValueError("GPTConfig.attention_output_gate: multi-latent attention has no output gate in megalite")
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ValueError(f"GPTConfig.mtp_num_layers must be positive or None, got {self.mtp_num_layers}")
         choices = {
@@ -243,6 +256,7 @@ class GPTConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["moe"] = self.moe.to_dict() if self.moe is not None else None
         values["mla"] = self.mla.to_dict() if self.mla is not None else None
+        values["gdn"] = self.gdn.to_dict() if self.gdn is not None else None
         return values
 
     @classmethod

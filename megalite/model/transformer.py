@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.attention import SelfAttention
+from megalite.model.gated_delta_net import GatedDeltaNet
 from megalite.model.mla import MLASelfAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
@@ -19,7 +20,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number, self.rng_tracker = config, layer_number, rng_tracker
         self.input_layernorm = build_norm(config, device=device)
-        attention = MLASelfAttention if config.mla is not None else SelfAttention
+        self.is_linear = config.gdn is not None and config.gdn.is_linear_layer(layer_number, config.num_layers)
+        attention = GatedDeltaNet if self.is_linear else MLASelfAttention if config.mla is not None else SelfAttention
         self.self_attention = attention(config, tp_group, rng_tracker, device, cp_group, layer_number)
         self.pre_mlp_layernorm = build_norm(config, device=device)
         if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
@@ -37,7 +39,9 @@ class TransformerLayer(nn.Module):
             return residual + F.dropout(x, p, training=True)
 
     def forward(self, x, rotary=None, attention_mask=None, inference_cache=None):
-        kv_cache = None if inference_cache is None else inference_cache.layer(self.layer_number)
+        kv_cache = None
+        if inference_cache is not None:
+            kv_cache = (inference_cache.linear_layer if self.is_linear else inference_cache.layer)(self.layer_number)
         x = self._dropout_add(self._after_norm(self.input_layernorm, self.self_attention, x, rotary, attention_mask,
                                                kv_cache), x)
         return self._dropout_add(self._after_norm(self.pre_mlp_layernorm, self._mlp, x), x)

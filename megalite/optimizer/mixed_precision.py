@@ -33,8 +33,11 @@ logger = logging.getLogger(__name__)
 _STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
-def no_weight_decay(name: str, param) -> bool:
-    """Biases and norm weights (every 1-D parameter) are not decayed."""
+def no_weight_decay(name: str, param, decay_qk_layernorm: bool = False) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed; with `decay_qk_layernorm`
+    (--apply-wd-to-qk-layernorm) the q/k layernorm weights are, as Megatron's Qwen3-Next rule."""
+    if decay_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return False
     return param.ndim == 1 or name.endswith(".bias")
 
 
@@ -43,7 +46,8 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
 
     def __init__(self, chunks, pstate: ParallelState, *, kind: str, make_inner, clip_grad: float,
                  loss_scaler, weight_decay: float, overlap_param_gather: bool, cpu_offload: bool,
-                 log_num_zeros_in_grad: bool = False, param_gather_with_step: bool = False):
+                 log_num_zeros_in_grad: bool = False, param_gather_with_step: bool = False,
+                 decay_qk_layernorm: bool = False):
         self.chunks, self.pstate, self.kind = list(chunks), pstate, kind
         self.param_gather_with_step = param_gather_with_step
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
@@ -73,8 +77,8 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
         groups = []
         for phase in sorted(set(phase_of.values())) or [0]:
             mains = [m for m in self.mains if phase_of[id(m.main)] == phase]
-            decay = [m.main for m in mains if not no_weight_decay(m.name, m.param)]
-            plain = [m.main for m in mains if no_weight_decay(m.name, m.param)]
+            decay = [m.main for m in mains if not no_weight_decay(m.name, m.param, decay_qk_layernorm)]
+            plain = [m.main for m in mains if no_weight_decay(m.name, m.param, decay_qk_layernorm)]
             groups += [{"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay, "phase": phase},
                        {"params": plain, "wd_mult": 0.0, "weight_decay": 0.0, "phase": phase}]
         self.inner = make_inner(groups)
@@ -353,7 +357,8 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
                     loss_scale_window: int = 1000, hysteresis: int = 2,
                     use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
                     cpu_offload: bool = False, log_num_zeros_in_grad: bool = False,
-                    overlap_param_gather_with_optimizer_step: bool = False) -> MixedPrecisionOptimizer:
+                    overlap_param_gather_with_optimizer_step: bool = False,
+                    apply_wd_to_qk_layernorm: bool = False) -> MixedPrecisionOptimizer:
     """The optimizer over every chunk (DistributedDataParallel or FSDPChunk) of this rank.
 
     bf16 / fp16 say what the model parameters are (they must match the chunks'); the optimizer
@@ -389,4 +394,5 @@ def build_optimizer(ddp_chunks, pstate: ParallelState, *, optimizer: str = "adam
                                    loss_scaler=scaler, weight_decay=weight_decay,
                                    overlap_param_gather=overlap_param_gather, cpu_offload=cpu_offload,
                                    log_num_zeros_in_grad=log_num_zeros_in_grad,
-                                   param_gather_with_step=overlap_param_gather_with_optimizer_step)
+                                   param_gather_with_step=overlap_param_gather_with_optimizer_step,
+                                   decay_qk_layernorm=apply_wd_to_qk_layernorm)

@@ -32,25 +32,38 @@ def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
-def shard_of_full(full: torch.Tensor, partition_dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
+def _blocks(full: torch.Tensor, partition_dim: int, stride) -> tuple:
+    """`stride` equal blocks along partition_dim, or blocks of the sizes a tuple `stride` gives
+    (a fused projection of unequal parts each split over the ranks: Gated DeltaNet's in_proj)."""
+    if isinstance(stride, tuple):
+        return full.split(stride, dim=partition_dim)
+    return full.chunk(stride, dim=partition_dim)
+
+
+def shard_of_full(full: torch.Tensor, partition_dim: int, stride, rank: int, world: int) -> torch.Tensor:
     """This rank's shard of a full tensor (a contiguous copy)."""
     if world == 1:
         return full
-    if full.shape[partition_dim] % (stride * world):
+    if isinstance(stride, tuple):
+        if sum(stride) != full.shape[partition_dim] or any(size % world for size in stride):
+            raise ValueError(f"cannot shard dim {partition_dim} of size {full.shape[partition_dim]} into blocks "
+                             f"{stride} each split over {world} ranks")
+    elif full.shape[partition_dim] % (stride * world):
         raise ValueError(
             f"cannot shard dim {partition_dim} of size {full.shape[partition_dim]} into "
             f"{stride} block(s) x {world} ranks"
         )
-    blocks = full.chunk(stride, dim=partition_dim)
+    blocks = _blocks(full, partition_dim, stride)
     return torch.cat([b.chunk(world, dim=partition_dim)[rank] for b in blocks], dim=partition_dim).contiguous()
 
 
-def full_from_shards(shards: list[torch.Tensor], partition_dim: int, stride: int) -> torch.Tensor:
+def full_from_shards(shards: list[torch.Tensor], partition_dim: int, stride) -> torch.Tensor:
     """Inverse of `shard_of_full`: reassemble the full tensor from every rank's shard."""
     if len(shards) == 1:
         return shards[0]
-    per_rank = [s.chunk(stride, dim=partition_dim) for s in shards]
-    return torch.cat([per_rank[r][b] for b in range(stride) for r in range(len(shards))], dim=partition_dim)
+    local = tuple(size // len(shards) for size in stride) if isinstance(stride, tuple) else stride
+    per_rank = [_blocks(s, partition_dim, local) for s in shards]
+    return torch.cat([per_rank[r][b] for b in range(len(per_rank[0])) for r in range(len(shards))], dim=partition_dim)
 
 
 def gather_tp_full(param: torch.Tensor, value: torch.Tensor, tp_group) -> torch.Tensor:

@@ -32,17 +32,34 @@ def _mla_attention(config: GPTConfig, t: int) -> int:
     return q + kv + a * mla.v_head_dim // t * h + h * config.add_bias_linear + norms * config.qk_layernorm
 
 
+def _gdn_attention(config: GPTConfig, t: int) -> int:
+    """A Gated DeltaNet layer's parameters on one TP rank: in_proj, conv1d, A_log, dt_bias and
+    out_proj split by heads, out_norm whole."""
+    gdn, h = config.gdn, config.hidden_size
+    conv = (2 * gdn.qk_dim + gdn.v_dim) * gdn.linear_conv_kernel_dim
+    return (h * sum(gdn.in_proj_sections()) + conv + 2 * gdn.linear_num_value_heads + gdn.v_dim * h) // t \
+        + _norm(config, gdn.linear_value_head_dim)
+
+
+def _is_linear(config: GPTConfig, layer: int) -> bool:
+    return config.gdn is not None and config.gdn.is_linear_layer(layer, config.num_layers)
+
+
 def layer_parameters(config: GPTConfig, layer: int, t: int, ep: int = 1) -> tuple[int, int]:
     """(dense, expert) parameters of transformer layer `layer` on one TP (and EP) rank (an MTP
     depth's layer numbered from num_layers)."""
     h, d = config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * d, config.num_query_groups * d
     qkv_bias = config.add_bias_linear or config.add_qkv_bias
-    attention = h * (q + 2 * kv) // t + (q + 2 * kv) // t * qkv_bias + q * h // t + h * config.add_bias_linear
+    gates = q if config.attention_output_gate else 0
+    attention = h * (q + gates + 2 * kv) // t + (q + gates + 2 * kv) // t * qkv_bias + q * h // t \
+        + h * config.add_bias_linear
     if config.qk_layernorm:
         attention += 2 * _norm(config, d)
     if config.mla is not None:
         attention = _mla_attention(config, t)
+    if _is_linear(config, layer):
+        attention = _gdn_attention(config, t)
     dense = 2 * _norm(config, h) + attention
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer, config.num_layers):
@@ -61,7 +78,9 @@ def fused_linear_weights(config: GPTConfig, layer: int, t: int) -> int:
     experts, the router, norms, biases and multi-latent attention's projections keep the hook's add)."""
     h, d = config.hidden_size, config.kv_channels
     q, kv = config.num_attention_heads * d, config.num_query_groups * d
-    attention = 0 if config.mla is not None else h * (q + 2 * kv) // t + q * h // t
+    attention = 0 if config.mla is not None else h * (q * (1 + config.attention_output_gate) + 2 * kv) // t + q * h // t
+    if _is_linear(config, layer):  # in_proj and out_proj
+        attention = h * (sum(config.gdn.in_proj_sections()) + config.gdn.v_dim) // t
     moe = config.moe
     if moe is None or not moe.is_moe_layer(layer, config.num_layers):
         return attention + _mlp(config, config.ffn_hidden_size, t, False)

@@ -13,6 +13,13 @@ d_q = d_c + d_r; its scores and context cost 6*s*a*(d_q + d_v) per token and lay
 12*s*h. Multi-token prediction adds per depth one layer, eh_proj (2*h*h) and the output layer
 (h*V) to P_mm, and the layer's attention term.
 
+Gated DeltaNet layers (--experimental-attention-variant gdn; megalite/model/README.md): their
+attention weights are in_proj's h*(2*n_k*d_k + 2*n_v*d_v + 2*n_v) and out_proj's n_v*d_v*h; in
+place of 12*s*h they cost, per token, 6*K*(2*n_k*d_k + n_v*d_v) (the depthwise convolution) and
+6*n_v*(3*d_k*d_v + C*(3*d_k + 2*d_v)) (the chunked delta rule's matrix products with chunks of C
+tokens: q and beta-weighted k against the chunk's initial state and the state update, q k^T and
+k k^T, the scores and the triangular inverse times the values) -- linear in s.
+
 Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM). Bytes
 of parameters, gradients and optimizer state per parameter are in megalite.optimizer.memory_report.
 """
@@ -43,23 +50,37 @@ def mlp_matmul_parameters(config: GPTConfig, layer: int, activated: bool = True)
     return h * moe.num_experts + experts * k * h * moe.ffn_hidden_size + shared
 
 
-def attention_matmul_parameters(config: GPTConfig) -> int:
-    """One layer's attention weights that multiply each token (QKV and output projections; with
-    multi-latent attention the down and up projections)."""
+def _is_linear(config: GPTConfig, layer: int) -> bool:
+    return config.gdn is not None and config.gdn.is_linear_layer(layer, config.num_layers)
+
+
+def attention_matmul_parameters(config: GPTConfig, layer: int = -1) -> int:
+    """Layer `layer`'s attention weights that multiply each token (QKV and output projections;
+    with multi-latent attention the down and up projections; a Gated DeltaNet layer's in_proj and
+    out_proj). `layer` -1: a full-attention layer."""
     h, a, mla = config.hidden_size, config.num_attention_heads, config.mla
+    if layer >= 0 and _is_linear(config, layer):
+        gdn = config.gdn
+        return h * (sum(gdn.in_proj_sections())) + gdn.v_dim * h
     if mla is not None:
         q = h * a * mla.q_head_dim if mla.q_lora_rank is None else mla.q_lora_rank * (h + a * mla.q_head_dim)
         kv = h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) + mla.kv_lora_rank * a * (mla.qk_head_dim + mla.v_head_dim)
         return q + kv + a * mla.v_head_dim * h
     q = a * config.kv_channels
     d_kv = config.num_query_groups * config.kv_channels
-    return h * q + 2 * h * d_kv + q * h
+    return h * q * (2 if config.attention_output_gate else 1) + 2 * h * d_kv + q * h
 
 
-def attention_score_flops(config: GPTConfig, seq_length: int) -> int:
+def attention_score_flops(config: GPTConfig, seq_length: int, layer: int = -1) -> int:
     """Training FLOPs per token of one layer's q k^T and probabilities x v (non-causal): 12 s h,
-    or 6 s a (d_q + d_v) with multi-latent attention."""
+    or 6 s a (d_q + d_v) with multi-latent attention; a Gated DeltaNet layer's convolution and
+    chunked delta rule (the module docstring)."""
     mla = config.mla
+    if layer >= 0 and _is_linear(config, layer):
+        gdn = config.gdn
+        dk, dv, c = gdn.linear_key_head_dim, gdn.linear_value_head_dim, gdn.chunk_size
+        conv = 6 * gdn.linear_conv_kernel_dim * (2 * gdn.qk_dim + gdn.v_dim)
+        return conv + 6 * gdn.linear_num_value_heads * (3 * dk * dv + c * (3 * dk + 2 * dv))
     if mla is None:
         return 12 * seq_length * config.hidden_size
     return 6 * seq_length * config.num_attention_heads * (mla.q_head_dim + mla.v_head_dim)
@@ -71,17 +92,17 @@ def matmul_parameters(config: GPTConfig, padded_vocab_size: int, activated: bool
     embedding lookup are left out. In MoE layers only the activated (top-k) experts count,
     unless activated=False (every expert's parameters)."""
     h, depths = config.hidden_size, config.mtp_num_layers or 0
-    attention = attention_matmul_parameters(config)
     layers = range(config.num_layers + depths)  # MTP layers numbered after the decoder's
-    return sum(attention + mlp_matmul_parameters(config, i, activated) for i in layers) \
+    return sum(attention_matmul_parameters(config, i) + mlp_matmul_parameters(config, i, activated) for i in layers) \
         + depths * 2 * h * h + (1 + depths) * h * padded_vocab_size
 
 
 def flops_per_token(config: GPTConfig, seq_length: int, padded_vocab_size: int) -> int:
     """Training FLOPs per token (forward + backward): 6 P_mm + 12 L s h (see the module
     docstring for multi-latent attention and MTP)."""
-    layers = config.num_layers + (config.mtp_num_layers or 0)
-    return 6 * matmul_parameters(config, padded_vocab_size) + layers * attention_score_flops(config, seq_length)
+    layers = range(config.num_layers + (config.mtp_num_layers or 0))
+    return 6 * matmul_parameters(config, padded_vocab_size) + sum(attention_score_flops(config, seq_length, i)
+                                                                  for i in layers)
 
 
 def peak_flops(device_name: str | None = None) -> tuple[str, float] | None:

@@ -231,7 +231,8 @@ def build_optimizer_and_schedule(chunks, optim: OptimizerConfig, pstate):
         hysteresis=optim.hysteresis, use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_param_gather=optim.overlap_param_gather, cpu_offload=optim.optimizer_cpu_offload,
         log_num_zeros_in_grad=optim.log_num_zeros_in_grad,
-        overlap_param_gather_with_optimizer_step=optim.overlap_param_gather_with_optimizer_step)
+        overlap_param_gather_with_optimizer_step=optim.overlap_param_gather_with_optimizer_step,
+        apply_wd_to_qk_layernorm=optim.apply_wd_to_qk_layernorm)
     if optim.decoupled_lr is not None:
         apply_decoupled_lr(optimizer, optim.decoupled_lr, optim.decoupled_min_lr)
     apply_mup(optimizer, optim.mup_width_mult, lr=optim.lr, min_lr=optim.lr_schedule.min_lr, adam_eps=optim.adam_eps)

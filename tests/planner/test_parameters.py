@@ -36,3 +36,15 @@ def built(config, t, p, v, pp_rank, ep):
 def test_counts_equal_the_built_model(name, config, ep, t, p, v):
     for rank in range(p):
         assert rank_parameters(config, t, p, v, rank, ep) == built(config, t, p, v, rank, ep), (name, rank)
+
+
+def test_gated_delta_net_hybrid_counts_equal_the_built_model():
+    """Linear layers (in_proj, conv1d, A_log, dt_bias, out_proj split by heads; out_norm whole)
+    beside gated full attention, at TP2 and TP2 PP2."""
+    from megalite.model.gdn_config import GDNConfig
+    config = LLAMA.replace(attention_output_gate=True, gdn=GDNConfig(
+        linear_attention_freq=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4))
+    for t, p in ((1, 1), (2, 1), (2, 2)):
+        for rank in range(p):
+            assert rank_parameters(config, t, p, 1, rank) == built(config, t, p, 1, rank, 1), (t, p, rank)

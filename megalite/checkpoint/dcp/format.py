@@ -46,27 +46,32 @@ def single_process_dcp():
         yield
 
 
-def tp_chunks(full_shape, partition_dim: int, stride: int, tp_size: int, valid_rows: int | None = None):
+def tp_chunks(full_shape, partition_dim: int, stride, tp_size: int, valid_rows: int | None = None):
     """For each TP rank, the chunks it holds: lists of (global_offsets, sizes, local_offset).
 
-    `full_shape` is the padded full shape; `valid_rows` trims dim 0 (vocabulary padding)."""
+    `full_shape` is the padded full shape; `valid_rows` trims dim 0 (vocabulary padding);
+    `stride` is a number of equal blocks or a tuple of block sizes (see sharding.shard_of_full)."""
     full_shape = list(full_shape)
-    block = full_shape[partition_dim] // stride
-    per_rank = block // tp_size
+    if isinstance(stride, tuple):
+        blocks = list(stride)
+    else:
+        blocks = [full_shape[partition_dim] // stride] * stride
     chunks = []
     for t in range(tp_size):
-        mine = []
-        for b in range(stride):
-            start, size = b * block + t * per_rank, per_rank
+        mine, block_start, local = [], 0, 0
+        for block in blocks:
+            per_rank = block // tp_size
+            start, size = block_start + t * per_rank, per_rank
+            block_start += block
             if valid_rows is not None and partition_dim == 0:
                 size = max(0, min(start + size, valid_rows) - start)
-            if size == 0:
-                continue
-            offsets = [0] * len(full_shape)
-            offsets[partition_dim] = start
-            sizes = list(full_shape)
-            sizes[partition_dim] = size
-            mine.append((offsets, sizes, b * per_rank))
+            if size > 0:
+                offsets = [0] * len(full_shape)
+                offsets[partition_dim] = start
+                sizes = list(full_shape)
+                sizes[partition_dim] = size
+                mine.append((offsets, sizes, local))
+            local += per_rank
         chunks.append(mine)
     return chunks
 

@@ -33,6 +33,9 @@ def family_of(config: GPTConfig) -> str:
     if config.use_mup:
         _refuse("use_mup", True, "models without muP: Hugging Face's GPT-2, Llama and Qwen3 scale attention by "
                 "1/sqrt(head dim) and scale no logits or embeddings")
+    if config.gdn is not None or config.attention_output_gate:
+        _refuse("gdn/attention_output_gate", (config.gdn is not None, config.attention_output_gate),
+                "neither: Gated DeltaNet and gated attention (Qwen3-Next) have no Hugging Face mapping in megalite yet")
     if config.mla is not None:
         deepseek.check_deepseek(config)
         return deepseek.MODEL_TYPE
