@@ -4,7 +4,12 @@ import functools
 
 from megalite.parallel import spawn
 from megalite.parallel.spawn import free_port
-from tests.rank_start import PRELOAD
+
+# What the fork server imports once, for every rank of run_distributed and every program of
+# tests/forked_program.py (tests/rank_start.py first: it sets up the server as conftest.py does
+# the test process; importing it anywhere else would change that process)
+PRELOAD = ("tests.rank_start", "megalite.model.gpt", "megalite.training.setup_run", "megalite.training.loop",
+           "megalite.config.arguments", "megalite.optimizer.mixed_precision", "megalite.parallel.pipeline.executor")
 
 
 @functools.wraps(spawn.run_distributed)

@@ -1,7 +1,7 @@
 """`python -m module args` or `python script.py args` as a child of the tests' fork server
 (megalite.parallel.spawn): the program runs in its own process, with its own pid, environment,
 working directory, argv, stdout and stderr files and exit status, as subprocess.Popen would
-start it, but torch and megalite are already imported (tests/rank_start.py), which saves the
+start it, but torch and megalite are already imported (tests/distributed.py PRELOAD), which saves the
 seconds every rank of every test run would spend importing them. ForkedProgram answers the
 Popen calls the tests make (pid, poll, wait, send_signal, kill).
 
@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from megalite.parallel.spawn import fork_server_context
-from tests.rank_start import PRELOAD
+from tests.distributed import PRELOAD
 
 
 def _exit_status(error: SystemExit) -> int:
