@@ -17,7 +17,7 @@ step, measured). The one-process run has two micro-batches of 4 sequences, each 
 Tolerances (relative): scales SCALE_TOL; losses, first-step gradients (not under the
 distributed optimizer or FSDP2) and final parameters TOL = 1e-4 (measured at most 4.2e-5, CP2;
 others < 4e-7: the GEMMs sum in another order). The FP8 run's parameters differ from the fp32
-run.s by > 100 x TOL (0.49 measured with the mean loss). With --tp-only-amax-red (TP x CP only) the two DP ranks
+run's by > 100 x TOL (0.49 measured with the mean loss). With --tp-only-amax-red (TP x CP only) the two DP ranks
 keep their own scales: they differ (0.43 measured), so the DP reduction above is not a no-op.
 """
 
