@@ -101,9 +101,6 @@ def check_fp8_args(args, fail) -> None:
         fail(f"--fp8-margin must not be negative, got {args.fp8_margin}")
     if args.fp8_amax_history_len is not None and args.fp8_amax_history_len < 1:
         fail(f"--fp8-amax-history-len must be at least 1, got {args.fp8_amax_history_len}")
-    if args.torch_compile:
-        fail("--fp8-format with --torch-compile: the delayed-scaling amax bookkeeping and _scaled_mm are "
-             "not checked under torch.compile; drop one of them")
     if (args.num_layers_at_start_in_bf16 is not None or args.num_layers_at_end_in_bf16 is not None) \
             and not args.first_last_layers_bf16:
         fail("--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 need --first-last-layers-bf16")

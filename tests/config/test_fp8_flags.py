@@ -35,6 +35,11 @@ def test_served_flags_reach_the_recipe(extra, field, value):
     assert getattr(fp8_recipe_from_args(parsed(extra, 1)), field) == value
 
 
+def test_torch_compile_is_served_with_fp8():
+    """tests/parallel/tensor/test_fp8_model.py checks the compiled FP8 run against the eager one."""
+    assert parsed("--fp8-format hybrid --torch-compile", 1).torch_compile
+
+
 def test_fp8_interval_is_accepted_with_its_deprecation_line():
     notes = fp8_notes(parsed("--fp8-format hybrid --fp8-interval 4", 1))
     assert len(notes) == 1 and notes[0].startswith("--fp8-interval 4: deprecated")
@@ -78,7 +83,6 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
     ("--fp8-format e4m3 --fp8-margin -1", ["--fp8-margin", "negative"]),
     ("--fp8-format e4m3 --num-layers-at-start-in-bf16 1", ["--num-layers-at-start-in-bf16", "--first-last-layers-bf16"]),
     ("--fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 99", ["--num-layers-at-end-in-bf16 99"]),
-    ("--fp8-format e4m3 --torch-compile", ["--fp8-format", "--torch-compile"]),
 ])
 def test_refused_in_one_line_naming_the_flag(extra, words):
     message = refused(extra)
