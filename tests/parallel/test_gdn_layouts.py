@@ -4,12 +4,18 @@ gloo, one spawn for the module, 6 Adam steps): TP2 with sequence parallelism (in
 blocks, conv1d, A_log, dt_bias split by heads; out_norm's gradient summed over TP), PP2
 interleaved (a linear and a full layer per rank, one per chunk), DP2 with the distributed
 optimizer, and FSDP2: per-step losses, the first step's gradients (not where they are sharded),
-the final parameters and eval logits within 1e-5 relative."""
+the final parameters and eval logits within 1e-5 relative. In the same spawn a TP2 model is saved
+as a DCP checkpoint, which one process loads at TP1 (in_proj's and conv1d's unequal blocks
+reassembled)."""
 
 import pytest
 
+import torch
+
+from megalite.checkpoint.dcp.checkpoint import load_checkpoint, save_checkpoint
 from megalite.model.config import GPTConfig
 from megalite.model.moe_config import MoEConfig
+from megalite.model.pipeline_chunks import build_model_chunks
 from tests.distributed import run_distributed
 from tests.parallel import mla_harness
 from tests.parallel.expert import ep_harness
@@ -35,7 +41,10 @@ def gdn_config(sequence_parallel=False) -> GPTConfig:
                      attention_output_gate=True)
 
 
-def _worker(rank, world_size):
+def _worker(rank, world_size, root):
+    state = mla_harness.layout_state(tp=2)
+    saved = build_model_chunks(gdn_config(), state, init_seed=11)
+    save_checkpoint(root, 1, chunks=saved, optimizer=None, pstate=state, common={})
     out = {}
     for name, spec in LAYOUTS.items():
         state = mla_harness.layout_state(**{k: v for k, v in spec.items() if k in ("tp", "pp", "vp")})
@@ -45,8 +54,24 @@ def _worker(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def two_process():
-    return run_distributed(_worker, 2, timeout=900)
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gdn_tp2")
+
+
+@pytest.fixture(scope="module")
+def two_process(checkpoint_root):
+    return run_distributed(_worker, 2, str(checkpoint_root), timeout=900)
+
+
+def test_tp2_checkpoint_loads_at_tp1(two_process, checkpoint_root):
+    state = mla_harness.single_state()
+    want = build_model_chunks(gdn_config(), state, init_seed=11)[0]
+    got = build_model_chunks(gdn_config(), state, init_seed=99)[0]
+    load_checkpoint(checkpoint_root, chunks=[got], pstate=state)
+    vocab = ep_harness.VOCAB
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        rows = vocab if "word_embeddings" in name or "output_layer" in name else None
+        assert torch.equal(a[:rows], b[:rows]), name
 
 
 def test_reference_trains_every_parameter(reference_runs):
