@@ -35,6 +35,7 @@ what all formats share at the top.
     hf.reader           a Hugging Face model directory                read
     hf.mapping(_moe)    Hugging Face family names and configs         both
     hf.mapping_deepseek Hugging Face DeepseekV3ForCausalLM (MLA, MTP) both
+    hf.mapping_qwen3_next Hugging Face Qwen3NextForCausalLM (GDN)     both
     hf.config_fields    a Hugging Face config's fields, read once     read
     hf.weights          Hugging Face state dicts <-> a model chunk    both, in memory
     hf.safetensors_io   safetensors files, one tensor at a time       both

@@ -159,7 +159,7 @@ def test_full_recompute_gives_the_same_gradients():
 def test_hugging_face_export_refused_in_one_line():
     from megalite.checkpoint.hf.mapping import family_of
     for config in (hybrid_config(moe=None), hybrid_config(moe=None, gdn=None)):
-        with pytest.raises(ValueError, match="Gated DeltaNet and gated attention") as info:
+        with pytest.raises(ValueError, match="Qwen3-Next") as info:
             family_of(config)
         assert "\n" not in str(info.value)
 

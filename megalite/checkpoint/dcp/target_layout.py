@@ -199,7 +199,8 @@ class TensorPlacement:
         padded = list(shape)
         if is_vocab:
             padded[0] = self.config.padded_vocab_size(self.layout.tp)
-        if padded[dim] % (stride * split):
+        blocks = stride if isinstance(stride, tuple) else (padded[dim] // stride,) * stride  # tuple: unequal blocks
+        if sum(blocks) != padded[dim] or any(b % split for b in blocks):
             flag = "--target-expert-tensor-parallel-size" if pattern in self.expert_patterns \
                 else "--target-tensor-parallel-size"
             raise ConversionError(f"tensor {key}: dim {dim} of size {padded[dim]} does not split into {stride} "

@@ -17,6 +17,7 @@ from megalite.checkpoint.hf.config_fields import llama_style_fields
 from megalite.checkpoint.hf.config_fields import refuse as _refuse
 from megalite.model.config import GPTConfig
 from megalite.checkpoint.hf import mapping_deepseek as deepseek
+from megalite.checkpoint.hf import mapping_qwen3_next as qwen3_next
 from megalite.checkpoint.hf.mapping_moe import (MOE_MODEL_TYPES, config_from_hf_moe, hf_config_dict_moe, moe_family_of,
                                            moe_mlp_to_hf, moe_mlp_to_megalite)
 from megalite.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
@@ -34,8 +35,8 @@ def family_of(config: GPTConfig) -> str:
         _refuse("use_mup", True, "models without muP: Hugging Face's GPT-2, Llama and Qwen3 scale attention by "
                 "1/sqrt(head dim) and scale no logits or embeddings")
     if config.gdn is not None or config.attention_output_gate:
-        _refuse("gdn/attention_output_gate", (config.gdn is not None, config.attention_output_gate),
-                "neither: Gated DeltaNet and gated attention (Qwen3-Next) have no Hugging Face mapping in megalite yet")
+        qwen3_next.check_qwen3_next(config)
+        return qwen3_next.MODEL_TYPE
     if config.mla is not None:
         deepseek.check_deepseek(config)
         return deepseek.MODEL_TYPE
@@ -105,6 +106,8 @@ def config_from_hf(hf_config) -> GPTConfig:
     model_type = _cfg(hf_config, "model_type")
     if model_type == deepseek.MODEL_TYPE:
         return deepseek.config_from_hf_deepseek(hf_config)
+    if model_type == qwen3_next.MODEL_TYPE:
+        return qwen3_next.config_from_hf_qwen3_next(hf_config)
     if model_type in MOE_MODEL_TYPES:
         return config_from_hf_moe(hf_config)
     if model_type == "gpt2":
@@ -147,13 +150,15 @@ def config_from_hf(hf_config) -> GPTConfig:
             qk_layernorm=model_type == "qwen3", **scaling,
         )
     _refuse("model_type", model_type, "'gpt2', 'llama', 'qwen3', " + ", ".join(map(repr, MOE_MODEL_TYPES))
-            + f", {deepseek.MODEL_TYPE!r}")
+            + f", {deepseek.MODEL_TYPE!r}, {qwen3_next.MODEL_TYPE!r}")
 
 
 def hf_config_dict(config: GPTConfig) -> dict:
     """config.json contents for the Hugging Face model holding `config`."""
     if family_of(config) == deepseek.MODEL_TYPE:
         return deepseek.hf_config_dict_deepseek(config)
+    if family_of(config) == qwen3_next.MODEL_TYPE:
+        return qwen3_next.hf_config_dict_qwen3_next(config)
     if config.moe is not None:
         return hf_config_dict_moe(config)
     if family_of(config) == "gpt2":
@@ -216,6 +221,10 @@ def hf_to_megalite(get: Get, config: GPTConfig, padded_vocab: int | None = None,
     if family == deepseek.MODEL_TYPE:
         yield from deepseek.deepseek_to_megalite(get, config, padded_vocab, layers, pre_process, post_process, _pad_rows)
         return
+    if family == qwen3_next.MODEL_TYPE:
+        yield from qwen3_next.qwen3_next_to_megalite(get, config, padded_vocab, layers, pre_process, post_process,
+                                                     _pad_rows)
+        return
     if family == "gpt2":
         if pre_process:
             yield "embedding.word_embeddings.weight", _pad_rows(get("transformer.wte.weight"), padded_vocab)
@@ -271,6 +280,9 @@ def megalite_to_hf(get: Get, config: GPTConfig, layers=None, pre_process: bool =
     vocab = config.vocab_size
     if family == deepseek.MODEL_TYPE:
         yield from deepseek.megalite_to_deepseek(get, config, layers, pre_process, post_process)
+        return
+    if family == qwen3_next.MODEL_TYPE:
+        yield from qwen3_next.megalite_to_qwen3_next(get, config, layers, pre_process, post_process)
         return
     if family == "gpt2":
         if pre_process:

@@ -128,11 +128,11 @@ def _expert_names(family: str, hf: str, e: int) -> tuple[str, str, str, str]:
     return (f"{hf}mlp.gate.weight", *(f"{hf}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")))
 
 
-def split_fused_experts(state_dict: dict, config: GPTConfig) -> dict:
+def split_fused_experts(state_dict: dict, config: GPTConfig, family: str | None = None) -> dict:
     """A transformers (>= 5) in-memory state dict, whose experts are fused 3-D tensors
     (mlp.experts.gate_up_proj [E, 2f, h], mlp.experts.down_proj [E, h, f]), renamed to the
     per-expert tensors Hugging Face files hold (what the mappings read and write)."""
-    family, out = moe_family_of(config), {}
+    family, out = family or moe_family_of(config), {}
     for name, tensor in state_dict.items():
         if name.endswith("mlp.experts.gate_up_proj"):
             hf = name[:-len("mlp.experts.gate_up_proj")]

@@ -4,7 +4,7 @@ exporting a chunk's tensors under Hugging Face's names."""
 
 import torch
 
-from megalite.checkpoint.hf.mapping import hf_to_megalite, megalite_to_hf
+from megalite.checkpoint.hf.mapping import family_of, hf_to_megalite, megalite_to_hf
 from megalite.checkpoint.hf.mapping_deepseek import split_fused_deepseek_experts
 from megalite.checkpoint.hf.mapping_moe import split_fused_experts
 from megalite.model.weights import gather_full_weights, load_full_weights
@@ -21,7 +21,7 @@ def load_hf_weights(model, hf_state_dict) -> None:
     if model.config.mla is not None:
         hf_state_dict = split_fused_deepseek_experts(hf_state_dict)
     elif model.config.moe is not None:
-        hf_state_dict = split_fused_experts(hf_state_dict, model.config)
+        hf_state_dict = split_fused_experts(hf_state_dict, model.config, family_of(model.config))
     full = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, **_chunk_scope(model)))
     if model.embedding is not None or model.share_embeddings:  # the last stage's copy (tied, or MTP's)
         embedding = dict(hf_to_megalite(hf_state_dict.__getitem__, model.config, model.padded_vocab, layers=[],
