@@ -2,7 +2,7 @@
 TP=2, EP=2, ETP=1, --moe-layer-freq [0,1], torch_dist; "plain" softmax routing and "shared":
 sigmoid routing with the expert bias and a gated shared expert) converted with convert.py
 --loader megatron: megalite at target EP=1 and EP=2 (TP=2, and ETP 1 or 2) gives Megatron-Core's
-logits within 1e-5 (fp32). One spawn writes both kinds; one spawn per kind reads every target."""
+logits within 1e-5 (fp32), and so does --load of the Megatron checkpoint itself. One spawn writes both kinds; one spawn per kind reads every target."""
 
 import argparse
 
@@ -42,23 +42,32 @@ def converted(megatron_dir, tmp_path_factory):
     return dirs
 
 
-def _megalite_logits(rank, world, load_dirs):
-    """Full logits of each converted checkpoint, at the layout it was converted for."""
+def _megalite_logits(rank, world, load_dirs, megatron_dir):
+    """Full logits of each converted checkpoint, at the layout it was converted for, then of
+    the Megatron checkpoint itself given to --load (--finetune) at TP2 EP2 ETP1."""
     from megalite.checkpoint.dcp.checkpoint import load_checkpoint
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
+    from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.arguments import parse_args
+    from megalite.config.run_config import CheckpointConfig
     from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.expert.groups import ExpertState
     from megalite.parallel.state import ParallelLayout, ParallelState
 
     out = []
-    for load_dir in load_dirs:
-        converted = MegaliteCheckpoint(load_dir)
-        layout = converted.common["layout"]
+    for load_dir in [*load_dirs, megatron_dir]:
+        from_megatron = load_dir == megatron_dir
+        source = MegatronCheckpoint(load_dir) if from_megatron else MegaliteCheckpoint(load_dir)
+        layout = {"ep": 2, "etp": 1} if from_megatron else source.common["layout"]
         pstate = ParallelState.create(ParallelLayout(world, tensor=2))
-        pstate.expert = ExpertState.create(pstate, layout.get("ep", 1), converted.config.moe.num_experts, None,
+        pstate.expert = ExpertState.create(pstate, layout.get("ep", 1), source.config.moe.num_experts, None,
                                            layout.get("etp", 2))
-        [model] = build_model_chunks(converted.config, pstate, init_seed=5)
-        load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
+        [model] = build_model_chunks(source.config, pstate, init_seed=5)
+        if from_megatron:
+            args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
+            load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
+        else:
+            load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
         model.eval()
         with torch.no_grad():
             local = model(tokens())
@@ -72,8 +81,9 @@ def _megalite_logits(rank, world, load_dirs):
 def test_megalite_gives_megatron_core_logits(megatron_dir, converted, kind):
     reference = torch.load(megatron_dir / kind / "logits.pt", weights_only=True)
     dirs = [str(converted[kind, t]) for t in TARGETS]
-    for per_rank in run_distributed(_megalite_logits, 4, dirs):
-        for target, logits in zip(TARGETS, per_rank):
+    for per_rank in run_distributed(_megalite_logits, 4, dirs, str(megatron_dir / kind)):
+        assert len(per_rank) == len(TARGETS) + 1
+        for target, logits in zip([*TARGETS, "--load"], per_rank):
             torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{target}: {m}")
 
 
