@@ -31,6 +31,7 @@ import pytest
 from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.mla_config import MLAConfig
+from megalite.model.moe_config import MoEConfig
 from tests.checkpoint.megatron_lm_args import HEAD_ARGUMENTS, HEAD_CONFIG_FIELDS, OTHER_ARGUMENTS, megatron_lm_args
 
 REFUSED, IGNORED = "refused", "ignored"
@@ -120,7 +121,17 @@ CASES = [
     ("mtp_use_repeated_layer", True, HEAD, LLAMA, {"mtp_num_layers": 2}, REFUSED),
     ("mtp_hsm", True, HEAD, LLAMA, {"mtp_num_layers": 1}, REFUSED),
     ("mtp_hybrid_override_pattern", "M*", HEAD, LLAMA, {"mtp_num_layers": 1}, REFUSED),
-    ("num_experts", 8, V16, LLAMA, {}, REFUSED),
+    ("num_experts", 8, V16, LLAMA, {}, lambda before: {"moe": MoEConfig(num_experts=8, ffn_hidden_size=before.ffn_hidden_size)}),
+    ("num_experts", 8, V16, GPT2, {}, REFUSED),  # Megatron's experts with biases: megalite's have none
+    *[(name, value, V16, LLAMA, {"num_experts": 8, "moe_router_score_function": "sigmoid"},
+       lambda before, field=field, value=value: {"moe": dataclasses.replace(before.moe, **{field: value})})
+      for name, field, value in (("moe_layer_freq", "layer_freq", [0, 1, 1, 1]), ("moe_router_topk", "router_topk", 4),
+                                 ("moe_ffn_hidden_size", "ffn_hidden_size", 24),
+                                 ("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size", 16),
+                                 ("moe_shared_expert_gate", "shared_expert_gate", True),
+                                 ("moe_router_enable_expert_bias", "enable_expert_bias", True),
+                                 ("moe_router_pre_softmax", "pre_softmax", True),
+                                 ("moe_router_topk_scaling_factor", "topk_scaling_factor", 2.5))],
     ("heterogeneous_layers_config_path", "/models/nemotron.json", V16, LLAMA, {}, REFUSED),
     ("experimental_attention_variant", "gated_delta_net", V16, LLAMA, {}, REFUSED),
     ("linear_attention_freq", 4, V16, LLAMA, {}, REFUSED),

@@ -23,13 +23,14 @@ field by name; the GPT builder passes GPTModel its position options), which diff
 import argparse
 
 from megalite.checkpoint.megatron.names_mla import handled_fields, mla_fields_from_megatron_args
+from megalite.checkpoint.megatron.names_moe import moe_fields_from_megatron_args
 from megalite.checkpoint.publish import ConversionError
 from megalite.model.config import GPTConfig
 
 # Arguments that build what megalite's GPT model does not have, with the value meaning "not
 # used" (None, False and 0 always do).
 _REFUSED = {
-    "use_legacy_models": False, "multi_latent_attention": False, "mtp_num_layers": None, "num_experts": None,
+    "use_legacy_models": False, "multi_latent_attention": False, "mtp_num_layers": None,
     "heterogeneous_layers_config_path": None, "experimental_attention_variant": None, "linear_attention_freq": None,
     "is_hybrid_model": False, "hybrid_override_pattern": None, "hybrid_layer_pattern": None, "spec": None,
     "yaml_cfg": None, "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False,
@@ -119,10 +120,7 @@ def _check_refused(ns, where) -> None:
     handled = handled_fields(ns)
     for field, unused in _REFUSED.items():
         value = getattr(ns, field, None)
-        if value not in (None, False, unused) and field not in handled:
-            if field == "num_experts":  # megalite's model has experts; this reader does not map Megatron's
-                _refuse(where, field, value, "a mixture of experts, which megalite does not read from Megatron "
-                        "checkpoints (dense models only)")
+        if value not in (None, False, unused) and field not in handled and field != "num_experts":
             _refuse(where, field, value)
     if getattr(ns, "use_mcore_models", True) is False:  # stored before core_v0.8, where legacy was the default
         _refuse(where, "use_mcore_models", False, "Megatron's legacy GPT model (megalite reads Megatron-Core's)")
@@ -171,7 +169,7 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         make_vocab_size_divisible_by=int(_get(ns, "make_vocab_size_divisible_by", 128)),
         init_method_std=float(_get(ns, "init_method_std", 0.02)),
         attention_dropout=float(_get(ns, "attention_dropout", 0.1)), hidden_dropout=float(_get(ns, "hidden_dropout", 0.1)),
-        params_dtype=dtype, **latent)
+        params_dtype=dtype, **latent, **moe_fields_from_megatron_args(ns, where))
 
 
 def _padded(vocab: int, ns) -> int:

@@ -14,6 +14,7 @@ full tensor means the same on both sides. What differs:
 import re
 
 from megalite.checkpoint.megatron.names_mla import down_projection_rule, latent_norm_candidates, mtp_candidates
+from megalite.checkpoint.megatron.names_moe import expert_candidates
 from megalite.checkpoint.dcp.target_layout import sharding_by_pattern
 from megalite.model.config import GPTConfig
 
@@ -46,7 +47,7 @@ def _layer_candidates(rest: str) -> list[str]:
     """Megatron names of `rest` within a layer, the fused Transformer Engine name first."""
     if rest in _FUSED_NORMS:
         return [_FUSED_NORMS[rest], rest]
-    return latent_norm_candidates(rest) or [rest]
+    return latent_norm_candidates(rest) or expert_candidates(rest) or [rest]
 
 
 def model_names(config: GPTConfig) -> list[str]:
@@ -57,8 +58,19 @@ def model_names(config: GPTConfig) -> list[str]:
     last = [p for p in patterns if not p.startswith(("embedding.", "layers.*."))]
     names = list(first)
     for i in range(config.num_layers):
-        names += [p.replace("layers.*.", f"layers.{i}.") for p in per_layer]
+        names += [p.replace("layers.*.", f"layers.{i}.") for p in _layer_patterns(config, per_layer, i)]
     return names + last
+
+
+def _layer_patterns(config: GPTConfig, per_layer: list[str], layer: int) -> list[str]:
+    """The per-layer patterns layer `layer` has: an MoE layer's router and experts, or a dense
+    layer's MLP (the probe model has both kinds)."""
+    if config.moe is None:
+        return per_layer
+    moe_only = ("layers.*.mlp.router.", "layers.*.mlp.local_experts.", "layers.*.mlp.shared_experts.")
+    dense_only = ("layers.*.mlp.linear_fc1.", "layers.*.mlp.linear_fc2.")
+    is_moe = config.moe.is_moe_layer(layer, config.num_layers)
+    return [p for p in per_layer if not p.startswith(dense_only if is_moe else moe_only)]
 
 
 def tp_rule(config: GPTConfig, sharding: dict, name: str) -> tuple[int, int] | None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.megatron.names import megatron_candidates, model_names, tp_rule
+from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
 from megalite.checkpoint.megatron.safe_pickle import read_dist_metadata, safe_torch_load
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.dcp.target_layout import sharding_by_pattern
@@ -29,6 +30,8 @@ from megalite.checkpoint.dcp.storage import read_record
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_DIST_EXPERT = re.compile(r"\.mlp\.experts\.experts\.")
 
 
 def megatron_iteration_dir(root, iteration: int | None = None) -> tuple[Path, int] | None:
@@ -160,7 +163,8 @@ class _TorchFiles:
 
 
 class _DistFiles:
-    """`torch_dist` format: DCP files, every tensor at its full shape, layers stacked."""
+    """`torch_dist` format: DCP files, every tensor at its full shape, layers stacked (and a
+    routed expert's tensors stacked by expert after the layer axis)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -171,55 +175,61 @@ class _DistFiles:
         self.has_optimizer = any(k.startswith("optimizer.") for k in self.metadata.state_dict_metadata)
 
     def names(self) -> list[str]:
+        """Every stored model tensor by Megatron's global name, one per stored layer (and expert)."""
         out = []
         for key, meta in self.tensors.items():
             if key.startswith("optimizer.") or key.endswith("._extra_state") or "/" in key:
                 continue
-            if key.startswith("decoder.layers."):
-                rest = key[len("decoder.layers."):]
-                out += [f"decoder.layers.{i}.{rest}" for i in range(meta.size[0])]
-            else:
-                out.append(key)
+            stacked = _stacked_axes(key)
+            indices = sorted({tuple(c.offsets[:stacked]) for c in meta.chunks}) if stacked else [()]
+            out += [_global_name(key, index) for index in indices]
         return out
 
+    def _find(self, name: str, prefix: str = ""):
+        """(key, leading indices, metadata) of Megatron's global `name`: stored per layer (a
+        block of unlike layers, e.g. --moe-layer-freq) or stacked; None when not stored."""
+        for key, index in _stored_keys(name):
+            meta = self.tensors.get(prefix + key)
+            if meta is not None and self._stored(meta, index):
+                return prefix + key, index, meta
+        return None
+
     def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
-        match = _LOCAL_LAYER.match(name)
-        key = f"decoder.layers.{match.group(2)}" if match else name
-        meta = self.tensors.get(key)
-        if meta is None or (match and int(match.group(1)) >= meta.size[0]):
+        found = self._find(name)
+        if found is None:
             return None
-        return list(meta.size)[1 if match else 0:], meta.properties.dtype
+        _, index, meta = found
+        return list(meta.size)[len(index):], meta.properties.dtype
+
+    @staticmethod
+    def _stored(meta, index: tuple) -> bool:
+        """Whether a chunk holds the stacked `index` (a dense layer has no expert chunks)."""
+        return all(i < n for i, n in zip(index, meta.size)) and (not index or any(
+            all(o <= i < o + n for i, o, n in zip(index, c.offsets, c.sizes)) for c in meta.chunks))
 
     def read(self, name: str, rule, prefix: str = "") -> torch.Tensor | None:
         """The full tensor stored for Megatron's global `name` under `prefix` (the model's: none)."""
-        match = _LOCAL_LAYER.match(name)
-        key, layer = (f"decoder.layers.{match.group(2)}", int(match.group(1))) if match else (name, None)
-        key = prefix + key
-        meta = self.tensors.get(key)
-        if meta is None or (layer is not None and layer >= meta.size[0]):
+        found = self._find(name, prefix)
+        if found is None:
             return None
-        shape = list(meta.size)
-        lo, hi = (layer, layer + 1) if layer is not None else (0, shape[0] if shape else 1)
-        out = torch.empty([hi - lo, *shape[1:]] if shape else [], dtype=meta.properties.dtype)
+        key, index, meta = found
+        shape, k = list(meta.size), len(index)
+        out = torch.empty(shape[k:], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
-            start, size = (chunk.offsets[0], chunk.sizes[0]) if shape else (0, 1)
-            first, last = max(start, lo), min(start + size, hi)
-            if first >= last:
+            if not all(o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
                 continue
-            piece = self._record(key, chunk)
-            if shape:
-                piece = piece[first - start:last - start]
-                region = out[(slice(first - lo, last - lo),) + tuple(slice(o, o + s) for o, s in
-                                                                     zip(chunk.offsets[1:], chunk.sizes[1:]))]
-                region.copy_(piece)
-                covered += piece.numel()
-            else:
-                out.copy_(piece)
+            piece = self._record(key, chunk) if shape else None
+            if not shape:
+                out.copy_(self._record(key, chunk))
                 covered = 1
+                continue
+            piece = piece[tuple(i - o for i, o in zip(index, chunk.offsets))]
+            out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets[k:], chunk.sizes[k:]))].copy_(piece)
+            covered += piece.numel()
         if covered != out.numel():
             raise CheckpointError(f"{self.folder}: the stored chunks of tensor {key} do not cover its shape {shape}")
-        return out[0] if layer is not None else out
+        return out
 
     def stored_object(self, key: str):
         """A pickled entry of the checkpoint (a Megatron ShardedObject such as
@@ -243,6 +253,38 @@ class _DistFiles:
             raise CheckpointError(f"{path}: tensor {key} chunk at {list(chunk.offsets)} has shape "
                                   f"{list(piece.shape)}, expected {list(chunk.sizes)}")
         return piece
+
+
+def _stacked_axes(key: str) -> int:
+    """How many leading axes of stored `key` number layers and experts."""
+    stacked_layers = key.startswith("decoder.layers.") and not _LOCAL_LAYER.match(key)
+    return int(stacked_layers) + int(_DIST_EXPERT.search(key) is not None)
+
+
+def _stored_keys(name: str) -> list[tuple[str, tuple]]:
+    """(torch_dist key, leading indices) where Megatron's global `name` may be stored: its layer
+    under its own number, or stacked with the others."""
+    expert_index = ()
+    expert = _EXPERT_NAME.search(name)
+    if expert:
+        name = f"{name[:expert.start()]}.mlp.experts.experts.{name[expert.end():]}"
+        expert_index = (int(expert.group(1)),)
+    out = [(name, expert_index)]
+    layer = _LOCAL_LAYER.match(name)
+    if layer:
+        out.append((f"decoder.layers.{layer.group(2)}", (int(layer.group(1)), *expert_index)))
+    return out
+
+
+def _global_name(key: str, index: tuple) -> str:
+    """Megatron's global name of stored `key` at leading `index` (the inverse of _stored_key)."""
+    index = list(index)
+    if key.startswith("decoder.layers.") and not _LOCAL_LAYER.match(key):
+        key = f"decoder.layers.{index.pop(0)}.{key[len('decoder.layers.'):]}"
+    expert = _DIST_EXPERT.search(key)
+    if expert:
+        key = f"{key[:expert.start()]}.mlp.experts.local_experts.{index.pop(0)}.{key[expert.end():]}"
+    return key
 
 
 class MegatronCheckpoint:
@@ -278,6 +320,8 @@ class MegatronCheckpoint:
             raise  # names the file already
         except (ValueError, TypeError) as e:
             raise ConversionError(f"{where}: {e}") from None
+        if self.format == "torch":
+            check_torch_expert_layout(self.args, str(where))
         self.notes = megatron_args_notes(self.args)
         if vocab > self.padded_vocab:
             raise CheckpointError(f"{where}: the vocabulary has {vocab} tokens but the checkpoint's embedding only "

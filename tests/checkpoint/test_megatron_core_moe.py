@@ -1,0 +1,119 @@
+"""Mixture-of-experts checkpoints written by Megatron-Core itself (megatron_core_moe_fixture.py:
+TP=2, EP=2, ETP=1, --moe-layer-freq [0,1], torch_dist; "plain" softmax routing and "shared":
+sigmoid routing with the expert bias and a gated shared expert) converted with convert.py
+--loader megatron: megalite at target EP=1 and EP=2 (TP=2, and ETP 1 or 2) gives Megatron-Core's
+logits within 1e-5 (fp32), and so does --load of the Megatron checkpoint itself. One spawn writes both kinds; one spawn per kind reads every target."""
+
+import argparse
+
+import pytest
+import torch
+
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
+from megalite.checkpoint.publish import ConversionError
+from tests.checkpoint.megatron_core_fixture import tokens
+from tests.checkpoint.megatron_core_moe_fixture import ITERATION, KINDS, VOCAB, megatron_args, write_moe_checkpoints
+from tests.distributed import run_distributed
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # Megatron-Core builds and saves both kinds in about a minute on 2 shared cores
+TARGETS = {"ep1": ["--target-expert-parallel-size", "1"],
+           "ep2": ["--target-expert-parallel-size", "2", "--target-expert-tensor-parallel-size", "1"]}
+
+
+@pytest.fixture(scope="module")
+def megatron_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_moe")
+    run_distributed(write_moe_checkpoints, 4, str(out), timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_dir, tmp_path_factory):
+    """{(kind, target): converted megalite checkpoint} at TP=2."""
+    from megalite.convert.cli import main
+
+    out, dirs = tmp_path_factory.mktemp("moe_converted"), {}
+    for kind in KINDS:
+        for target, flags in TARGETS.items():
+            dirs[kind, target] = out / f"{kind}_{target}"
+            assert main(["--loader", "megatron", "--saver", "megalite", "--load-dir", str(megatron_dir / kind),
+                         "--save-dir", str(dirs[kind, target]), "--target-tensor-parallel-size", "2", *flags]) == 0
+    return dirs
+
+
+def _megalite_logits(rank, world, load_dirs, megatron_dir):
+    """Full logits of each converted checkpoint, at the layout it was converted for, then of
+    the Megatron checkpoint itself given to --load (--finetune) at TP2 EP2 ETP1."""
+    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
+    from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
+    from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.arguments import parse_args
+    from megalite.config.run_config import CheckpointConfig
+    from megalite.model.pipeline_chunks import build_model_chunks
+    from megalite.parallel.expert.groups import ExpertState
+    from megalite.parallel.state import ParallelLayout, ParallelState
+
+    out = []
+    for load_dir in [*load_dirs, megatron_dir]:
+        from_megatron = load_dir == megatron_dir
+        source = MegatronCheckpoint(load_dir) if from_megatron else MegaliteCheckpoint(load_dir)
+        layout = {"ep": 2, "etp": 1} if from_megatron else source.common["layout"]
+        pstate = ParallelState.create(ParallelLayout(world, tensor=2))
+        pstate.expert = ExpertState.create(pstate, layout.get("ep", 1), source.config.moe.num_experts, None,
+                                           layout.get("etp", 2))
+        [model] = build_model_chunks(source.config, pstate, init_seed=5)
+        if from_megatron:
+            args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
+            load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
+        else:
+            load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
+        model.eval()
+        with torch.no_grad():
+            local = model(tokens())
+        pieces = [torch.empty_like(local) for _ in range(2)]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=pstate.tp_group)
+        out.append(torch.cat(pieces, dim=-1)[..., :VOCAB])
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_megalite_gives_megatron_core_logits(megatron_dir, converted, kind):
+    reference = torch.load(megatron_dir / kind / "logits.pt", weights_only=True)
+    dirs = [str(converted[kind, t]) for t in TARGETS]
+    for per_rank in run_distributed(_megalite_logits, 4, dirs, str(megatron_dir / kind)):
+        assert len(per_rank) == len(TARGETS) + 1
+        for target, logits in zip([*TARGETS, "--load"], per_rank):
+            torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{target}: {m}")
+
+
+def test_the_checkpoint_reads_as_moe(megatron_dir):
+    shared = MegatronCheckpoint(megatron_dir / "shared")
+    moe = shared.config.moe
+    assert moe.num_experts == 4 and moe.layer_pattern(2) == [0, 1] and moe.enable_expert_bias
+    assert moe.shared_expert_gate and moe.score_function == "sigmoid"
+    shared.check_all_used()  # the router, its expert bias, every expert and the shared expert have a place
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in shared.stored
+    assert not any(n.startswith("decoder.layers.0.mlp.experts") for n in shared.stored)  # layer 0 is dense
+    bias = shared.get("layers.1.mlp.router.expert_bias")
+    torch.testing.assert_close(bias, torch.linspace(-0.2, 0.3, 4))
+
+
+def test_expert_parallel_torch_files_are_refused(tmp_path):
+    """Megatron's `torch` files at EP > 1 (mp_rank_TT_EEE) would read as pipeline ranks: refused."""
+    from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
+
+    with pytest.raises(ConversionError, match="expert_model_parallel_size=2"):
+        check_torch_expert_layout(megatron_args("plain"), "x.pt")
+    check_torch_expert_layout(argparse.Namespace(**{**vars(megatron_args("plain")), "expert_model_parallel_size": 1,
+                                                    "expert_tensor_parallel_size": 2}), "x.pt")
+
+
+def test_hf_export_of_a_family_hugging_face_lacks_is_refused_in_one_line(megatron_dir, tmp_path):
+    """Sigmoid routing with an expert bias but no MLA is no Hugging Face family megalite writes:
+    refused naming the router, nothing written."""
+    from megalite.convert.megatron_converters import megatron_to_hf
+
+    with pytest.raises(ConversionError, match="cannot be a Hugging Face model: .*router"):
+        megatron_to_hf(megatron_dir / "shared", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
