@@ -68,3 +68,14 @@ def test_parse_unrolls_repeats_like_megatron_core():
         theirs = [[kind.name for kind in stage]
                   for stage in mcore_layout.PipelineParallelLayerLayout.parse_str_to_list(text)]
         assert parse_stages(text) == theirs
+
+
+def test_decoder_counts_per_virtual_stage_and_placement_refusals():
+    from megalite.parallel.pipeline.layout_string import decoder_layers_per_virtual_stage
+
+    # Megatron's MoE functional-test layout: PP 4, 8 strings -> 2 virtual stages per rank.
+    assert decoder_layers_per_virtual_stage(build_layout("Et*3|(tt|)*6mL", 4)) == [3, 2, 2, 2, 2, 2, 2, 0]
+    assert decoder_layers_per_virtual_stage(build_layout("Et|tt|t|ttL", 2)) == [1, 2, 1, 2]
+    for layout, char in (("|Ett|tt|L", "E"), ("Et|tt|L|", "L"), ("Et|tt|tm|L", "m")):
+        with pytest.raises(LayoutError, match=f"places {char} only"):
+            decoder_layers_per_virtual_stage(build_layout(layout, 2))

@@ -98,3 +98,18 @@ def validate_layout(layout: PipelineLayout, num_layers: int, mtp_num_layers: int
         if "mtp" in layout.stages[pp][last_vp] and layout.count("mtp", pp, last_vp) != mtp_num_layers:
             raise LayoutError(f"{name}: all MTP layers must be in one virtual stage")
     return any("mtp" in layout.stages[pp][last_vp] for pp in range(layout.pipeline_size - 1))
+
+
+def decoder_layers_per_virtual_stage(layout: PipelineLayout) -> list[int]:
+    """Decoder layer count of every global virtual stage s = vp*PP + pp (stage_layout's order).
+
+    megalite's chunks hold the embedding on virtual stage 0 and the output layer, loss and MTP
+    on the last one; a layout placing them elsewhere is refused by name."""
+    p, v = layout.pipeline_size, layout.virtual_size
+    first, last = layout.stages[0][0], layout.stages[p - 1][v - 1]
+    for kind, char, stage, where in (("embedding", "E", first, "first"), ("loss", "L", last, "last"),
+                                     ("mtp", "m", last, "last")):
+        if kind in layout.flat() and kind not in stage:
+            raise LayoutError(f"--pipeline-model-parallel-layout: megalite places {char} only on the {where} "
+                              "virtual stage (pp rank 0 / PP-1, its first / last virtual stage)")
+    return [layout.count("decoder", s % p, s // p) for s in range(p * v)]
