@@ -79,3 +79,17 @@ def test_decoder_counts_per_virtual_stage_and_placement_refusals():
     for layout, char in (("|Ett|tt|L", "E"), ("Et|tt|L|", "L"), ("Et|tt|tm|L", "m")):
         with pytest.raises(LayoutError, match=f"places {char} only"):
             decoder_layers_per_virtual_stage(build_layout(layout, 2))
+
+
+def test_stage_layout_takes_the_layout_counts():
+    from megalite.parallel.pipeline.layout_string import decoder_layers_per_virtual_stage
+    from megalite.parallel.pipeline.stage_layout import layer_owners, stage_layers
+
+    counts = decoder_layers_per_virtual_stage(build_layout("Et|tt|t|ttL", 2))
+    assert [list(stage_layers(6, 2, r, c, 2, layout_counts=counts)) for c in range(2) for r in range(2)] == [
+        [0], [1, 2], [3], [4, 5]]
+    assert layer_owners(6, 2, 2, layout_counts=counts) == [(0, 0), (1, 0), (1, 0), (0, 1), (1, 1), (1, 1)]
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-layout: 4 stages with 6 layers"):
+        stage_layers(7, 2, 0, 0, 2, layout_counts=counts)
+    with pytest.raises(ValueError, match="contradict"):
+        stage_layers(6, 2, 0, 0, 2, first_stage_layers=2, layout_counts=counts)
