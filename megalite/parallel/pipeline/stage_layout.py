@@ -31,6 +31,7 @@ FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
 LOSS_FLAG = "--account-for-loss-in-pipeline-split"
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 
 
 def _positive(flag: str, value) -> None:
@@ -83,12 +84,25 @@ def _accounted_split(num_layers: int, p: int, v: int, embedding_stage: bool, los
     return counts
 
 
+def _checked_layout_counts(counts: list[int], num_layers: int, p: int, v: int, other_split: bool) -> list[int]:
+    if other_split:
+        raise ValueError(f"{LAYOUT_FLAG} and {FIRST_FLAG}/{LAST_FLAG}/{EMBEDDING_FLAG}/{LOSS_FLAG} contradict "
+                         "each other (give one)")
+    if len(counts) != p * v or sum(counts) != num_layers:
+        raise ValueError(f"{LAYOUT_FLAG}: {len(counts)} stages with {sum(counts)} layers, expected {PIPELINE_FLAG} "
+                         f"{p} x {VIRTUAL_FLAG} {v} stages with {NUM_LAYERS_FLAG} {num_layers}")
+    return list(counts)
+
+
 def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: int = 1,
                              first_stage_layers: int | None = None,
                              last_stage_layers: int | None = None, *,
-                             embedding_stage: bool = False, loss_stage: bool = False) -> list[int]:
+                             embedding_stage: bool = False, loss_stage: bool = False,
+                             layout_counts: list[int] | None = None) -> list[int]:
     """Number of layers of every global virtual stage s = c*p + r (index s), validated.
-    `embedding_stage` / `loss_stage`: the --account-for-* split (module docstring).
+    `embedding_stage` / `loss_stage`: the --account-for-* split (module docstring);
+    `layout_counts`: the counts a --pipeline-model-parallel-layout string gives
+    (layout_string.decoder_layers_per_virtual_stage), checked against the other flags.
 
     Raises ValueError naming the flags when the layers cannot be divided as asked.
     """
@@ -96,6 +110,9 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, num_chunks: in
     _positive(NUM_LAYERS_FLAG, num_layers)
     _positive(PIPELINE_FLAG, p)
     _positive(VIRTUAL_FLAG, v)
+    if layout_counts is not None:
+        return _checked_layout_counts(layout_counts, num_layers, p, v, first_stage_layers is not None
+                                      or last_stage_layers is not None or embedding_stage or loss_stage)
     if embedding_stage or loss_stage:
         if first_stage_layers is not None or last_stage_layers is not None:
             raise ValueError(f"{EMBEDDING_FLAG}/{LOSS_FLAG} and {FIRST_FLAG}/{LAST_FLAG} contradict each other "
