@@ -162,6 +162,6 @@ def test_bench_quantize_reports_memory_and_perplexity(checkpoint, tmp_path, caps
     rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
     bf16, int8 = [float(x) for x in rows["bf16"]], [float(x) for x in rows["int8"]]
-    assert int8[0] < bf16[0] and abs(int8[1] - bf16[1]) < 0.05 * bf16[1], rows
+    assert int8[0] < bf16[0] and int8[1] < 0.6 * bf16[1] and abs(int8[2] - bf16[2]) < 0.05 * bf16[2], rows
     if not torch.cuda.is_available():
         assert "--quantize int4 needs CUDA" in rows["int4"][0]

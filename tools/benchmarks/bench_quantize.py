@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megalite.inference.generate import load_model  # noqa: E402
-from megalite.inference.quantize import check_quantize, quantize_weights, weight_bytes  # noqa: E402
+from megalite.inference.quantize import check_quantize, quantize_weights, quantized_linears, tensor_bytes, weight_bytes  # noqa: E402
 
 MODES = ("fp32", "bf16", "int8", "int4")
 
@@ -68,20 +68,21 @@ def main(argv=None) -> int:
     windows = held_out_windows(args.data_path, args.documents, model.config.max_position_embeddings)
     print(f"# {datetime.date.today()} {platform.node()} {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"
           f", torch {torch.__version__}; {windows.numel()} tokens in {windows.shape[0]} windows")
-    print("| weights | weight memory (MiB) | perplexity |\n|---|---|---|")
+    print("| weights | weight memory (MiB) | of which attention + MLP linears (MiB) | perplexity |\n|---|---|---|---|")
     for mode in args.modes:
         quantize = mode if mode.startswith("int") else None
         try:
             check_quantize(quantize, device, 1)
         except ValueError as refusal:
-            print(f"| {mode} | {refusal} | |")
+            print(f"| {mode} | {refusal} | | |")
             continue
         model, _ = load_model(args.load, device=device)
         if mode != "fp32":
             model.to(torch.bfloat16)
         if quantize:
             quantize_weights(model, quantize)
-        print(f"| {mode} | {weight_bytes(model) / 2**20:.3f} | {perplexity(model, windows, args.batch):.3f} |", flush=True)
+        linears = sum(tensor_bytes(m.weight) for _, m in quantized_linears(model))
+        print(f"| {mode} | {weight_bytes(model) / 2**20:.3f} | {linears / 2**20:.3f} | {perplexity(model, windows, args.batch):.3f} |", flush=True)
     return 0
 
 
