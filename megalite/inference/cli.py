@@ -144,7 +144,8 @@ def run(args) -> list[dict]:
     common, _ = read_common(args.load, args.iteration)
     tokenizer = tokenizer_for(args, common)
     pstate, device = _parallel_state(args)
-    check_quantize(args.quantize, device, pstate.tp_size)
+    check_quantize(args.quantize, device, pstate.tp_size,
+                   has_experts=(common.get("model_config") or {}).get("moe") is not None)
     model, _ = load_model(args.load, pstate, iteration=args.iteration, device=device,
                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     if args.quantize:

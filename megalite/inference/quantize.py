@@ -10,7 +10,8 @@ precision is what gpt-fast and torchao's LLaMA examples do too).
 
 Where torchao 0.18 has no kernel, the choice is refused in one line: INT4 needs CUDA (its CPU
 int4 path, IntxWeightOnlyConfig, stores int4 values unpacked in int8 bytes, so it saves nothing
-over INT8). TP > 1 is refused: the quantized shards have not been checked against TP = 1.
+over INT8). TP > 1 is refused: the quantized shards have not been checked against TP = 1; so
+are MoE models, whose experts' grouped weights are not TP linears.
 """
 
 import torch
@@ -22,12 +23,15 @@ QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP_SIZE = 128
 
 
-def check_quantize(mode: str | None, device: torch.device, tp_size: int) -> None:
-    """Raises ValueError, one line, where `--quantize mode` cannot run on this device / layout."""
+def check_quantize(mode: str | None, device: torch.device, tp_size: int, has_experts: bool = False) -> None:
+    """Raises ValueError, one line, where `--quantize mode` cannot run on this device / layout / model."""
     if mode is None:
         return
     if mode not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {mode}: choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if has_experts:
+        raise ValueError(f"--quantize {mode}: the checkpoint's model has MoE experts, whose grouped weights "
+                         "it does not quantize (only attention and dense MLP linears): run without --quantize")
     if tp_size > 1:
         raise ValueError(f"--quantize {mode} runs with TP = 1 only (got TP = {tp_size}): "
                          "run generation in one process, or without --quantize")

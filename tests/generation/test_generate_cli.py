@@ -102,8 +102,6 @@ def test_bad_input_is_one_line(tmp_path, checkpoint, capsys):
                            "--prompt-file"),
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--expert-tensor-parallel-size", "1"],
                            "--expert-tensor-parallel-size: the checkpoint's model has no experts"),
-                          (["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int4",
-                            "--distributed-backend", "gloo"], "--quantize int4 needs CUDA"),
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int3"],
                            "argument --quantize: invalid choice")):
         assert generate_main(extra) == 2
@@ -124,6 +122,15 @@ def test_quantize_needs_the_extra(checkpoint, capsys, monkeypatch):
     assert capsys.readouterr().err.strip().splitlines() == [
         'generate: error: --quantize needs torchao, which is not installed: pip install -e ".[quantize]" '
         "(or pip install torchao)"]
+
+
+def test_quantize_int4_on_cpu_is_one_line(checkpoint, capsys):
+    pytest.importorskip("torchao")
+    root, _ = checkpoint
+    assert generate_main(["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int4",
+                          "--distributed-backend", "gloo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("generate: error: --quantize int4 needs CUDA") and len(err.strip().splitlines()) == 1, err
 
 
 def test_quantize_int8_equals_the_library_on_quantized_weights(checkpoint, capsys):

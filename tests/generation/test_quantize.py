@@ -59,9 +59,11 @@ def test_int8_greedy_generation_equals_fp32():
 def test_refusals_are_one_line():
     check_quantize(None, torch.device("cpu"), 4)
     check_quantize("int8", torch.device("cpu"), 1)
-    for mode, device, tp, expect in (("int4", "cpu", 1, "--quantize int4 needs CUDA"),
-                                     ("int8", "cpu", 2, "--quantize int8 runs with TP = 1 only (got TP = 2)"),
-                                     ("int2", "cpu", 1, "--quantize int2: choose one of int8, int4")):
+    for mode, device, tp, experts, expect in (
+            ("int4", "cpu", 1, False, "--quantize int4 needs CUDA"),
+            ("int8", "cpu", 2, False, "--quantize int8 runs with TP = 1 only (got TP = 2)"),
+            ("int8", "cpu", 1, True, "--quantize int8: the checkpoint's model has MoE experts"),
+            ("int2", "cpu", 1, False, "--quantize int2: choose one of int8, int4")):
         with pytest.raises(ValueError) as error:
-            check_quantize(mode, torch.device(device), tp)
+            check_quantize(mode, torch.device(device), tp, has_experts=experts)
         assert expect in str(error.value) and "\n" not in str(error.value)
