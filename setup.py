@@ -26,6 +26,7 @@ setup(
         "hf": ["transformers", "safetensors", "tokenizers"],
         "tokenizers": ["tokenizers", "tiktoken", "protobuf"],
         "plot": ["matplotlib"],
+        "quantize": ["torchao==0.18.0"],  # tools/generate.py --quantize int8|int4 (install with --no-deps: keeps your torch)
         "data": ["pyarrow", "zstandard"],  # Parquet and .zst inputs to tools/preprocess_data.py
         "gigatoken": ["gigatoken>=0.10.0"],  # faster tokenisation in preprocessing, ids checked at start-up
         "dev": [
@@ -51,6 +52,7 @@ setup(
             "pyarrow",
             "zstandard",
             "gigatoken>=0.10.0",
+            "torchao==0.18.0",
         ],
     },
 )

@@ -15,6 +15,7 @@ FLAG_PACKAGES = (
     ("--wandb-project", "wandb_project", None, "wandb", "wandb"),
     ("--tokenizer-type HuggingFaceTokenizer", "tokenizer_type", "HuggingFaceTokenizer", "tokenizers", "tokenizers"),
     ("--tokenizer-type TikTokenizer", "tokenizer_type", "TikTokenizer", "tiktoken", "tokenizers"),
+    ("--quantize", "quantize", None, "torchao", "quantize"),  # tools/generate.py
 )
 
 

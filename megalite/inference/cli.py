@@ -25,6 +25,8 @@ from megalite.checkpoint.megalite_reader import read_common
 from megalite.convert.tokenizer_files import resolved_entry
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megalite.inference.generate import generate_tokens, load_model
+from megalite.inference.quantize import QUANTIZE_CHOICES, check_quantize, quantize_weights, weight_bytes
+from megalite.config.optional_packages import check_optional_packages
 from megalite.inference.sampling import SamplingParams
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.config.arguments import accept_negative_numbers
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiktoken-num-special-tokens", type=int, help="TikTokenizer special ids (default: the checkpoint's)")
     p.add_argument("--iteration", type=int, help="load this iteration instead of the latest")
     p.add_argument("--output-file", help="also write one JSON line per prompt (prompt, tokens, text)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                   help="weight-only INT8 (CPU, CUDA) or INT4 (CUDA) attention and MLP weights (torchao; TP = 1)")
     p.add_argument("--distributed-backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     return p
 
@@ -135,12 +139,20 @@ def run(args) -> list[dict]:
     params = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_optional_packages(args)
     prompts = read_prompts(args)
     common, _ = read_common(args.load, args.iteration)
     tokenizer = tokenizer_for(args, common)
     pstate, device = _parallel_state(args)
+    check_quantize(args.quantize, device, pstate.tp_size,
+                   has_experts=(common.get("model_config") or {}).get("moe") is not None)
     model, _ = load_model(args.load, pstate, iteration=args.iteration, device=device,
                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    if args.quantize:
+        before = weight_bytes(model)
+        quantize_weights(model, args.quantize)
+        print(f"--quantize {args.quantize}: weights {before / 2**20:.2f} MiB -> {weight_bytes(model) / 2**20:.2f} MiB",
+              file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     results, start, produced = [], time.time(), 0
     for prompt in prompts:

@@ -225,6 +225,13 @@ README = {
             check=checks.hf_round_trip("llama-hf", "llama-out")),
     'python tools/generate.py --load checkpoints/llama --prompt "def fibonacci(n):" --max-new-tokens 64':
         Run("readme-generate", needs=("readme-convert-to-megalite",), check=checks.generated("def fibonacci(n):")),
+    # megalite/checkpoint/README.md: quantized generation
+    'pip install -e ".[quantize]"': PIP,
+    "pip install --no-deps torchao==0.18.0": PIP,
+    'python tools/generate.py --load checkpoints/llama --prompt "def fibonacci(n):" --max-new-tokens 64 '
+    "--quantize int8":
+        Elsewhere(("tests/generation/test_generate_cli.py::test_quantize_int8_equals_the_library_on_quantized_weights",),
+                  "the same tool with --quantize int8 on a converted Llama checkpoint, its tokens checked"),
 }
 
 EXAMPLES = {

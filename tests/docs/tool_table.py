@@ -145,6 +145,10 @@ BENCHMARKS = {
     "python tools/benchmarks/bench_pipeline.py --rounds 40": Elsewhere(PIPELINE_SMOKE, "the benchmark at a tiny size "
                                                                                        "(hidden 16, 3 rounds)"),
     "python tools/benchmarks/bench_context_parallel.py --rounds 3": Elsewhere(CP_SMOKE, "the benchmark at sequence 64"),
+    "python tools/benchmarks/bench_quantize.py --load /tmp/megalite-demo/checkpoints "
+    "--data-path /tmp/megalite-demo/data/demo_text_document":
+        Elsewhere(("tests/generation/test_generate_cli.py::test_bench_quantize_reports_memory_and_perplexity",),
+                  "the benchmark on a toy checkpoint and a 3-document corpus instead of the demo's"),
     "python tools/benchmarks/bench_moe.py": Elsewhere(MOE_SMOKE, "the benchmark at its docstring's smoke size"),
     "python tools/benchmarks/bench_host_overhead.py [--calls 300] [--ops rms_norm,swiglu] [--shape 8,2048]": Elsewhere(
         ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step", "tests/kernels/test_host_path.py"),

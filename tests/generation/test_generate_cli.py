@@ -101,7 +101,9 @@ def test_bad_input_is_one_line(tmp_path, checkpoint, capsys):
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--prompt-file", str(tmp_path / "no")],
                            "--prompt-file"),
                           (["--load", str(root / "ckpt"), "--prompt", "x", "--expert-tensor-parallel-size", "1"],
-                           "--expert-tensor-parallel-size: the checkpoint's model has no experts")):
+                           "--expert-tensor-parallel-size: the checkpoint's model has no experts"),
+                          (["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int3"],
+                           "argument --quantize: invalid choice")):
         assert generate_main(extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("generate: error:") and expect in err and len(err.strip().splitlines()) == 1, err
@@ -109,3 +111,64 @@ def test_bad_input_is_one_line(tmp_path, checkpoint, capsys):
                            "--prompt", "x"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"generate: error: {tmp_path / 'none'}: no such checkpoint directory"]
+
+
+def test_quantize_needs_the_extra(checkpoint, capsys, monkeypatch):
+    from megalite.config import optional_packages
+
+    monkeypatch.setattr(optional_packages, "installed", lambda module: module != "torchao")
+    root, _ = checkpoint
+    assert generate_main(["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        'generate: error: --quantize needs torchao, which is not installed: pip install -e ".[quantize]" '
+        "(or pip install torchao)"]
+
+
+def test_quantize_int4_on_cpu_is_one_line(checkpoint, capsys):
+    pytest.importorskip("torchao")
+    root, _ = checkpoint
+    assert generate_main(["--load", str(root / "ckpt"), "--prompt", "x", "--quantize", "int4",
+                          "--distributed-backend", "gloo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("generate: error: --quantize int4 needs CUDA") and len(err.strip().splitlines()) == 1, err
+
+
+def test_quantize_int8_equals_the_library_on_quantized_weights(checkpoint, capsys):
+    pytest.importorskip("torchao")
+    from megalite.inference.quantize import quantize_weights
+
+    root, ckpt = checkpoint
+    run_tool(root, "--greedy", "--quantize", "int8", "--distributed-backend", "gloo",
+             "--output-file", root / "int8.jsonl", in_process=True)
+    assert "--quantize int8: weights" in capsys.readouterr().err
+    model, common = load_model(ckpt)
+    quantize_weights(model, "int8")
+    entry = resolved_entry(common["tokenizer"], ckpt)
+    tok = build_tokenizer(entry["type"], tokenizer_model=entry["model"])
+    expected = [generate_tokens(model, tok.encode(p), 10, SamplingParams(temperature=0), eod=tok.eod) for p in PROMPTS]
+    assert [json.loads(line)["tokens"] for line in (root / "int8.jsonl").read_text().splitlines()] == expected
+
+
+def test_bench_quantize_reports_memory_and_perplexity(checkpoint, tmp_path, capsys):
+    """tools/benchmarks/bench_quantize.py on the toy checkpoint and a 3-document corpus: one row per
+    mode that runs here, the int8 weights smaller than bf16's, its perplexity near bf16's, int4 refused."""
+    pytest.importorskip("torchao")
+    import numpy as np
+
+    from megalite.data.indexed_dataset import IndexedDatasetWriter
+    sys.path.insert(0, str(REPO / "tools/benchmarks"))
+    from bench_quantize import main as bench_main
+
+    root, ckpt = checkpoint
+    writer = IndexedDatasetWriter(str(tmp_path / "corpus"), dtype=np.int32)
+    for seed in range(3):
+        writer.add_document(np.random.default_rng(seed).integers(0, 100, 70))
+    writer.finalize()
+    assert bench_main(["--load", str(ckpt), "--data-path", str(tmp_path / "corpus"), "--documents", "2",
+                       "--modes", "bf16", "int8", "int4"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
+    bf16, int8 = [float(x) for x in rows["bf16"]], [float(x) for x in rows["int8"]]
+    assert int8[0] < bf16[0] and int8[1] < 0.6 * bf16[1] and abs(int8[2] - bf16[2]) < 0.05 * bf16[2], rows
+    if not torch.cuda.is_available():
+        assert "--quantize int4 needs CUDA" in rows["int4"][0]

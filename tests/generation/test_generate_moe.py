@@ -90,3 +90,11 @@ def test_expert_tensor_parallel_size_is_checked(converted, capsys):
         assert generate_main(["--load", str(ckpt), "--prompt", "x", "--expert-tensor-parallel-size", str(etp)]) == 2
         err = capsys.readouterr().err
         assert expect in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_quantize_refuses_experts(converted, capsys):
+    pytest.importorskip("torchao")  # without it the missing extra's line comes first
+    root, ckpt, _ = converted
+    assert generate_main(["--load", str(ckpt), "--prompt", "x", "--quantize", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantize int8: the checkpoint's model has MoE experts" in err and len(err.strip().splitlines()) == 1, err
