@@ -27,6 +27,13 @@ class ParallelArgs:
         None, "Layers on the first pipeline stage when they differ from the even split.")
     decoder_last_pipeline_num_layers: int | None = arg(
         None, "Layers on the last pipeline stage when they differ from the even split.")
+    pipeline_model_parallel_layout: str | None = arg(
+        None, "Megatron's layer layout string, e.g. \"Et*3|(tt|)*6mL\": E embedding, t decoder layer, m MTP "
+        "layer, L loss; '|' ends a stage, stage i is pipeline rank i % p and virtual stage i // p; \"x*n\" and "
+        "\"(...)*n\" repeat. Sets the virtual stages (stages / p); E must be on the first virtual stage, L and "
+        "m on the last.")
+    virtual_stages_from_layout: bool = arg(
+        False, "--num-virtual-stages-per-pipeline-rank was filled from --pipeline-model-parallel-layout.", cli=False)
     pipeline_schedule: str | None = arg(
         None, "Pipeline schedule. Default: none at p=1, 1f1b at p>1, interleaved_1f1b with "
         "virtual stages.", choices=PIPELINE_SCHEDULES, origin=MEGALITE)

@@ -65,6 +65,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None
     pipeline_embedding_stage: bool  # derived: --account-for-embedding-in-pipeline-split with virtual stages
     pipeline_loss_stage: bool  # derived: --account-for-loss-in-pipeline-split with virtual stages
+    pipeline_layout_counts: tuple | None  # derived: decoder layers per virtual stage of --pipeline-model-parallel-layout
     num_experts: int | None
     expert_model_parallel_size: int
     expert_tensor_parallel_size: int | None
@@ -92,10 +93,11 @@ class ParallelConfig:
         if args.grad_reduce_in_bf16:
             grad_dtype = torch.bfloat16
         backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        accounting = split_accounting(args)
         return _options(cls, args, layout=layout_from_args(args, world_size), backend=backend,
                         microbatch_group_size=interleaved_group_size(args), grad_reduce_dtype=plan.grad_dtype or grad_dtype,
-                        pipeline_embedding_stage=split_accounting(args)["embedding_stage"],
-                        pipeline_loss_stage=split_accounting(args)["loss_stage"],
+                        pipeline_embedding_stage=accounting["embedding_stage"], pipeline_loss_stage=accounting["loss_stage"],
+                        pipeline_layout_counts=None if accounting["layout_counts"] is None else tuple(accounting["layout_counts"]),
                         compute_dtype=compute_dtype(args), use_torch_fsdp2=plan.fsdp2,
                         use_distributed_optimizer=plan.distributed_optimizer,
                         fsdp2_reshard_after_forward=plan.fsdp2_reshard_after_forward,

@@ -31,6 +31,7 @@ from megalite.config.mla import check_mla_args
 from megalite.config.model import check_recompute_modules
 from megalite.config.moe import check_expert_width, check_moe_args
 from megalite.config.mup import check_mup_args
+from megalite.config.pipeline_layout import apply_pipeline_layout
 from megalite.config.muon import check_muon_args
 from megalite.config.schedules import schedule_lengths_from_args
 
@@ -368,6 +369,7 @@ def validate_args(args, world_size: int):
     _check_ranges(args)
     _check_model(args)
     check_expert_width(args, _fail)
+    apply_pipeline_layout(args, _fail)
     apply_pipeline_split_accounting(args, _fail)
     layout = layout_from_args(args, world_size)
     layers_per_chunk = _check_pipeline(args, layout)

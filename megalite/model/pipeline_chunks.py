@@ -24,18 +24,19 @@ def build_model_chunks(config: GPTConfig, pstate: ParallelState, *,
                        num_layers_first: int | None = None, num_layers_last: int | None = None,
                        rng_tracker=None, init_seed: int = 1234, device=None,
                        init_on_shard: bool = False, embedding_stage: bool = False,
-                       loss_stage: bool = False) -> list[GPTModel]:
+                       loss_stage: bool = False, layout_counts: list[int] | None = None) -> list[GPTModel]:
     """This rank's pstate.vp_size model chunks, chunk c holding
     stage_layers(num_layers, p, rank, c, v, num_layers_first, num_layers_last).
 
     `num_layers_first` / `num_layers_last` are --decoder-first-pipeline-num-layers and
     --decoder-last-pipeline-num-layers; `embedding_stage` / `loss_stage` the
-    --account-for-*-in-pipeline-split split with virtual stages (stage_layout). Raises ValueError naming the flags when the layers
+    --account-for-*-in-pipeline-split split with virtual stages (stage_layout); `layout_counts` the
+    decoder layers per virtual stage of a --pipeline-model-parallel-layout. Raises ValueError naming the flags when the layers
     cannot be split as asked. Every layout starts from the same full model for a given
     `init_seed` (weights are drawn per parameter name; with `init_on_shard`, per parameter
     name and TP rank). `device` "meta" defers initialisation (model.meta_init.materialize_)."""
     p, v, rank = pstate.pp_size, pstate.vp_size, pstate.pp_rank
-    accounting = {"embedding_stage": embedding_stage, "loss_stage": loss_stage}
+    accounting = {"embedding_stage": embedding_stage, "loss_stage": loss_stage, "layout_counts": layout_counts}
     layers_per_virtual_stage(config.num_layers, p, v, num_layers_first, num_layers_last, **accounting)
     return [GPTModel(config, pstate, rng_tracker=rng_tracker,
                      layer_numbers=stage_layers(config.num_layers, p, rank, c, v,

@@ -23,7 +23,7 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
                  "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "recompute_granularity", "recompute_activations",
                  "recompute_method", "recompute_num_layers", "micro_batch_size", "pipeline_schedule",
                  "overlap_grad_reduce", "overlap_param_gather", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers")
+                 "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout")
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _layer_split(num_layers: int, pp: int, vp: int, embedding: bool, loss: bool)
                            num_virtual_stages_per_pipeline_rank=vp if vp > 1 else None,
                            num_layers_per_virtual_pipeline_stage=None, account_for_embedding_in_pipeline_split=embedding,
                            account_for_loss_in_pipeline_split=loss, decoder_first_pipeline_num_layers=None,
-                           decoder_last_pipeline_num_layers=None)
+                           decoder_last_pipeline_num_layers=None, pipeline_model_parallel_layout=None)
     apply_pipeline_split_accounting(args, fail)
     split = {"first_stage_layers": args.decoder_first_pipeline_num_layers,
              "last_stage_layers": args.decoder_last_pipeline_num_layers, **split_accounting(args)}

@@ -163,7 +163,8 @@ def build_run(args) -> Run:
     models = build_model_chunks(config, pstate, num_layers_first=parallel.decoder_first_pipeline_num_layers,
                                 num_layers_last=parallel.decoder_last_pipeline_num_layers, rng_tracker=tracker,
                                 init_seed=cfg.training.seed, device=device, init_on_shard=parallel.init_on_shard,
-                                embedding_stage=parallel.pipeline_embedding_stage, loss_stage=parallel.pipeline_loss_stage)
+                                embedding_stage=parallel.pipeline_embedding_stage, loss_stage=parallel.pipeline_loss_stage,
+                                layout_counts=parallel.pipeline_layout_counts)
     fp8_scaling = enable_fp8_chunks(models, cfg.fp8, config.num_layers, pstate)  # before a load: its state loads too
     if parallel.torch_compile:
         for model in models:

@@ -68,7 +68,10 @@ MOE_ACCEPTED = 36  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
 MUON = (r"^--optimizer muon with --num-experts is not implemented",
         "Muon for expert weights (their own TP group and layout) is not in megalite")
-LAYOUT = (r"^unknown argument: --pipeline-model-parallel-layout", "--pipeline-model-parallel-layout is later work")
+MLA_UP_PROJ = (r"^--recompute-modules mla_up_proj: not implemented in megalite",
+               "selective recompute of MLA's up projections is not in megalite (past their --pipeline-model-parallel-layout)")
+GLOBAL_AUX_LOSS = (r"^--moe-router-load-balancing-type global_aux_loss is not implemented",
+                   "global_aux_loss is not in megalite (the config's --fp8-format hybrid would stop it next)")
 FLASH = (r"^--use-flash-attn (needs the flash_attn package|runs only on CUDA GPUs)",
          "flash_attn runs on CUDA GPUs only: the release configs ask for it, this machine has none")
 MOE_REFUSED = {
@@ -79,21 +82,20 @@ MOE_REFUSED = {
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
         r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
         "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local)"),
-    **dict.fromkeys(["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
-                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
-                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release_sm",
-                     "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",
+    # these 8 stopped on --pipeline-model-parallel-layout before it was accepted
+    **dict.fromkeys(["gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",
                      "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
-                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading",
-                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph"], LAYOUT),
+                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], MLA_UP_PROJ),
+    **dict.fromkeys(["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
+                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], GLOBAL_AUX_LOSS),
     **dict.fromkeys(["gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_1node",
                      "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout",
                      "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout_1node",
                      "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node"], MUON),
-    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node": (
-        r"^--moe-router-load-balancing-type global_aux_loss is not implemented",
-        "global_aux_loss is not in megalite (the config's --fp8-format hybrid would stop it next)"),
-    **dict.fromkeys(["mixtral_8x22b_tp2pp8ep8vpp1_release", "mixtral_8x7b_alltoall_tp2pp4ep4_release",
+    **dict.fromkeys(["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
+                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
+                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release_sm",
+                     "mixtral_8x22b_tp2pp8ep8vpp1_release", "mixtral_8x7b_alltoall_tp2pp4ep4_release",
                      "mixtral_8x7b_alltoall_tp2pp4ep4_release_sm", "mixtral_8x7b_tp1pp4ep8vpp8_release"], FLASH),
 }
 

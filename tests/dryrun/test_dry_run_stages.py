@@ -143,3 +143,11 @@ def test_dry_run_splits_layers_as_the_pipeline_split_accounting_flags_say():
     rows = {m[0]: m[2] for m in ROW.findall(out.stdout)}
     # 8 virtual stages hold [E], 1, 1, 1 | 1, 1, 1, [L]: chunk 0 of rank 0 and chunk 1 of rank 3 hold none
     assert rows == {"0": "0+1", "1": "1+1", "2": "1+1", "3": "1+0"}, out.stdout
+
+
+def test_distinct_stages_follow_the_pipeline_layout_string():
+    """--pipeline-model-parallel-layout sets each stage's layers: under GPipe the middle ranks are one
+    distinct stage only where the layout gives them the same layers (the even split would join them)."""
+    pp4 = TOY + "--num-layers 8 --global-batch-size 8 --pipeline-model-parallel-size 4 --pipeline-schedule gpipe".split()
+    assert _groups(pp4 + ["--pipeline-model-parallel-layout", "Et|ttt|t|tttL"]) == ["0", "1", "2", "3"]
+    assert _groups(pp4 + ["--pipeline-model-parallel-layout", "Et*3|tt|tt|tL"]) == ["0", "1-2", "3"]

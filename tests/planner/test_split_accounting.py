@@ -89,6 +89,6 @@ def test_without_the_flags_the_even_split_and_its_layouts():
     embedding_only = from_flags(MODEL + BOTH[:1])  # 15 counted layers: no even split over 2, 4 or 8 stages
     assert {layout.pp for layout in enumerate_layouts(embedding_only, 8, space)} == {1}
     assert plain.layer_split(2, 1) == {"first_stage_layers": None, "last_stage_layers": None,
-                                       "embedding_stage": False, "loss_stage": False}
+                                       "embedding_stage": False, "loss_stage": False, "layout_counts": None}
     with pytest.raises(ValueError, match="--account-for-embedding-in-pipeline-split: --num-layers 14 plus"):
         accounted.layer_split(3, 1)

@@ -36,7 +36,8 @@ def test_flags_and_yaml_give_the_model_megalite_builds(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--tensor-model-parallel-size 2", "--sequence-parallel", "--micro-batch-size 2",
-                                  "--recompute-granularity full", "--use-distributed-optimizer"])
+                                  "--recompute-granularity full", "--use-distributed-optimizer",
+                                  "--pipeline-model-parallel-layout Et|tL"])
 def test_layout_flags_among_the_model_are_refused(flag):
     with pytest.raises(ValueError, match="the planner chooses the layout"):
         from_flags(FLAGS + flag.split())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from megalite.parallel.pipeline.schedules import validate_schedule
 from megalite.config.field import arg, on_cpu
+from megalite.config.pipeline_layout import layout_counts
 from megalite.config.schedules import batch_schedule_from_args
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
@@ -390,4 +391,4 @@ def split_accounting(args) -> dict:
     not express the split through --decoder-first/last-pipeline-num-layers (virtual stages)."""
     virtual = (args.num_virtual_stages_per_pipeline_rank or 1) > 1 and args.pipeline_model_parallel_size > 1
     return {"embedding_stage": virtual and args.account_for_embedding_in_pipeline_split,
-            "loss_stage": virtual and args.account_for_loss_in_pipeline_split}
+            "loss_stage": virtual and args.account_for_loss_in_pipeline_split, "layout_counts": layout_counts(args)}

@@ -2,7 +2,7 @@
 
 "Et*3|(tt|)*29,m|L": E embedding, t decoder layer, m MTP layer, L loss; '|' ends a stage; stages are
 listed virtual stage by virtual stage (stage i is pp rank i % PP, virtual stage i // PP); commas are
-cosmetic; "(...)*n" and "x*n" repeat. Not yet wired to a flag: the parser and its checks only.
+cosmetic; "(...)*n" and "x*n" repeat. The flag itself: config/pipeline_layout.py.
 """
 
 import re

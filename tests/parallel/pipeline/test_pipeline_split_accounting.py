@@ -8,13 +8,15 @@ transformer_layer.py, get_transformer_layer_offset): (L + 1 + 1) / (p*v) layers 
 stage, one fewer on virtual stage 0 (pp rank 0, vp stage 0) and on the last (pp rank p-1, vp
 stage v-1). The layout is checked against megatron-core's own functions, and a 4-process run
 of the interleaved schedule against the single-device model (loss and every gradient within
-1e-5, fp32)."""
+1e-5, fp32). The same harness runs a --pipeline-model-parallel-layout: PP2 x VP2 with the uneven
+layout LAYOUT_STRING, parsed and validated from the command line (the counts setup_run builds with)."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from megalite.config.arguments import parse_args, validate_args
+from megalite.config.megatron.training import split_accounting
 from megalite.config.run_config import ParallelConfig
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.weights import gather_full_weights
@@ -76,14 +78,45 @@ def test_flags_reach_the_parallel_config_and_refuse_what_megatron_refuses():
         validate_args(parse_args(argv + ["--decoder-first-pipeline-num-layers", "2"]), 4)
 
 
+LAYOUT_STRING = "E|t*3|t|tL"  # stages in order: pp0/vp0 = E, pp1/vp0 = ttt, pp0/vp1 = t, pp1/vp1 = t and the loss
+LAYOUT_ARGV = ("--num-layers 5 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+               "--global-batch-size 8 --train-iters 2 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+               "--vocab-size 64 --pipeline-model-parallel-size 2").split() + ["--pipeline-model-parallel-layout",
+                                                                              LAYOUT_STRING]
+
+
+def test_layout_flag_reaches_the_parallel_config_and_refuses_the_other_splits():
+    args = validate_args(parse_args(LAYOUT_ARGV), 4)
+    parallel = ParallelConfig.from_args(args, 4)
+    assert (parallel.layout.pipeline, parallel.layout.virtual_pipeline) == (2, 2)
+    assert parallel.pipeline_layout_counts == (0, 3, 1, 1)
+    validate_args(args, 4)  # a second validation finds the virtual stages it filled in
+    for extra in (["--num-virtual-stages-per-pipeline-rank", "2"], ["--decoder-first-pipeline-num-layers", "1"],
+                  ["--account-for-loss-in-pipeline-split"], ["--num-layers-per-virtual-pipeline-stage", "1"]):
+        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-layout and {extra[0]} contradict"):
+            validate_args(parse_args(LAYOUT_ARGV + extra), 4)
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-layout: 5 decoder layers t, --num-layers is 6$"):
+        validate_args(parse_args([a if a != "5" else "6" for a in LAYOUT_ARGV]), 4)
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-layout: megalite places m only on the last"):
+        validate_args(parse_args(LAYOUT_ARGV[:-1] + ["E|t*3|ttm|L", "--mtp-num-layers", "1"]), 4)  # Megatron's standalone MTP
+    single = validate_args(parse_args(LAYOUT_ARGV[:-1] + ["Ettt|ttL"]), 4)
+    assert (single.num_virtual_stages_per_pipeline_rank, split_accounting(single)["layout_counts"]) == (None, [3, 2])
+
+
 def _worker(rank, world_size):
     state = ParallelState.create(ParallelLayout(world_size, pipeline=4, virtual_pipeline=2))
-    return {family: _run(state, family) for family in FAMILIES}
+    results = {family: _run(state, family) for family in FAMILIES}
+    parallel = ParallelConfig.from_args(validate_args(parse_args(LAYOUT_ARGV), world_size), world_size)
+    layout_state = ParallelState.create(parallel.layout)  # PP2 x VP2, two data-parallel replicas
+    results.update({("layout", family): _run(layout_state, family, num_layers=5,
+                                             layout_counts=parallel.pipeline_layout_counts) for family in FAMILIES})
+    return results
 
 
-def _run(state, family):
-    config = make_config(family, num_layers=6)
-    chunks = build_model_chunks(config, state, init_seed=INIT_SEED, embedding_stage=True, loss_stage=True)
+def _run(state, family, num_layers=6, **split):
+    config = make_config(family, num_layers=num_layers)
+    chunks = build_model_chunks(config, state, init_seed=INIT_SEED,
+                                **(split or {"embedding_stage": True, "loss_stage": True}))
     data = microbatches(4) if state.is_first_stage or state.is_last_stage else None
     executor = PipelineExecutor(chunks, state, "interleaved_1f1b", num_microbatches=4, seq_length=SEQ,
                                 micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, forward_step=gpt_forward_step)
@@ -92,12 +125,13 @@ def _run(state, family):
     grads = {}
     for chunk in chunks:
         grads.update(gather_full_weights(chunk, grads=True))
-    return {"loss": loss, "grads": grads, "layers": [sorted(int(n) for n in chunk.layers) for chunk in chunks]}
+    return {"loss": loss, "grads": grads, "layers": [sorted(int(n) for n in chunk.layers) for chunk in chunks],
+            "pp_rank": state.pp_rank}
 
 
 @pytest.fixture(scope="module")
 def pipelined():
-    return run_distributed(_worker, 4)  # one spawn runs both families
+    return run_distributed(_worker, 4)  # one spawn runs both families and both splits
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -108,3 +142,18 @@ def test_pp4_vp2_run_matches_the_single_device_model(pipelined, family):
     assert all(r["loss"] is None for r in ranks[:-1])
     assert_rel_close(ranks[-1]["loss"], reference["loss"], TOL, f"{family} loss")
     compare_grads([r["grads"] for r in ranks], reference, family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pp2_vp2_uneven_layout_run_matches_the_single_device_model(pipelined, family):
+    """Each data-parallel replica runs the same micro-batches (no data-parallel reduction here), so every
+    rank's loss and gradients equal the single-device model's."""
+    ranks = [r[("layout", family)] for r in pipelined]
+    reference = reference_run(make_config(family, num_layers=5), [microbatches(4)])
+    assert {r["pp_rank"]: r["layers"] for r in ranks} == {0: [[], [3]], 1: [[0, 1, 2], [4]]}
+    for r in ranks:
+        if r["pp_rank"] == 1:
+            assert_rel_close(r["loss"], reference["loss"], TOL, f"{family} layout loss")
+        else:
+            assert r["loss"] is None
+    compare_grads([r["grads"] for r in ranks], reference, f"{family} layout")
