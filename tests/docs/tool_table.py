@@ -151,23 +151,23 @@ BENCHMARKS = {
                   "the benchmark on a toy checkpoint and a 3-document corpus instead of the demo's"),
     "python tools/benchmarks/bench_moe.py": Elsewhere(MOE_SMOKE, "the benchmark at its docstring's smoke size"),
     "python tools/benchmarks/bench_host_overhead.py [--calls 300] [--ops rms_norm,swiglu] [--shape 8,2048]": Elsewhere(
-        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step", "tests/kernels/test_host_path.py"),
+        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported", "tests/kernels/test_host_path.py"),
         "gpu_check.sh's CPU smoke run runs it (--ops rms_norm); its host-only driver is the kernels' host-path test's"),
     "python tools/benchmarks/gpu_check_report.py rates --trace TRACE.json --bench-kernels LOG --cluster h200 --out "
     "kernel_rates.json -- PRETRAIN_GPT_FLAGS (the profiled run's model and layout)": Elsewhere(
         ("tests/planner/test_gpu_check.py::test_profile_summary_classes_and_idle_time",
          "tests/planner/test_gpu_check.py::test_rates_invert_the_traffic_model",
-         "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step"),
+         "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported"),
         "gpu_check.sh runs it on its profiled step; the tests feed it made-up traces"),
     "python tools/benchmarks/gpu_check_report.py table --logs DIR --out gpu_check.md --command \"...\" [--gpu NAME]":
         Elsewhere(("tests/planner/test_gpu_check.py::test_logs_are_summarised",
-                   "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step"),
+                   "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported"),
                   "gpu_check.sh ends with it; the tests give it made-up logs"),
     "bash tools/benchmarks/gpu_check.sh": CannotRun(GPU, (
         "tests/planner/test_gpu_check.py::test_without_a_gpu_it_says_so_and_exits_0",
-        "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step")),
+        "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported")),
     "python tools/benchmarks/bench_host_overhead.py": Elsewhere(
-        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step", "tests/kernels/test_host_path.py"),
+        ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported", "tests/kernels/test_host_path.py"),
         "gpu_check.sh's CPU smoke run runs it (--ops rms_norm); every op takes minutes of CPU at 200 batches"),
     "python tools/plan.py --cluster h200 --kernel-rates kernel_rates.json -- ...": Elsewhere(
         ("tests/planner/test_gpu_check.py::test_the_rates_file_feeds_the_planner",),
