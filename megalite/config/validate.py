@@ -336,8 +336,6 @@ def _check_data(args):
 
 
 def _check_checkpointing(args):
-    if args.save_interval is not None and args.save is None:
-        _fail(f"--save-interval {args.save_interval} needs --save")
     if args.async_save and args.save is None:
         _fail("--async-save needs --save")
     if args.finetune and args.load is None:

@@ -365,7 +365,7 @@ class Trainer:
             self.finish_pending_save(only_if_done=True)
             # the largest elapsed time is the earliest process start's, as Megatron counts it
             got_signal, minutes = agree(run, [float(signals.received), (time.time() - start_time) / 60])
-            if ckpt.save_interval and run.iteration % ckpt.save_interval == 0:
+            if ckpt.save and ckpt.save_interval and run.iteration % ckpt.save_interval == 0:
                 self.save()
                 saved = True
             else:

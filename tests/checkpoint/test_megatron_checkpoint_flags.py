@@ -183,6 +183,11 @@ def test_retain_interval_non_persistent_local_and_resume(tmp_path):
     assert resumed == [6]  # from the newer non-persistent iteration 5, not --save's 4
     stepped = _train(tmp_path, "stepped", "--train-iters", "6", "--load", str(save), "--ckpt-step", "4", *keep)
     assert stepped == [5, 6]
+    # --save-interval without --save saves nothing (as in Megatron) and takes no turn from the local saves
+    alone = tmp_path / "alone"
+    _train(tmp_path, "alone", "--train-iters", "4", "--save-interval", "2", "--non-persistent-save-interval", "1",
+           "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(alone))
+    assert sorted(p.name for p in alone.glob("iter_*")) == ["iter_0000004"]
 
 
 def _save_replicated(rank, world, root):

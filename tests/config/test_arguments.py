@@ -178,7 +178,6 @@ def test_missing_config_file_is_named(tmp_path):
     ("--loss-scale 128", 1, ["--loss-scale", "--fp16"]),
     ("--hidden-dropout 1.5", 1, ["--hidden-dropout"]),
     ("--micro-batch-size 0", 1, ["--micro-batch-size"]),
-    ("--save-interval 5", 1, ["--save-interval", "--save"]),
     ("--finetune", 1, ["--finetune", "--load"]),
     ("--optimizer-cpu-offload", 1, ["--optimizer-cpu-offload", "--use-distributed-optimizer"]),
     ("--ffn-hidden-size 101 --tensor-model-parallel-size 2", 2, ["--ffn-hidden-size 101"]),
@@ -366,6 +365,19 @@ def test_use_flash_attn_is_checked_before_the_first_forward(monkeypatch):
     # context parallelism: flash_attn blocks take no dropout (megalite.parallel.context.flash_blocks)
     assert "--attention-dropout 0" in refused("--use-flash-attn --bf16 --context-parallel-size 2", 2)
     assert parsed("--use-flash-attn --bf16 --context-parallel-size 2 --attention-dropout 0", world_size=2).use_flash_attn
+
+
+def test_save_interval_without_save_saves_nothing_with_one_line():
+    """Megatron (training.py: `if args.save and args.save_interval and ...`) accepts --save-interval
+    without --save and saves nothing; megalite says so once at start-up."""
+    from megalite.config.run_config import CheckpointConfig, startup_notes
+
+    args = parsed("--save-interval 5", world_size=1)
+    assert [n for n in startup_notes(args) if n.startswith("--save-interval")] == [
+        "--save-interval 5: no effect without --save (nothing is saved; Megatron accepts it and saves nothing too)"]
+    assert CheckpointConfig.from_args(args).save is None
+    assert not [n for n in startup_notes(parsed("--save-interval 5 --save /tmp/x", world_size=1))
+                if n.startswith("--save-interval")]
 
 
 def test_flags_megalite_refuses_or_needs_less_for():

@@ -110,6 +110,9 @@ def check_megatron_checkpoint_args(args, fail) -> None:
 def checkpoint_flag_notes(args) -> list[str]:
     """One start-up line for each flag megalite serves another way."""
     notes = []
+    if args.save_interval is not None and args.save is None:
+        notes.append(f"--save-interval {args.save_interval}: no effect without --save (nothing is saved; "
+                     "Megatron accepts it and saves nothing too)")
     if args.ckpt_format == "torch":
         notes.append("--ckpt-format torch: --load reads Megatron's legacy iter_*/mp_rank_* files; --save writes "
                      "megalite's torch_dist (DCP) checkpoints, which reshard on load")
