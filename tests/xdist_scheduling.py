@@ -41,11 +41,6 @@ MODULE_SECONDS: dict[str, float] = {
     "slurm/test_slurm_cluster.py": 47, "training/test_mla_driver.py": 46,
     "parallel/pipeline/test_pipeline_split_accounting.py": 44, "checkpoint/test_megatron_core_variants.py": 43,
     "parallel/test_spawn.py": 43, "training/test_async_save_workers.py": 40, "kernels/test_activations.py": 40,
-    # modules added since, from a clean-clone run on the quiet machine (2026-11-28), times 3 to the scale above
-    "training/test_muon_driver.py": 300, "parallel/tensor/test_gradient_accumulation_fusion.py": 120,
-    "dryrun/test_fake_cuda.py": 120, "training/test_megatron_examples.py": 100, "optimizer/test_muon_layouts.py": 90,
-    "training/test_launch_base_install.py": 80, "planner/test_verify.py": 75, "parallel/test_fp8_layouts.py": 60,
-    "training/test_fp8_resume.py": 60, "planner/test_fsdp2.py": 50, "parallel/test_gdn_layouts.py": 45,
 }
 
 
