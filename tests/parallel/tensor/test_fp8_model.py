@@ -137,6 +137,20 @@ def test_evaluation_forwards_record_no_amax():
     assert all((s.amax_history[0] > 0).all() for s in states.values())
 
 
+def _train_steps(model, optimizer, scaling) -> list[float]:
+    """STEPS optimizer steps of M micro-batches each, the delayed scales updated after each step."""
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for batch in microbatches(M, seed=step):
+            loss = gpt_forward_step(model, batch, None) / M
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        scaling.after_optimizer_step()
+    return losses
+
+
 @pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"),
                                        dict(recompute_granularity="selective", recompute_modules=("mlp", "core_attn"))])
 def test_recompute_repeats_the_fp8_run_exactly(recompute):
@@ -151,15 +165,7 @@ def test_recompute_repeats_the_fp8_run_exactly(recompute):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         forwards = []  # the recompute really runs: the FP8 fc1 runs forward twice per micro-batch
         model.get_submodule("layers.0.mlp.linear_fc1").register_forward_hook(lambda *_: forwards.append(1))
-        losses = []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            for batch in microbatches(M, seed=step):
-                loss = gpt_forward_step(model, batch, None) / M
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            scaling.after_optimizer_step()
+        losses = _train_steps(model, optimizer, scaling)
         assert len(forwards) == STEPS * M * (2 if config.recompute_granularity else 1)
         return losses, {k: s.scales.clone() for k, s in scaling.states.items()}, model.state_dict()
 
@@ -185,15 +191,7 @@ def test_torch_compile_repeats_the_eager_fp8_run():
         if compile_backend:
             model.compile_regions(backend=compile_backend)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            for batch in microbatches(M, seed=step):
-                loss = gpt_forward_step(model, batch, None) / M
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            scaling.after_optimizer_step()
+        losses = _train_steps(model, optimizer, scaling)
         return losses, {k: s.scales.clone() for k, s in scaling.states.items()}
 
     (eager_losses, eager_scales), (losses, scales) = run(None), run("aot_eager")
