@@ -20,13 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
-           "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel"}
+           "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
+           "_bda_fwd_kernel", "_bda_bwd_kernel"}
 PERSISTENT = {"_norm_bwd_kernel"}  # grids sized by triton_common.persistent_programs
 OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_norm_bwd_kernel"],
               "swiglu_forward": ["_swiglu_fwd_kernel"], "swiglu_backward": ["_swiglu_bwd_kernel"],
               "bias_gelu_forward": ["_bias_gelu_fwd_kernel"], "bias_gelu_backward": ["_bias_gelu_bwd_kernel"],
               "rotary": ["_rotary_kernel"], "ce_local_stats": ["_ce_stats_kernel"],
-              "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": []}
+              "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
+              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"]}
 
 
 def _allowed_to_spill(entry) -> bool:

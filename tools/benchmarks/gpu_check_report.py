@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # kernel name (lowercase) -> class; the first match wins
 KERNEL_CLASSES = (("flash_bwd_dq_dk_dv", "attention backward"), ("flash_fwd", "attention forward"),
                   ("flash", "attention auxiliary"), ("multi_tensor_apply", "optimizer"), ("_norm_", "norm"),
-                  ("swiglu", "swiglu"), ("gelu", "bias_gelu"), ("rotary", "rotary"), ("_ce_", "cross_entropy"),
+                  ("swiglu", "swiglu"), ("gelu", "bias_gelu"), ("_bda_", "bias_gelu"), ("rotary", "rotary"), ("_ce_", "cross_entropy"),
                   ("gemm", "gemm"), ("xmma", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("cublas", "gemm"))
 
 
