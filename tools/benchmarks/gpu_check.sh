@@ -170,9 +170,10 @@ if wants tests; then
     # test_compile_sm90.py compiles for sm_90 on any host (CI runs it); here it would only take time
     KERNEL_TESTS=(tests/kernels tests/optimizer/test_optimizer_cuda.py --ignore tests/kernels/test_compile_sm90.py)
     TP_FILTER=cuda
-    # Triton's compiles dominate these tests (a first H100 run did half in 112 s serially): spread
-    # them over the host's cores where pytest-xdist is installed; the GPU is shared, the tests are small
-    workers=$(( $(nproc) / 2 )); [ "$workers" -gt 8 ] && workers=8
+    # Triton's compiles dominate these tests (a first H100 run did half in 112 s serially; about 240
+    # compilations since the edge shapes, tests/kernels/compile_count.py): one worker a core, up to
+    # 16, where pytest-xdist is installed (each compile is one CPU's work; the GPU work is small)
+    workers=$(nproc); [ "$workers" -gt 16 ] && workers=16
     if [ "$workers" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then KERNEL_TESTS+=(-n "$workers"); fi
     # a test stuck on the GPU fails by name instead of taking the step's budget with it
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then KERNEL_TESTS+=(--timeout 90); fi
