@@ -124,12 +124,13 @@ def test_bias_gelu_backward_keeps_four_programs_per_sm(compiled):
 
 
 def test_bias_dropout_add_is_bandwidth_shaped(compiled):
-    """The bias-dropout-add kernels, with and without dropout and bias: 16-byte loads, no spills,
+    """The bias-dropout-add kernels, with and without dropout and bias (both off is one torch add,
+    never launched): 16-byte loads, no spills,
     and at least 4 programs (16 warps) an SM; Philox's four values per call and the dbias sums kept
     per element (not reduced across warps each block) are what keep the backward's registers there."""
     _, entries, _ = compiled
     bda = [e for e in entries if e["kernel"].startswith("_bda_")]
-    assert len({(e["kernel"], e["constexprs"].get("HAS_BIAS"), e["constexprs"].get("HAS_DROPOUT")) for e in bda}) == 6
+    assert len({(e["kernel"], e["constexprs"].get("HAS_BIAS"), e["constexprs"].get("HAS_DROPOUT")) for e in bda}) == 5
     for e in bda:
         assert e["stack"] == 0 and e["vector_loads"], e
         assert e["registers"] * 32 * e["num_warps"] * 4 <= 65536, e
