@@ -152,28 +152,16 @@ def log_summary(log: Path) -> str:
     return text + (": " + ", ".join(failed[:12]) + (" ..." if len(failed) > 12 else "") if failed else "")
 
 
-def stream_summary(path: Path) -> str:
-    """A pytest run killed before it wrote its --junitxml, from the file pytest_stream.py wrote as
-    its tests finished: the counts, every failure by name, and the tests it was running."""
-    from pytest_stream import read_results
-
-    results = read_results(path)
-    outcomes = results["outcomes"].values()
-    count = {k: sum(v == k for v in outcomes) for k in ("passed", "failed", "error", "skipped", "xfailed")}
-    failed = [t.split("/")[-1] for t, v in results["outcomes"].items() if v in ("failed", "error")]
-    text = (f"killed before the end: {count['passed']} passed, {count['failed'] + count['error']} failed, "
-            f"{count['skipped'] + count['xfailed']} skipped")
-    text += ": " + ", ".join(failed) if failed else ""
-    running = [t.split("/")[-1] for t in results["running"]]
-    return text + (f"; running when killed: {', '.join(running)}" if running else "")
-
-
 def junit_summary(path: Path) -> str:
     """Passed, failed and skipped tests of a --junitxml file (a run killed before writing it: what
     its stream file (<name>.results, pytest_stream.py) says, else its verbose log)."""
     if not path.exists():
         stream = path.with_suffix(".results")
-        return stream_summary(stream) if stream.exists() else log_summary(path.with_suffix(".log"))
+        if stream.exists():
+            from pytest_stream import killed_run_summary
+
+            return killed_run_summary(stream)
+        return log_summary(path.with_suffix(".log"))
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}

@@ -68,3 +68,17 @@ def read_results(path) -> dict:
                 reasons[nodeid] = reason
     running = [t for t in dict.fromkeys(started) if t not in outcomes]
     return {"outcomes": outcomes, "reasons": reasons, "running": running}
+
+
+def killed_run_summary(path) -> str:
+    """One line for gpu_check's report of a run killed before it wrote its --junitxml: the counts,
+    every failure by name, and the tests it was running."""
+    results = read_results(path)
+    outcomes = results["outcomes"].values()
+    count = {k: sum(v == k for v in outcomes) for k in ("passed", "failed", "error", "skipped", "xfailed")}
+    failed = [t.split("/")[-1] for t, v in results["outcomes"].items() if v in ("failed", "error")]
+    text = (f"killed before the end: {count['passed']} passed, {count['failed'] + count['error']} failed, "
+            f"{count['skipped'] + count['xfailed']} skipped")
+    text += ": " + ", ".join(failed) if failed else ""
+    running = [t.split("/")[-1] for t in results["running"]]
+    return text + (f"; running when killed: {', '.join(running)}" if running else "")
