@@ -106,7 +106,8 @@ def kernel_flags(config: GPTConfig) -> list[str]:
     off = set(config.unfused_kernels)
     flags = [] if "cross_entropy" in off else ["--cross-entropy-loss-fusion"]
     flags += [flag for op, flag in (("bias_gelu", "--no-bias-gelu-fusion"), ("swiglu", "--no-bias-swiglu-fusion"),
-                                    ("rotary", "--no-rope-fusion")) if op in off]
+                                    ("rotary", "--no-rope-fusion"), ("bias_dropout_add", "--no-bias-dropout-fusion"))
+              if op in off]
     if config.attention_backend != "auto":
         flags += ["--attention-backend", config.attention_backend]
     return flags

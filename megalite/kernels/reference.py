@@ -65,3 +65,10 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, label_sm
     """Unsharded per-token fp32 loss over the full vocabulary: F.cross_entropy on fp32 logits."""
     return F.cross_entropy(_wide(logits).reshape(-1, logits.shape[-1]), target.reshape(-1),
                            reduction="none", label_smoothing=label_smoothing).reshape(target.shape)
+
+
+def bias_dropout_add_reference(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                               p: float) -> torch.Tensor:
+    """residual + dropout(x + bias, p): Megatron's unfused bias-dropout-add (p = 0: no dropout)."""
+    biased = x if bias is None else x + bias
+    return residual + (F.dropout(biased, p, training=True) if p > 0 else biased)

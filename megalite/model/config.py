@@ -10,7 +10,7 @@ from megalite.parallel.context import CP_COMM_TYPES
 from megalite.parallel.state import ParallelLayout
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-UNFUSABLE_OPS = ("bias_gelu", "swiglu", "rotary", "cross_entropy")
+UNFUSABLE_OPS = ("bias_gelu", "swiglu", "rotary", "cross_entropy", "bias_dropout_add")
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act")
 """The --recompute-modules megalite's layers recompute (Megatron's names)."""

@@ -1,8 +1,13 @@
-"""A pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+"""A pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)).
+
+The output projections of attention and of a dense MLP hand their bias back (skip_bias_add) to
+the layer's bias-dropout-add, residual + dropout(y + bias), one fused kernel on CUDA
+(megalite.kernels.bias_dropout_add; --no-bias-dropout-fusion: the unfused torch ops)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from megalite import kernels
 
 from megalite.model.attention import SelfAttention
 from megalite.model.gated_delta_net import GatedDeltaNet
@@ -29,14 +34,19 @@ class TransformerLayer(nn.Module):
             self.mlp.layer_number = layer_number  # names its logged auxiliary losses
         else:
             self.mlp = MLP(config, tp_group, device)
+            self.mlp.linear_fc2.skip_bias_add = True
+        self.self_attention.linear_proj.skip_bias_add = True
 
-    def _dropout_add(self, x, residual):
+    def _dropout_add(self, out, residual):
+        """residual + dropout(y + bias) of a module's output, (y, bias) or y."""
+        y, bias = out if isinstance(out, tuple) else (out, None)
         p = self.config.hidden_dropout if self.training else 0.0
+        impl = self.config.kernel_impl_for("bias_dropout_add")
         if p == 0:
-            return residual + x
+            return kernels.bias_dropout_add(y, bias, residual, 0.0, impl=impl)
         # Under sequence parallelism each TP rank holds different tokens: draw per-rank masks.
         with rng_fork_if(self.rng_tracker, self.config.sequence_parallel):
-            return residual + F.dropout(x, p, training=True)
+            return kernels.bias_dropout_add(y, bias, residual, p, impl=impl)
 
     def forward(self, x, rotary=None, attention_mask=None, inference_cache=None):
         kv_cache = None

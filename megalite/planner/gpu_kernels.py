@@ -94,12 +94,29 @@ def fused(workload: Workload, op: str) -> bool:
 
 
 def _residual(traffic: Traffic, workload: Workload, elements: float, count: int) -> None:
-    """`count` x (dropout, add) on `elements`, and their backward: the dropout's, and the sum of
-    the two branches' gradients."""
+    """`count` x bias-dropout-add on `elements` and their backward, with the sum of the two
+    branches' gradients at the residual. Fused (megalite's kernel, classed and timed with the
+    bias-GeLU kernels: Triton elementwise kernels with a bias): read x and the residual, write the
+    sum; backward, with dropout, read the gradient and write dx (the mask regenerated, the
+    row-parallel bias gradient summed inside). Unfused: torch's dropout (its mask a byte an
+    element) and add; the row-parallel bias add before them is counted with the biases."""
     e, dropout = workload.activation_bytes, workload.config.hidden_dropout > 0
+    traffic.move("torch", 0.0, count * 3 * e * elements)
+    traffic.call("aten", 0, count)
+    if bias_dropout_add_fused(workload):
+        traffic.move("bias_gelu", count * 3 * e * elements, count * 2 * e * elements if dropout else 0.0)
+        traffic.call("bias_gelu", count, count if dropout else 0)
+        return
     per = (2 * e + 1) * elements if dropout else 0.0  # read, write, the mask's byte
-    traffic.move("torch", count * (per + 3 * e * elements), count * (per + 3 * e * elements))
-    traffic.call("aten", count * (1 + dropout), count * (1 + dropout))
+    traffic.move("torch", count * (per + 3 * e * elements), count * per)
+    traffic.call("aten", count * (1 + dropout), count * dropout)
+
+
+def bias_dropout_add_fused(workload: Workload) -> bool:
+    """Whether the layers' bias-dropout-add runs megalite's kernel (it does when there is a bias
+    to add or a dropout to draw; else it is one torch add)."""
+    config = workload.config
+    return fused(workload, "bias_dropout_add") and (config.hidden_dropout > 0 or config.add_bias_linear)
 
 
 def _norms(traffic: Traffic, workload: Workload, elements: float, count: float) -> None:
@@ -138,8 +155,10 @@ def layer_traffic(workload: Workload, layout: Layout, tokens: float, moe_layer: 
     traffic.move("torch", 0.0, 2 * e * tokens * (q + 2 * kv))
     traffic.call("aten", 0, 1)
     if config.add_bias_linear:  # the row-parallel biases added after the reduction; bias gradients
-        traffic.move("torch", 2 * 2 * e * tokens * h / split, e * tokens * (q + 2 * kv + 2 * h / split))
-        traffic.call("aten", 2, 3)
+        fused_bias = bias_dropout_add_fused(workload)  # the adds, and with dropout the sums, in that kernel
+        summed = 0.0 if fused_bias and config.hidden_dropout > 0 else 2 * h / split
+        traffic.move("torch", 0.0 if fused_bias else 2 * 2 * e * tokens * h / split, e * tokens * (q + 2 * kv + summed))
+        traffic.call("aten", 0 if fused_bias else 2, 1 + (2 if summed else 0))
     activation(traffic, workload, layout, tokens, moe_layer)
     return traffic
 

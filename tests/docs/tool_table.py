@@ -163,6 +163,10 @@ BENCHMARKS = {
         Elsewhere(("tests/planner/test_gpu_check.py::test_logs_are_summarised",
                    "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported"),
                   "gpu_check.sh ends with it; the tests give it made-up logs"),
+    "PYTHONPATH=tools/benchmarks python -m pytest -p pytest_stream --stream-results FILE ...": Elsewhere(
+        ("tests/planner/test_gpu_check_tests_step.py::test_a_killed_run_names_every_failure_and_what_it_was_running",
+         "tests/planner/test_gpu_check_tests_step.py::test_under_xdist_the_controller_alone_writes"),
+        "the tests run it on a made-up test file (killed mid-run, and under xdist); gpu_check.sh's tests step loads it"),
     "bash tools/benchmarks/gpu_check.sh": CannotRun(GPU, (
         "tests/planner/test_gpu_check.py::test_without_a_gpu_it_says_so_and_exits_0",
         "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported")),

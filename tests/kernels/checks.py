@@ -26,6 +26,13 @@ import triton
 
 BF16_ULP = 2.0 ** -7  # spacing of bf16 numbers in [1, 2)
 
+# The row kernels' edge shapes (rows, width): every row count (one row, a partial block of rows)
+# and every width (one column, under a vector, a partial column block, past a power of two)
+# appears, rows 1 and 17 with both extreme widths. Not their cross product: each shape is a
+# compilation of each kernel on a GPU (its tile sizes and num_warps are constexprs), and the
+# cross product's 12 shapes made the CUDA tests compile 462 kernels (tests/kernels/compile_count.py).
+EDGE_SHAPES = [(1, 7), (1, 130), (3, 1), (3, 33), (17, 1), (17, 130)]
+
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 BF16_FWD_TOL = dict(rtol=BF16_ULP, atol=1e-5)
 

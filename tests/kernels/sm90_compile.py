@@ -31,6 +31,7 @@ SHAPES_NORM = [(16384, 768), (16384, 2048), (16384, 4096), (8192, 8192), (4096, 
 SHAPES_ACT = [(16384, 3072), (16384, 5504), (16384, 14336)]
 SHAPES_ROTARY = [((2048, 4, 32, 128), 128, 1), ((1024, 8, 12, 64), 32, 8)]
 SHAPES_CE = [(16384, 50304), (8192, 64128)]
+SHAPES_BDA = [(8192, 2048)]  # one column-block width (1024) from h = 768 up
 
 
 def _record_launches(dtypes):
@@ -38,7 +39,8 @@ def _record_launches(dtypes):
     from torch._library.triton import set_wrap_triton_enabled
     from triton.runtime.jit import JITFunction
 
-    from megalite.kernels import activations_triton, cross_entropy_triton, norms_triton, rotary_triton
+    from megalite.kernels import (activations_triton, bias_dropout_add_triton, cross_entropy_triton, norms_triton,
+                                  rotary_triton)
 
     launches = []
     original = JITFunction.run
@@ -71,6 +73,14 @@ def _record_launches(dtypes):
                     cos = torch.empty(shape[0], batch, d_rot, dtype=torch.float32, **meta)
                     for backward in (False, True):
                         rotary_triton.rotary(x, cos, cos, backward)
+                for rows, h in SHAPES_BDA:
+                    x = torch.empty(rows, h, dtype=dtype, **meta)
+                    b = torch.empty(h, dtype=dtype, **meta)
+                    seed = torch.empty(1, dtype=torch.int64, **meta)
+                    for bias, p in ((b, 0.0), (b, 0.1), (None, 0.1)):  # no bias, no dropout: one torch add
+                        bias_dropout_add_triton.bias_dropout_add_forward(x, bias, x, seed if p else None, p)
+                        if p:
+                            bias_dropout_add_triton.bias_dropout_add_backward(x, seed, p, bias is not None)
                 for rows, vocab in SHAPES_CE:
                     logits = torch.empty(rows, vocab, dtype=dtype, **meta)
                     target = torch.empty(rows, dtype=torch.int64, **meta)

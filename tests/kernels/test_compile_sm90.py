@@ -20,13 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
-           "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel"}
+           "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
+           "_bda_fwd_kernel", "_bda_bwd_kernel"}
 PERSISTENT = {"_norm_bwd_kernel"}  # grids sized by triton_common.persistent_programs
 OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_norm_bwd_kernel"],
               "swiglu_forward": ["_swiglu_fwd_kernel"], "swiglu_backward": ["_swiglu_bwd_kernel"],
               "bias_gelu_forward": ["_bias_gelu_fwd_kernel"], "bias_gelu_backward": ["_bias_gelu_bwd_kernel"],
               "rotary": ["_rotary_kernel"], "ce_local_stats": ["_ce_stats_kernel"],
-              "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": []}
+              "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
+              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"]}
 
 
 def _allowed_to_spill(entry) -> bool:
@@ -117,5 +119,18 @@ def test_bias_gelu_backward_keeps_four_programs_per_sm(compiled):
     bwd = [e for e in entries if e["kernel"] == "_bias_gelu_bwd_kernel"]
     assert bwd and all(e["constexprs"]["HAS_BIAS"] in (True, False) for e in bwd)
     for e in bwd:
+        assert e["stack"] == 0 and e["vector_loads"], e
+        assert e["registers"] * 32 * e["num_warps"] * 4 <= 65536, e
+
+
+def test_bias_dropout_add_is_bandwidth_shaped(compiled):
+    """The bias-dropout-add kernels, with and without dropout and bias (both off is one torch add,
+    never launched): 16-byte loads, no spills,
+    and at least 4 programs (16 warps) an SM; Philox's four values per call and the dbias sums kept
+    per element (not reduced across warps each block) are what keep the backward's registers there."""
+    _, entries, _ = compiled
+    bda = [e for e in entries if e["kernel"].startswith("_bda_")]
+    assert len({(e["kernel"], e["constexprs"].get("HAS_BIAS"), e["constexprs"].get("HAS_DROPOUT")) for e in bda}) == 5
+    for e in bda:
         assert e["stack"] == 0 and e["vector_loads"], e
         assert e["registers"] * 32 * e["num_warps"] * 4 <= 65536, e

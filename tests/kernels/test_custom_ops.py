@@ -12,7 +12,7 @@ explicit fake implementations; compiled Triton makes them triton_ops (tests/dryr
 import pytest
 import torch
 
-from megalite.kernels import apply_rotary, bias_gelu, cross_entropy, layer_norm, rms_norm, swiglu
+from megalite.kernels import apply_rotary, bias_dropout_add, bias_gelu, cross_entropy, layer_norm, rms_norm, swiglu
 from tests.kernels.test_fake_tensors import OpLog
 
 pytest.importorskip("triton")
@@ -27,8 +27,8 @@ def _tensors(dtype, requires_grad, device):
 
 
 def _op_cases(dtype, device):
-    from megalite.kernels import activations_triton as act, cross_entropy_triton as ce, norms_triton as norms, \
-        rotary_triton as rot
+    from megalite.kernels import activations_triton as act, bias_dropout_add_triton as bda, \
+        cross_entropy_triton as ce, norms_triton as norms, rotary_triton as rot
 
     randn = _tensors(dtype, True, device)
     const = _tensors(dtype, False, device)
@@ -50,6 +50,9 @@ def _op_cases(dtype, device):
         (ce.grad_logits, (logits, target, stats, stats, stats, 14, 0.1, smooth)),
         (ce.grad_logits_, (logits.clone(), target, stats, stats, stats, 14, 0.1, smooth)),
         (ce.loss_from_statistics, (randn(6, 16), target, stats, stats, stats, stats, smooth, 14, 0.1, False)),
+        (bda.bias_dropout_add_forward, (x, b, randn(6, 16), torch.tensor([5], device=device), 0.2)),
+        (bda.bias_dropout_add_forward, (x, None, randn(6, 16), None, 0.0)),
+        (bda.bias_dropout_add_backward, (dy, torch.tensor([5], device=device), 0.2, True)),
     ]
 
 
@@ -80,6 +83,8 @@ _CALLS = {  # public op -> (call on x [4, 2, 16], w, b, cos, sin, its operator, 
     "layer_norm": (lambda x, w, b, cos, sin: layer_norm(x, w, b, impl="triton"), "norm_forward", "NormFunction"),
     "swiglu": (lambda x, w, b, cos, sin: swiglu(x, impl="triton"), "swiglu_forward", "SwigluFunction"),
     "bias_gelu": (lambda x, w, b, cos, sin: bias_gelu(x, b, impl="triton"), "bias_gelu_forward", "BiasGeluFunction"),
+    "bias_dropout_add": (lambda x, w, b, cos, sin: bias_dropout_add(x, b, x * 2, 0.0, impl="triton"),
+                         "bias_dropout_add_forward", "BiasDropoutAddFunction"),
     "apply_rotary": (lambda x, w, b, cos, sin: apply_rotary(x.view(4, 2, 2, 8), cos, sin, impl="triton"), "rotary",
                      "RotaryFunction"),
     "cross_entropy": (lambda x, w, b, cos, sin: cross_entropy(x, torch.zeros(4, 2, dtype=torch.long, device=x.device),

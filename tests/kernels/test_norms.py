@@ -7,12 +7,12 @@ import torch
 import triton
 
 from megalite.kernels import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from tests.kernels.checks import (assert_forward_close, assert_grad_close, assert_partial_sums_close,
+from tests.kernels.checks import (EDGE_SHAPES, assert_forward_close, assert_grad_close, assert_partial_sums_close,
                                   assert_row_sum_close, grads_fp64, rows_with_several_blocks_per_program,
                                   summation_depth)
 
 DTYPES = [torch.float32, torch.bfloat16]
-SHAPES = [(rows, h) for rows in (1, 3, 17) for h in (1, 7, 33, 130)]
+SHAPES = EDGE_SHAPES
 
 
 def _inputs(shape, dtype, device, seed, weight_dtype=None):

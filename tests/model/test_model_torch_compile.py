@@ -23,7 +23,8 @@ recompute reruns the compiled layer forward. Without the kernels the head's loss
 reference (parallel/tensor/cross_entropy.py): a small graph that saves no fp32 copy of the
 logits for backward when split as inductor splits it. With dropout on (training mode, the RNG
 tracker passed as training passes it) the compiled run with recompute equals the eager run
-without: the masks are replayed.
+with the same kernels without recompute: the masks (F.dropout's in attention, the
+bias-dropout-add kernel's after it) are replayed.
 """
 
 import os
@@ -147,7 +148,8 @@ def test_reference_loss_under_compile_keeps_no_fp32_logits(monkeypatch):
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_dropout_is_replayed_by_recompute_under_compile(recompute, reference):
     cfg = dict(attention_dropout=0.2, hidden_dropout=0.2)
-    eager = run(config("gpt2", fused_kernels=False, **cfg), train=True)
+    # with the kernels on both sides: the bias-dropout-add kernel draws its own mask (not F.dropout's)
+    eager = run(config("gpt2", fused_kernels=True, **cfg), train=True)
     compiled = run(config("gpt2", fused_kernels=True, recompute_granularity=recompute, **cfg), "aot_eager", train=True)
     compare(compiled, eager, f"dropout, recompute={recompute}")
     # Guard against a vacuous pass: dropout really changed the gradients.

@@ -72,6 +72,7 @@ def _dispatch_with(extra, monkeypatch, seen):
     spy(kernels, "swiglu", "swiglu")
     spy(kernels, "bias_gelu", "bias_gelu")
     spy(kernels, "apply_rotary", "rotary")
+    spy(kernels, "bias_dropout_add", "bias_dropout_add")
     spy(gpt_module, "vocab_parallel_cross_entropy", "cross_entropy")
     config = model_config_from_args(parsed(extra, 1), 100).replace(hidden_dropout=0.0, attention_dropout=0.0)
     tokens = torch.randint(0, 100, (2, 32))
@@ -86,12 +87,13 @@ def test_fusion_flags_switch_each_kernel_to_its_torch_reference(family, monkeypa
     assert default.pop("cross_entropy") == {"torch"} and all(v == {"auto"} for v in default.values()), default
     fused_ce = _dispatch(family + "--cross-entropy-loss-fusion", monkeypatch)
     assert fused_ce["cross_entropy"] == {"auto"}
-    off = _dispatch(family + "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion "
+    assert _dispatch(family + "--bias-dropout-fusion", monkeypatch) == dict(default, cross_entropy={"torch"})
+    off = _dispatch(family + "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-bias-dropout-fusion "
                     "--cross-entropy-loss-fusion", monkeypatch)
-    expected_off = {"swiglu", "rotary"} if family else {"bias_gelu"}
+    expected_off = {"swiglu", "rotary", "bias_dropout_add"} if family else {"bias_gelu", "bias_dropout_add"}
     assert set(default) == expected_off and all(off[op] == {"torch"} for op in expected_off), off
     for flag, op in (("--no-bias-gelu-fusion", "bias_gelu"), ("--no-bias-swiglu-fusion", "swiglu"),
-                     ("--no-rope-fusion", "rotary")):
+                     ("--no-rope-fusion", "rotary"), ("--no-bias-dropout-fusion", "bias_dropout_add")):
         if op in expected_off:  # each flag switches its own op and no other
             one = _dispatch(family + flag, monkeypatch)
             assert one[op] == {"torch"} and all(one[o] == {"auto"} for o in expected_off - {op}), (flag, one)
@@ -104,7 +106,6 @@ NOTES = {
     "--attention-backend flash": "restricted to FLASH_ATTENTION",
     "--attention-backend unfused": "megalite's explicit attention",
     "--no-masked-softmax-fusion": "no masked-softmax kernel",
-    "--no-bias-dropout-fusion": "plain torch",
     "--no-persist-layer-norm": "no persistent variant",
     "--apply-query-key-layer-scaling": "identity",
     "--no-use-tokenizer-model-from-checkpoint-args": "this command line's",

@@ -7,8 +7,9 @@
 #
 # Steps (--only takes a comma-separated subset; default all):
 #   tests    TRITON_INTERPRET=0 pytest tests/kernels (but test_compile_sm90.py, which needs no GPU)
-#            tests/optimizer/test_optimizer_cuda.py (verbose, so a
-#            run killed at its budget still names its failures; over the host's cores with pytest-xdist
+#            tests/optimizer/test_optimizer_cuda.py (each test's start and outcome streamed to a file as
+#            they happen, tools/benchmarks/pytest_stream.py, so a run killed at its budget still names
+#            its failures and what it was running; over the host's cores with pytest-xdist
 #            and 90 s a test with pytest-timeout, where installed), and the
 #            "cuda" cases of tests/model/test_gpt_tp.py and tests/parallel/tensor/test_tp_layers.py
 #            (pytest -k cuda: their device parameter); meanwhile, on the CPU, each driver run's dry
@@ -169,21 +170,25 @@ if wants tests; then
     # test_compile_sm90.py compiles for sm_90 on any host (CI runs it); here it would only take time
     KERNEL_TESTS=(tests/kernels tests/optimizer/test_optimizer_cuda.py --ignore tests/kernels/test_compile_sm90.py)
     TP_FILTER=cuda
-    # Triton's compiles dominate these tests (a first H100 run did half in 112 s serially): spread
-    # them over the host's cores where pytest-xdist is installed; the GPU is shared, the tests are small
-    workers=$(( $(nproc) / 2 )); [ "$workers" -gt 8 ] && workers=8
+    # Triton's compiles dominate these tests (a first H100 run did half in 112 s serially; about 240
+    # compilations since the edge shapes, tests/kernels/compile_count.py): one worker a core, up to
+    # 16, where pytest-xdist is installed (each compile is one CPU's work; the GPU work is small)
+    workers=$(nproc); [ "$workers" -gt 16 ] && workers=16
     if [ "$workers" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then KERNEL_TESTS+=(-n "$workers"); fi
     # a test stuck on the GPU fails by name instead of taking the step's budget with it
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then KERNEL_TESTS+=(--timeout 90); fi
   else  # the plumbing only: a small file of each selection
     KERNEL_TESTS=(tests/kernels/test_to_dtype.py); TP_FILTER="cuda or rng_tracker_streams"
   fi
+  # each test's start and outcome streamed to <step>.results as it happens (pytest_stream.py): a run
+  # killed at its budget writes no --junitxml, and its buffered -v log loses its last lines
+  STREAM=(env PYTHONUNBUFFERED=1 PYTHONPATH="$REPO/tools/benchmarks:$PYTHONPATH")
   TRITON_INTERPRET=$([ "$MODE" = gpu ] && echo 0 || echo 1) step tests-kernels "$(budget $(( ${BUDGET_TESTS:-200} * 3 / 4 )))" \
-    "$PY" -m pytest -v -rfE --durations 15 -p no:cacheprovider -p no:benchmark "${KERNEL_TESTS[@]}" \
-    --junitxml="$LOGS/tests-kernels.xml"
+    "${STREAM[@]}" "$PY" -m pytest -v -rfE --durations 15 -p no:cacheprovider -p no:benchmark "${KERNEL_TESTS[@]}" \
+    -p pytest_stream --stream-results "$LOGS/tests-kernels.results" --junitxml="$LOGS/tests-kernels.xml"
   TRITON_INTERPRET=$([ "$MODE" = gpu ] && echo 0 || echo 1) step tests-tp-cuda "$(budget $(( ${BUDGET_TESTS:-200} / 4 )))" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/model/test_gpt_tp.py tests/parallel/tensor/test_tp_layers.py \
-    -k "$TP_FILTER" --junitxml="$LOGS/tests-tp-cuda.xml"
+    "${STREAM[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/model/test_gpt_tp.py tests/parallel/tensor/test_tp_layers.py \
+    -k "$TP_FILTER" -p pytest_stream --stream-results "$LOGS/tests-tp-cuda.results" --junitxml="$LOGS/tests-tp-cuda.xml"
 fi
 if [ -n "${PREDICTING:-}" ]; then wait "$PREDICTING"; fi  # the driver runs are timed on an idle host
 if wants kernels; then

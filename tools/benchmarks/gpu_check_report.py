@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # kernel name (lowercase) -> class; the first match wins
 KERNEL_CLASSES = (("flash_bwd_dq_dk_dv", "attention backward"), ("flash_fwd", "attention forward"),
                   ("flash", "attention auxiliary"), ("multi_tensor_apply", "optimizer"), ("_norm_", "norm"),
-                  ("swiglu", "swiglu"), ("gelu", "bias_gelu"), ("rotary", "rotary"), ("_ce_", "cross_entropy"),
+                  ("swiglu", "swiglu"), ("gelu", "bias_gelu"), ("_bda_", "bias_gelu"), ("rotary", "rotary"), ("_ce_", "cross_entropy"),
                   ("gemm", "gemm"), ("xmma", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("cublas", "gemm"))
 
 
@@ -154,8 +154,13 @@ def log_summary(log: Path) -> str:
 
 def junit_summary(path: Path) -> str:
     """Passed, failed and skipped tests of a --junitxml file (a run killed before writing it: what
-    its log says)."""
+    its stream file (<name>.results, pytest_stream.py) says, else its verbose log)."""
     if not path.exists():
+        stream = path.with_suffix(".results")
+        if stream.exists():
+            from pytest_stream import killed_run_summary
+
+            return killed_run_summary(stream)
         return log_summary(path.with_suffix(".log"))
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -164,7 +169,7 @@ def junit_summary(path: Path) -> str:
               if c.find("failure") is not None or c.find("error") is not None]
     passed = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
     text = f"{passed} passed, {count['failures'] + count['errors']} failed, {count['skipped']} skipped"
-    return text + (": " + ", ".join(failed[:12]) + (" ..." if len(failed) > 12 else "") if failed else "")
+    return text + (": " + ", ".join(failed) if failed else "")
 
 
 def kernels_summary(log: Path) -> str:
@@ -288,12 +293,20 @@ def _version(package: str) -> str:
 
 
 def host_summary(path: Path) -> str:
-    """Each op's host time added per forward and backward call (bench_host_overhead.py's table)."""
+    """Per op, each implementation's host time per forward and backward call (bench_host_overhead.py's
+    table), and where the launches were counted (no GPU) the time added to them. On a GPU launches
+    are not counted and the added columns are '-': the report printed '+- us' for every row."""
     if not path.exists():
         return "no log"
     rows = [line.split("|")[1:-1] for line in path.read_text().splitlines() if line.startswith("| ")]
     rows = [[cell.strip() for cell in row] for row in rows if len(row) == 8 and row[0].strip() not in ("op", "---")]
-    return "; ".join(f"{r[0]} {r[1]}: +{r[4]} us fwd, +{r[7]} us bwd" for r in rows) or "no table in the log"
+    by_op = {}
+    for op, impl, fwd, _, fwd_added, bwd, _, bwd_added in rows:
+        signed = [v if v.startswith("-") else "+" + v for v in (fwd_added, bwd_added)]
+        added = f" ({signed[0]}/{signed[1]} over its launches)" if "-" not in (fwd_added, bwd_added) else ""
+        by_op.setdefault(op, []).append(f"{impl} {fwd}/{bwd} us{added}")
+    parts = [f"{op}: {', '.join(impls)}" for op, impls in by_op.items()]
+    return "us per call, forward/backward: " + "; ".join(parts) if parts else "no table in the log"
 
 
 def attention_summary(log: Path) -> str:

@@ -44,8 +44,11 @@ class MegatronModelArgs:
         "with biases computes the fused kernel's tanh approximation, as Megatron-Core's bias-GeLU fusion "
         "does (without biases GeLU is exact either way; --openai-gelu is tanh either way).")
     no_bias_swiglu_fusion: bool = arg(False, "SwiGLU in plain torch instead of megalite's fused kernel.")
-    no_bias_dropout_fusion: bool = arg(
-        False, "Megatron: no fused bias-dropout-add. megalite's is plain torch either way.")
+    bias_dropout_fusion: bool | None = arg(
+        None, "The bias add, dropout and residual add after attention and after the MLP as one kernel "
+        "(Megatron's default; megalite's Triton kernel on CUDA, its mask drawn by the kernel), "
+        "instead of the unfused torch ops (their dropout mask is F.dropout's).",
+        negative_flag="--no-bias-dropout-fusion")
     no_rope_fusion: bool = arg(False, "RoPE in plain torch instead of megalite's fused kernel.")
     no_persist_layer_norm: bool = arg(
         False, "Megatron: not apex's persistent LayerNorm kernel. megalite's norm kernels have "
@@ -145,7 +148,8 @@ def mlp_activation(args) -> str:
 def unfused_kernels(args) -> tuple:
     """The ops that run their plain-torch reference because a flag turned their fusion off."""
     ops = [op for op, off in (("bias_gelu", args.no_bias_gelu_fusion), ("swiglu", args.no_bias_swiglu_fusion),
-                              ("rotary", args.no_rope_fusion)) if off]
+                              ("rotary", args.no_rope_fusion),
+                              ("bias_dropout_add", args.bias_dropout_fusion is False)) if off]
     if not args.cross_entropy_loss_fusion and args.fused_kernels is not True:
         ops.append("cross_entropy")
     return tuple(ops)
@@ -196,7 +200,6 @@ def start_up_notes(args, device_type: str) -> list[str]:
     explained = (
         ("no_masked_softmax_fusion", "--no-masked-softmax-fusion: megalite has no masked-softmax kernel (the "
          "softmax is inside scaled_dot_product_attention or its explicit path)"),
-        ("no_bias_dropout_fusion", "--no-bias-dropout-fusion: megalite's bias-dropout-add is plain torch"),
         ("no_persist_layer_norm", "--no-persist-layer-norm: megalite's norm kernels have no persistent variant"),
         ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling: an identity in exact arithmetic "
          "that Megatron uses for fp16 range; megalite's attention softmax runs in fp32"),
