@@ -62,18 +62,12 @@ def test_accepted_count(counted):
         assert case in counted["accepted"], (case, counted["refused"].get(case))
 
 
-MOE_ACCEPTED = 36  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32)
+MOE_ACCEPTED = 45  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32)
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
-MUON = (r"^--optimizer muon with --num-experts is not implemented",
-        "Muon for expert weights (their own TP group and layout) is not in megalite")
 LAYOUT = (r"^unknown argument: --pipeline-model-parallel-layout", "--pipeline-model-parallel-layout is later work")
 FLASH = (r"^--use-flash-attn (needs the flash_attn package|runs only on CUDA GPUs)",
          "flash_attn runs on CUDA GPUs only: the release configs ask for it, this machine has none")
 MOE_REFUSED = {
-    **dict.fromkeys(["deepseek_proxy_fsdp_ep2_fsdp2", "deepseek_proxy_fsdp_ep2_fsdp2_1node",
-                     "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"],
-                    (r"^--save-interval 25 needs --save$",
-                     "megalite refuses --save-interval without --save (Megatron saves nothing)")),
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
         r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
         "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local)"),
@@ -84,10 +78,6 @@ MOE_REFUSED = {
                      "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
                      "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading",
                      "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph"], LAYOUT),
-    **dict.fromkeys(["gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_1node",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout_1node",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node"], MUON),
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node": (
         r"^--moe-router-load-balancing-type global_aux_loss is not implemented",
         "global_aux_loss is not in megalite (the config's --fp8-format hybrid would stop it next)"),
@@ -113,7 +103,9 @@ def test_moe_configs_accepted_and_refused(counted_moe):
     for case in ("gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",  # sinkhorn
                  "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",  # --overlap-moe-expert-parallel-comm
                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",  # --moe-permute-fusion, --logging-level
-                 "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser"):  # --use-transformer-engine-op-fuser
+                 "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser",  # --use-transformer-engine-op-fuser
+                 "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon",  # Muon with experts
+                 "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"):  # --save-interval without --save
         assert case in counted_moe["accepted"], (case, counted_moe["refused"].get(case))
 
 
