@@ -63,8 +63,6 @@ def check_muon_args(args, fail) -> None:
         fail(f"--muon-num-ns-steps must be at least 1, got {args.muon_num_ns_steps}")
     if args.muon_use_syrk:
         fail("--muon-use-syrk (a Triton kernel) is not implemented in megalite")
-    if args.num_experts:
-        fail("--optimizer muon with --num-experts is not implemented (expert weights' TP group and layout)")
     if args.decoupled_lr is not None:
         fail("--optimizer muon with --decoupled-lr is not implemented")
     if args.optimizer_cpu_offload:

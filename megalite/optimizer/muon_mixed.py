@@ -23,6 +23,7 @@ from megalite.optimizer.distributed import sharded_dp_group
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer, check_chunks
 from megalite.optimizer.muon import Lion, Muon, MuonTarget, is_muon_param
 from megalite.parallel.data.ddp import DistributedDataParallel
+from megalite.parallel.expert.groups import tensor_split_of
 
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 SCALAR_OPTIMIZERS = ("adam", "lion")
@@ -78,11 +79,14 @@ class MuonMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if dp_group is None and (lo, hi) != (0, param.numel()):
             raise ValueError(f"--optimizer muon: {name} holds elements [{lo}, {hi}) of {param.numel()} "
                              "without a group to gather them over")
-        split = getattr(param, "tensor_model_parallel", False) and self.pstate.tp_size > 1
+        # an expert weight is split over the expert-tensor-parallel group (Megatron: expt_tp for
+        # parameters flagged expert_tp), each expert's linear its own matrix
+        tp_group, tp_size, _ = tensor_split_of(self.pstate, param)
+        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
         qkv = self._qkv_split if ("linear_qkv.weight" in name and self._qkv_split
                                   and param.shape[0] % sum(self._qkv_split) == 0) else None
         return MuonTarget(tuple(param.shape), param.partition_dim if split else None,
-                          self.pstate.tp_group if split else None, qkv, dp_group, lo, hi, param.device)
+                          tp_group if split else None, qkv, dp_group, lo, hi, param.device)
 
     def _make_inner(self, groups):
         schedule = [(entry.main if entry is not None else None, target)

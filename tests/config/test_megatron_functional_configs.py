@@ -64,10 +64,8 @@ def test_accepted_count(counted):
         assert case in counted["accepted"], (case, counted["refused"].get(case))
 
 
-MOE_ACCEPTED = 39  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32)
+MOE_ACCEPTED = 45  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32)
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
-MUON = (r"^--optimizer muon with --num-experts is not implemented",
-        "Muon for expert weights (their own TP group and layout) is not in megalite")
 MLA_UP_PROJ = (r"^--recompute-modules mla_up_proj: not implemented in megalite",
                "selective recompute of MLA's up projections is not in megalite (past their --pipeline-model-parallel-layout)")
 GLOBAL_AUX_LOSS = (r"^--moe-router-load-balancing-type global_aux_loss is not implemented",
@@ -84,10 +82,6 @@ MOE_REFUSED = {
                      "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], MLA_UP_PROJ),
     **dict.fromkeys(["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
                      "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], GLOBAL_AUX_LOSS),
-    **dict.fromkeys(["gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_1node",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout_1node",
-                     "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon", "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon_1node"], MUON),
     **dict.fromkeys(["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
                      "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
                      "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release_sm",
@@ -113,7 +107,9 @@ def test_moe_configs_accepted_and_refused(counted_moe):
     for case in ("gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",  # sinkhorn
                  "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",  # --overlap-moe-expert-parallel-comm
                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",  # --moe-permute-fusion, --logging-level
-                 "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser"):  # --use-transformer-engine-op-fuser
+                 "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser",  # --use-transformer-engine-op-fuser
+                 "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon",  # Muon with experts
+                 "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"):  # --save-interval without --save
         assert case in counted_moe["accepted"], (case, counted_moe["refused"].get(case))
 
 

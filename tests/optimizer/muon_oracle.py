@@ -40,6 +40,9 @@ class MegatronMuon(megatron_muon.TensorParallelMuon, _NesterovKeyword):
     """TensorParallelMuon, whose super().__init__ lands in _NesterovKeyword."""
 
 
-def megatron_muon_optimizer(params, tp_group, **kwargs):
-    return MegatronMuon(params, pg_collection=SimpleNamespace(tp=tp_group, expt_tp=tp_group),
+def megatron_muon_optimizer(params, tp_group, expt_tp_group=None, **kwargs):
+    """TensorParallelMuon over `params`; parameters flagged expert_tp (as get_megatron_muon_optimizer
+    flags those named '*experts*' but not '*shared*') use `expt_tp_group` (default: `tp_group`)."""
+    expt_tp = tp_group if expt_tp_group is None else expt_tp_group
+    return MegatronMuon(params, pg_collection=SimpleNamespace(tp=tp_group, expt_tp=expt_tp),
                         is_qkv_fn=lambda p: getattr(p, "is_qkv", False), **kwargs)
