@@ -71,7 +71,7 @@ def bucket_slices(params: list[tuple[str, tuple]], dp: int, bucket_size: int | N
                f"parameters (in the checkpoint's order, bucket size {bucket_size}) gives {lengths}")
     for name, (bucket, start, end) in positions.items():
         if start not in chunk_bounds[bucket] or end not in chunk_bounds[bucket]:
-            refuse(where, f"no stored chunk of bucket {bucket} starts at {start} and ends at {end}, where "
+            refuse(where, f"the stored chunks of bucket {bucket} have no boundary at {start} or at {end}, where "
                    f"Megatron's bucket layout puts {name}")
     return positions
 

@@ -13,13 +13,14 @@ names, whatever TP x PP (x virtual stages) layout wrote it. Layouts read:
   torch_dist  plain optimizer: optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<tensor>, the step
               ('common_step') in common.pt;
               distributed optimizer saved 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable):
-              optimizer.state.{param,exp_avg,exp_avg_sq}.<tensor>, the step in the param groups.
+              optimizer.state.{param,exp_avg,exp_avg_sq}.<tensor>, the step in the param groups;
+              saved 'dp_reshardable' (Megatron's default): per-bucket tensors of each TP rank
+              (dp_reshardable.py), written at PP = 1 without virtual stages.
 
-Refused, naming the file and what is missing: the distributed optimizer's other torch_dist
-layouts ('dp_reshardable', Megatron's default, and 'dp_zero_gather_scatter' keep flat buckets
-whose parameter order a torch_dist checkpoint does not record; 'fully_sharded_model_space'
-stores flattened ranges), the states of several chained optimizers, and optimizers other than
-Adam and SGD.
+Refused, naming the file and what is missing: 'dp_reshardable' written at PP > 1 (which layers
+each pipeline rank's buckets hold is not recorded), the deprecated 'dp_zero_gather_scatter' and
+'fully_sharded_model_space' layouts, the states of several chained optimizers, and optimizers
+other than Adam and SGD.
 """
 
 import math
