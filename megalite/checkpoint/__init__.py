@@ -30,6 +30,7 @@ what all formats share at the top.
     megatron.args       a Megatron-LM checkpoint's args -> GPTConfig  read (by Megatron-LM version)
     megatron.optimizer  Megatron-LM optimizer state                   read
     megatron.buckets    Megatron's distributed-optimizer buckets      read
+    megatron.dp_reshardable Megatron's default torch_dist dist-optimizer layout read
     megatron.safe_pickle Megatron's pickles through an allowlist      read (the safe unpickler)
     megatron.resume     Megatron-LM optimizer, schedule, RNG -> a run read
     hf.reader           a Hugging Face model directory                read

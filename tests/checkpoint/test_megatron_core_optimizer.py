@@ -6,9 +6,10 @@ loss checks the weights; the later ones the optimizer state and schedule: --no-l
 them). Read at TP=1 and at megalite TP=1 PP=2 DP=2 with its distributed optimizer.
 
 Megatron's plain optimizer (FP32Optimizer, TP=2 DP=1): `torch` and `torch_dist`. Its distributed
-optimizer (TP=2 DP=2): `torch` (distrib_optim.pt), `torch_dist` 'fully_reshardable'; its default
-'dp_reshardable' is refused naming the file. The distributed optimizer's bucket layout is also
-checked element for element at PP=2 DP=2 with virtual stages, tied embeddings and many buckets.
+optimizer (TP=2 DP=2): `torch` (distrib_optim.pt), `torch_dist` 'fully_reshardable' and its
+default 'dp_reshardable' (per-bucket tensors; read at megalite DP=1 and DP=2). The distributed
+optimizer's bucket layout is also checked element for element at PP=2 DP=2 with virtual stages,
+tied embeddings and many buckets.
 """
 
 import os
@@ -92,7 +93,7 @@ def _losses(load_dir, world: int, tp: int, pp: int, *extra):
 
 
 CASES = [("plain", "torch"), ("plain", "torch_dist"), ("distributed", "torch"),
-         ("distributed", "torch_dist_fully_reshardable")]
+         ("distributed", "torch_dist_fully_reshardable"), ("distributed", "torch_dist_dp_reshardable")]
 
 
 @pytest.mark.parametrize("run,fmt", CASES)
@@ -103,7 +104,8 @@ def test_resume_at_tp1_continues_as_megatron_does(megatron_runs, run, fmt):
     torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("run,fmt", [("plain", "torch_dist"), ("distributed", "torch")])
+@pytest.mark.parametrize("run,fmt", [("plain", "torch_dist"), ("distributed", "torch"),
+                                     ("distributed", "torch_dist_dp_reshardable")])
 def test_resume_at_pp2_dp2_distributed_optimizer(megatron_runs, run, fmt):
     reference = torch.load(megatron_runs[run] / "losses.pt", weights_only=True)[STEPS_SAVED:]
     losses, _ = _losses(megatron_runs[run] / fmt, 4, 1, 2, "--use-distributed-optimizer")
@@ -130,10 +132,31 @@ def test_main_parameters_sit_where_the_layout_says(megatron_runs):
         assert state.get(name, "exp_avg_sq").min() >= 0, name
 
 
-def test_dp_reshardable_is_refused_naming_the_file(megatron_runs):
-    checkpoint = MegatronCheckpoint(megatron_runs["distributed"] / "torch_dist_dp_reshardable")
-    with pytest.raises(CheckpointError, match=r"common\.pt: .*'dp_reshardable' layout.*--no-load-optim"):
-        MegatronOptimizerState(checkpoint)
+def test_dp_reshardable_state_is_the_distrib_optim_state(megatron_runs):
+    """Megatron's default torch_dist layout (per-bucket tensors of each TP rank) holds, for every
+    parameter and state, what the same run's distrib_optim.pt holds."""
+    out = megatron_runs["distributed"]
+    legacy = MegatronOptimizerState(MegatronCheckpoint(out / "torch"))
+    checkpoint = MegatronCheckpoint(out / "torch_dist_dp_reshardable")
+    state = MegatronOptimizerState(checkpoint)
+    assert (state.step, state.has_main, state.hyperparameters) == (ITERATION, True, legacy.hyperparameters)
+    for name in checkpoint.names():
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state.get(name, key), legacy.get(name, key)), (name, key)
+
+
+def test_dp_reshardable_at_pp2_is_refused_naming_the_file(megatron_runs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(megatron_runs["distributed"] / "torch_dist_dp_reshardable", copy)
+    common = copy / f"iter_{ITERATION:07d}" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].pipeline_model_parallel_size = 2
+    torch.save(state, common)
+    with pytest.raises(CheckpointError, match=r"common\.pt: .*'dp_reshardable' .* PP=1 .*"
+                       r"--pipeline-model-parallel-size 2.*--no-load-optim"):
+        MegatronOptimizerState(MegatronCheckpoint(copy))
 
 
 def test_missing_distrib_optim_is_refused_naming_it(megatron_runs, tmp_path):
@@ -193,7 +216,8 @@ def megatron_bf16_runs(tmp_path_factory) -> dict:
     runs = {}
     for name, world, distributed, saves in (("plain", 2, False, [("torch", None)]),
                                             ("distributed", 4, True, [("torch", None),
-                                                                      ("torch_dist", "fully_reshardable")])):
+                                                                      ("torch_dist", "fully_reshardable"),
+                                                                      ("torch_dist", "dp_reshardable")])):
         out = tmp_path_factory.mktemp(f"megatron_bf16_{name}")
         run_distributed(train_and_save, world, str(out), "llama", 2, distributed, saves, None, True, timeout=900)
         runs[name] = out
@@ -213,8 +237,10 @@ def _loaded_optimizer_state(rank, world, port, argv_args):
 def test_bf16_main_parameters_are_megatrons_fp32_copies(megatron_bf16_runs):
     """The fp32 main values (Float16OptimizerWithFloat16Params' fp32_from_fp16_params, the
     distributed optimizer's fp32 buffers) round to the bf16 weights, agree between the torch and
-    torch_dist files of one run, and are what megalite's optimizer holds after --load --bf16."""
-    for run, formats in (("plain", ["torch"]), ("distributed", ["torch", "torch_dist_fully_reshardable"])):
+    torch_dist files (both layouts; dp_reshardable's: a bf16 and an fp32 buffer) of one run, and
+    are what megalite's optimizer holds after --load --bf16."""
+    for run, formats in (("plain", ["torch"]),
+                         ("distributed", ["torch", "torch_dist_fully_reshardable", "torch_dist_dp_reshardable"])):
         states = [MegatronOptimizerState(MegatronCheckpoint(megatron_bf16_runs[run] / f)) for f in formats]
         checkpoint = states[0].checkpoint
         rounded_off = 0

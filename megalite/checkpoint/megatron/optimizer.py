@@ -13,13 +13,14 @@ names, whatever TP x PP (x virtual stages) layout wrote it. Layouts read:
   torch_dist  plain optimizer: optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<tensor>, the step
               ('common_step') in common.pt;
               distributed optimizer saved 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable):
-              optimizer.state.{param,exp_avg,exp_avg_sq}.<tensor>, the step in the param groups.
+              optimizer.state.{param,exp_avg,exp_avg_sq}.<tensor>, the step in the param groups;
+              saved 'dp_reshardable' (Megatron's default): per-bucket tensors of each TP rank
+              (dp_reshardable.py), written at PP = 1 without virtual stages.
 
-Refused, naming the file and what is missing: the distributed optimizer's other torch_dist
-layouts ('dp_reshardable', Megatron's default, and 'dp_zero_gather_scatter' keep flat buckets
-whose parameter order a torch_dist checkpoint does not record; 'fully_sharded_model_space'
-stores flattened ranges), the states of several chained optimizers, and optimizers other than
-Adam and SGD.
+Refused, naming the file and what is missing: 'dp_reshardable' written at PP > 1 (which layers
+each pipeline rank's buckets hold is not recorded), the deprecated 'dp_zero_gather_scatter' and
+'fully_sharded_model_space' layouts, the states of several chained optimizers, and optimizers
+other than Adam and SGD.
 """
 
 import math
@@ -27,6 +28,8 @@ import math
 import torch
 
 from megalite.checkpoint.megatron.buckets import bucket_layout
+from megalite.checkpoint.megatron.dp_reshardable import DpReshardableState
+from megalite.checkpoint.megatron.names import megatron_candidates, tp_rule
 from megalite.checkpoint.megatron.safe_pickle import safe_torch_load
 from megalite.checkpoint.dcp.format import CheckpointError
 
@@ -63,6 +66,7 @@ class MegatronOptimizerState:
         self.grad_scaler = saved.get("grad_scaler")
         self.scheduler = checkpoint.state.get("opt_param_scheduler") or checkpoint.state.get("lr_scheduler")
         self.has_main = True
+        self._dp_reshardable = None
         if checkpoint.format == "torch":
             self._open_torch(saved)
         else:
@@ -78,6 +82,8 @@ class MegatronOptimizerState:
             def lookup(t, p, chunk, local):
                 return self._entries[(t, p)].get(chunk, {}).get(local, {}).get(key)
             return self.checkpoint.get(name, what, lookup=lookup)
+        if self._dp_reshardable is not None:
+            return self.checkpoint.get(name, what, lookup=lambda n: self._dp_reshardable.pieces(n, key))
         return self.checkpoint.get(name, what, prefix=self._prefixes[key])
 
     @property
@@ -158,11 +164,7 @@ class MegatronOptimizerState:
         if not isinstance(data, dict) or not data.get("buckets_coalesced"):
             refuse(path, "an older distributed-optimizer layout (not 'buckets_coalesced')")
         dp_cp, dp = _optimizer_dp_size(ns, files.tp, files.pp, path)
-        bucket_size = None  # Megatron's resolve_ddp_bucket_size
-        if _get(ns, "overlap_grad_reduce", False):
-            buckets = _get(ns, "ddp_num_buckets")
-            rank_numel = sum(math.prod(shape) for _, _, shape, _ in self._rank_params(t, p))
-            bucket_size = rank_numel // buckets if buckets else _get(ns, "ddp_bucket_size") or max(40_000_000, 1_000_000 * dp_cp)
+        bucket_size = _ddp_bucket_size(ns, dp_cp, sum(math.prod(shape) for _, _, shape, _ in self._rank_params(t, p)))
         entries, buffer_index = {}, 0
         for index, chunk in enumerate(files.chunk_keys):
             params = [(name, shape, dtype) for c, name, shape, dtype in self._rank_params(t, p) if c == chunk]
@@ -194,6 +196,29 @@ class MegatronOptimizerState:
         return entries
 
     # --- torch_dist: tensors by name -------------------------------------------------------------
+    def _open_dp_reshardable(self):
+        """Megatron's default torch_dist layout of the distributed optimizer: flat buckets per TP
+        x PP rank (dp_reshardable.py), read at PP = 1 without virtual stages."""
+        ckpt, ns = self.checkpoint, self.checkpoint.args
+        tp, pp = _get(ns, "tensor_model_parallel_size", 1), _get(ns, "pipeline_model_parallel_size", 1)
+        if pp > 1 or _get(ns, "virtual_pipeline_model_parallel_size"):
+            refuse(self.where, f"Megatron's 'dp_reshardable' optimizer layout is read for checkpoints written at PP=1 "
+                   f"without virtual stages (this one: --pipeline-model-parallel-size {pp}): which layers each "
+                   "pipeline rank's buckets hold is not recorded")
+        dp_cp, dp = _optimizer_dp_size(ns, tp, pp, self.where)
+        groups = ckpt.files.stored_object("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
+        if not isinstance(groups, dict) or not isinstance(groups.get("param_groups"), list):
+            refuse(ckpt.path, "no optimizer.distributed.dp_group_idx_0.optimizer (the param groups)")
+        self.param_groups = groups["param_groups"]
+        steps = {int(g["step"]) for g in self.param_groups if g.get("step") is not None}
+        if len(steps) != 1:
+            refuse(self.where, f"the distributed optimizer's param groups hold step counts {sorted(steps)}")
+        self.step = steps.pop()
+        rules = {candidate: tp_rule(ckpt.config, ckpt.sharding, name)
+                 for name in ckpt.names() for candidate in megatron_candidates(name)}
+        self._dp_reshardable = DpReshardableState(ckpt.files, ns, tp, dp, rules,
+                                                  lambda numel: _ddp_bucket_size(ns, dp_cp, numel), refuse)
+
     def _open_dist(self, saved: dict):
         sharding = saved.get("param_state_sharding_type")
         inner = saved.get("optimizer", saved)
@@ -209,9 +234,12 @@ class MegatronOptimizerState:
             if len(steps) != 1:
                 refuse(self.where, f"the distributed optimizer's param groups hold step counts {sorted(steps)}")
             self.step = steps.pop()
+        elif sharding == "dp_reshardable":
+            self._open_dp_reshardable()
+            return
         else:
-            refuse(self.where, f"the distributed optimizer's state is in Megatron's {sharding!r} layout, which follows "
-                   "the writing run's buckets and is not read (Megatron saves a layout-independent one with "
+            refuse(self.where, f"the distributed optimizer's state is in Megatron's {sharding!r} layout, which is "
+                   "not read (megalite reads 'dp_reshardable', Megatron's default, and 'fully_reshardable', "
                    "--dist-ckpt-optim-fully-reshardable)")
         self.has_main = main is not None
         self._prefixes = {k: f"optimizer.state.{k}." for k in self.keys}
@@ -221,6 +249,14 @@ class MegatronOptimizerState:
             if self.step > 0 or key == "param":
                 if not any(k.startswith(prefix) for k in stored):
                     refuse(self.checkpoint.path, f"no {prefix}* tensors (the optimizer's {key!r})")
+
+
+def _ddp_bucket_size(ns, dp_cp: int, rank_numel: int) -> int | None:
+    """Megatron's resolve_ddp_bucket_size: None (one bucket) without --overlap-grad-reduce."""
+    if not _get(ns, "overlap_grad_reduce", False):
+        return None
+    buckets = _get(ns, "ddp_num_buckets")
+    return rank_numel // buckets if buckets else _get(ns, "ddp_bucket_size") or max(40_000_000, 1_000_000 * dp_cp)
 
 
 def _optimizer_dp_size(ns, tp: int, pp: int, where) -> tuple[int, int]:

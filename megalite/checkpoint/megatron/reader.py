@@ -207,8 +207,12 @@ class _DistFiles:
         return all(i < n for i, n in zip(index, meta.size)) and (not index or any(
             all(o <= i < o + n for i, o, n in zip(index, c.offsets, c.sizes)) for c in meta.chunks))
 
-    def read(self, name: str, rule, prefix: str = "") -> torch.Tensor | None:
-        """The full tensor stored for Megatron's global `name` under `prefix` (the model's: none)."""
+    def read(self, name: str, rule, prefix: str = "", lookup=None) -> torch.Tensor | None:
+        """The full tensor stored for Megatron's global `name` under `prefix` (the model's: none),
+        or merged from the TP pieces `lookup(name)` returns (an optimizer state kept per rank)."""
+        if lookup is not None:
+            pieces = lookup(name)
+            return None if pieces is None else _merge_tp(pieces, rule)
         found = self._find(name, prefix)
         if found is None:
             return None
