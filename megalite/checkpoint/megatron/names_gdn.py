@@ -76,7 +76,8 @@ def gdn_fields_from_megatron_args(ns, where: str) -> dict:
     freq = _get(ns, "linear_attention_freq")
     if freq is None:
         raise ConversionError(f"{where}: the checkpoint's model uses experimental_attention_variant="
-                              f"{ns.experimental_attention_variant!r} without linear_attention_freq (Megatron refuses it)")
+                              f"{ns.experimental_attention_variant!r} without linear_attention_freq "
+                              "(Megatron refuses it)")
     defaults = GDNConfig()
     try:
         gdn = GDNConfig(linear_attention_freq=tuple(freq) if isinstance(freq, list) else int(freq),
