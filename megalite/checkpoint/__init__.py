@@ -27,6 +27,7 @@ what all formats share at the top.
     megatron.reader     Megatron-LM torch / torch_dist model weights  read
     megatron.names      Megatron-Core names in megalite's             read
     megatron.names_mla  ... of multi-latent attention and MTP         read
+    megatron.names_gdn  ... of Gated DeltaNet and gated attention      read
     megatron.args       a Megatron-LM checkpoint's args -> GPTConfig  read (by Megatron-LM version)
     megatron.optimizer  Megatron-LM optimizer state                   read
     megatron.buckets    Megatron's distributed-optimizer buckets      read

@@ -35,7 +35,8 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config, tp_group, device)
             self.mlp.linear_fc2.skip_bias_add = True
-        self.self_attention.linear_proj.skip_bias_add = True
+        if not self.is_linear:  # GatedDeltaNet's out_proj has no bias to hand over
+            self.self_attention.linear_proj.skip_bias_add = True
 
     def _dropout_add(self, out, residual):
         """residual + dropout(y + bias) of a module's output, (y, bias) or y."""

@@ -30,6 +30,7 @@ import pytest
 
 from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.publish import ConversionError
+from megalite.model.gdn_config import GDNConfig
 from megalite.model.mla_config import MLAConfig
 from megalite.model.moe_config import MoEConfig
 from tests.checkpoint.megatron_lm_args import HEAD_ARGUMENTS, HEAD_CONFIG_FIELDS, OTHER_ARGUMENTS, megatron_lm_args
@@ -41,6 +42,7 @@ V16, HEAD, V15, V7 = "0.16.1", "head", "0.15", "0.7"
 # (argument, value, Megatron-LM version, family, other arguments it needs, what megalite makes
 # of it: the GPTConfig fields it sets (or a function of the GPTConfig without it giving them),
 # REFUSED, or IGNORED by Megatron's own model).
+_GDN_ON = {"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 2}
 _MLA_ON = {"group_query_attention": False}  # MLA has no query groups (Megatron refuses the two together)
 CASES = [
     ("num_layers", 6, V16, LLAMA, {}, {"num_layers": 6}),
@@ -92,7 +94,7 @@ CASES = [
     ("activation_func_clamp_value", 7.0, V16, LLAMA, {}, REFUSED),
     ("softmax_type", "off-by-one", V16, LLAMA, {}, REFUSED),
     ("softmax_type", "learnable", V16, LLAMA, {}, REFUSED),
-    ("attention_output_gate", True, V16, LLAMA, {}, REFUSED),
+    ("attention_output_gate", True, V16, LLAMA, {}, {"attention_output_gate": True}),
     ("window_size", (64, 0), V16, LLAMA, {}, REFUSED),
     ("apply_residual_connection_post_layernorm", True, V16, GPT2, {}, REFUSED),
     ("untie_embeddings_and_output_weights", True, V16, GPT2, {}, {"untie_embeddings_and_output_weights": True}),
@@ -133,8 +135,18 @@ CASES = [
                                  ("moe_router_pre_softmax", "pre_softmax", True),
                                  ("moe_router_topk_scaling_factor", "topk_scaling_factor", 2.5))],
     ("heterogeneous_layers_config_path", "/models/nemotron.json", V16, LLAMA, {}, REFUSED),
-    ("experimental_attention_variant", "gated_delta_net", V16, LLAMA, {}, REFUSED),
-    ("linear_attention_freq", 4, V16, LLAMA, {}, REFUSED),
+    ("experimental_attention_variant", "gated_delta_net", V16, LLAMA, {}, REFUSED),  # no linear_attention_freq
+    ("experimental_attention_variant", "gated_delta_net", V16, LLAMA, {"linear_attention_freq": [1, 0, 1, 0]},
+     {"gdn": GDNConfig(linear_attention_freq=(1, 0, 1, 0))}),
+    ("experimental_attention_variant", "gdn", HEAD, LLAMA, {"linear_attention_freq": 2},
+     {"gdn": GDNConfig(linear_attention_freq=2)}),
+    ("experimental_attention_variant", "dsa", HEAD, LLAMA, {}, REFUSED),
+    ("linear_attention_freq", 4, V16, LLAMA, {}, IGNORED),  # only the experimental block spec reads it
+    *[(name, value, V16, LLAMA, _GDN_ON, lambda before, name=name, value=value: {
+        "gdn": dataclasses.replace(before.gdn, **{name: value})})
+      for name, value in (("linear_attention_freq", 4), ("linear_conv_kernel_dim", 2), ("linear_key_head_dim", 64),
+                          ("linear_value_head_dim", 32), ("linear_num_key_heads", 8),
+                          ("linear_num_value_heads", 64))],
     ("is_hybrid_model", True, V16, LLAMA, {}, REFUSED),
     ("hybrid_override_pattern", "M*M*", V16, LLAMA, {}, REFUSED),
     ("hybrid_layer_pattern", "M*M*", HEAD, LLAMA, {}, REFUSED),
@@ -205,7 +217,7 @@ NO_FORWARD_EFFECT = {
     _ONLY_WITH.format("num_experts"): "moe_* use_fused_weighted_squared_relu use_grouped_gemm_for_shared_expert",
     "where the MTP block runs (its own pipeline stage) and whether its heads pass gradients back: not "
     "what it computes": "mtp_standalone mtp_detach_heads mtp_grad_scale_func",
-    _ONLY_WITH.format("experimental_attention_variant"): "dsa_* linear_*",
+    _ONLY_WITH.format("experimental_attention_variant dsa"): "dsa_*",
     _ONLY_WITH.format("is_hybrid_model / hybrid_override_pattern"): """
         mamba_* gdp_* use_mamba_mem_eff_path hybrid_attention_ratio hybrid_mlp_ratio""",
     "MLA's inference cache of latents and its fused down projection (the same function)":

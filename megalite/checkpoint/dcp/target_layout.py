@@ -106,7 +106,9 @@ class TargetLayout:
 
 def _probe_config(config: GPTConfig) -> GPTConfig:
     """The same architecture at toy size: its parameters carry the same sharding attributes.
-    With experts: one MoE and one dense layer, every expert (names carry expert numbers)."""
+    With experts: one MoE and one dense layer, every expert (names carry expert numbers). With
+    Gated DeltaNet: one linear and one full-attention layer, the GDN shapes the model's (in_proj's
+    partition_stride is its blocks' full sizes)."""
     moe = config.moe
     if moe is not None:
         # one MoE and one dense layer, the last as the model's (an MTP depth's layer follows it)
@@ -114,7 +116,12 @@ def _probe_config(config: GPTConfig) -> GPTConfig:
         moe = dataclasses.replace(moe, layer_freq=[0, 1] if last_moe else [1, 0], ffn_hidden_size=8,
                                   num_groups=None, group_topk=None,
                                   shared_expert_intermediate_size=8 if moe.shared_expert_intermediate_size else None)
-    return config.replace(num_layers=2 if moe is not None else 1, moe=moe, hidden_size=8, num_attention_heads=2, num_query_groups=2, kv_channels=4,
+    gdn = config.gdn
+    if gdn is not None:  # one linear and one full-attention layer, at the model's GDN sizes (in_proj's blocks)
+        last_linear = gdn.is_linear_layer(config.num_layers - 1, config.num_layers)
+        gdn = dataclasses.replace(gdn, linear_attention_freq=(0, 1) if last_linear else (1, 0))
+    return config.replace(num_layers=2 if moe is not None or gdn is not None else 1, moe=moe, gdn=gdn, hidden_size=8,
+                          num_attention_heads=2, num_query_groups=2, kv_channels=4,
                           ffn_hidden_size=8, vocab_size=8, max_position_embeddings=4, make_vocab_size_divisible_by=1,
                           sequence_parallel=False, recompute_granularity=None, params_dtype="float32",
                           fused_kernels=False, use_flash_attn=False)

@@ -22,6 +22,7 @@ field by name; the GPT builder passes GPTModel its position options), which diff
 
 import argparse
 
+from megalite.checkpoint.megatron.names_gdn import gdn_fields_from_megatron_args, gdn_handled_fields
 from megalite.checkpoint.megatron.names_mla import handled_fields, mla_fields_from_megatron_args
 from megalite.checkpoint.megatron.names_moe import moe_fields_from_megatron_args
 from megalite.checkpoint.publish import ConversionError
@@ -31,10 +32,10 @@ from megalite.model.config import GPTConfig
 # used" (None, False and 0 always do).
 _REFUSED = {
     "use_legacy_models": False, "multi_latent_attention": False, "mtp_num_layers": None,
-    "heterogeneous_layers_config_path": None, "experimental_attention_variant": None, "linear_attention_freq": None,
+    "heterogeneous_layers_config_path": None, "experimental_attention_variant": None,
     "is_hybrid_model": False, "hybrid_override_pattern": None, "hybrid_layer_pattern": None, "spec": None,
     "yaml_cfg": None, "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False,
-    "attention_output_gate": False, "window_size": None, "no_rope_freq": None, "quick_geglu": False,
+    "window_size": None, "no_rope_freq": None, "quick_geglu": False,
     "softmax_type": "vanilla", "glu_linear_offset": 0.0, "activation_func_clamp_value": None, "use_mup": False,
     "enable_mhc_connections": False, "mtp_use_repeated_layer": False, "mtp_hsm": False,
     "mtp_hybrid_override_pattern": None,
@@ -117,7 +118,7 @@ def _activation(ns, add_bias_linear: bool, where) -> str:
 
 
 def _check_refused(ns, where) -> None:
-    handled = handled_fields(ns)
+    handled = handled_fields(ns) + gdn_handled_fields(ns)
     for field, unused in _REFUSED.items():
         value = getattr(ns, field, None)
         if value not in (None, False, unused) and field not in handled and field != "num_experts":
@@ -169,7 +170,8 @@ def config_from_megatron_args(ns: argparse.Namespace, vocab_size: int, where: st
         make_vocab_size_divisible_by=int(_get(ns, "make_vocab_size_divisible_by", 128)),
         init_method_std=float(_get(ns, "init_method_std", 0.02)),
         attention_dropout=float(_get(ns, "attention_dropout", 0.1)), hidden_dropout=float(_get(ns, "hidden_dropout", 0.1)),
-        params_dtype=dtype, **latent, **moe_fields_from_megatron_args(ns, where))
+        params_dtype=dtype, **latent, **moe_fields_from_megatron_args(ns, where),
+        **gdn_fields_from_megatron_args(ns, where))
 
 
 def _padded(vocab: int, ns) -> int:

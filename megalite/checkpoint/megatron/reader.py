@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.megatron.names import megatron_candidates, model_names, tp_rule
+from megalite.checkpoint.megatron.names_gdn import read_in_parts
 from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
 from megalite.checkpoint.megatron.safe_pickle import read_dist_metadata, safe_torch_load
 from megalite.checkpoint.publish import ConversionError
@@ -68,8 +69,11 @@ def _merge_tp(pieces: list[torch.Tensor], rule) -> torch.Tensor:
     if rule is None or len(pieces) == 1:
         return pieces[0]
     dim, blocks = rule
-    split = [p.chunk(blocks, dim=dim) for p in pieces]
-    return torch.cat([torch.cat([s[b] for s in split], dim=dim) for b in range(blocks)], dim=dim)
+    if isinstance(blocks, tuple):  # unequal blocks (GDN's in_proj, conv1d): their full sizes
+        split = [p.split([b // len(pieces) for b in blocks], dim=dim) for p in pieces]
+    else:
+        split = [p.chunk(blocks, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([s[b] for s in split], dim=dim) for b in range(len(split[0]))], dim=dim)
 
 
 class _TorchFiles:
@@ -347,10 +351,13 @@ class MegatronCheckpoint:
         it that `what` names in errors."""
         rule = tp_rule(self.config, self.sharding, name)
         for candidate in megatron_candidates(name):
-            tensor = self.files.read(candidate, rule, **source)
-            if tensor is not None:
+            stored = [(candidate, self.files.read(candidate, rule, **source))]
+            if stored[0][1] is None:
+                stored = read_in_parts(candidate, lambda part: self.files.read(part, rule, **source)) or stored
+            if all(tensor is not None for _, tensor in stored):
                 if not source:
-                    self.used.add(candidate)
+                    self.used.update(n for n, _ in stored)
+                tensor = torch.cat([t for _, t in stored]) if len(stored) > 1 else stored[0][1]
                 return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
         raise ConversionError(f"{self.path}: the Megatron checkpoint has no {what}{' or '.join(megatron_candidates(name))} "
                               f"(for megalite's {name})")
@@ -359,10 +366,14 @@ class MegatronCheckpoint:
         """(full shape, dtype) of megalite's `name` without reading its data; it counts as used."""
         rule = tp_rule(self.config, self.sharding, name)
         for candidate in megatron_candidates(name):
-            found = self.files.spec(candidate, rule)
-            if found is not None:
-                self.used.add(candidate)
-                shape, dtype = found
+            stored = [(candidate, self.files.spec(candidate, rule))]
+            if stored[0][1] is None:
+                stored = read_in_parts(candidate, lambda part: self.files.spec(part, rule)) or stored
+            if all(found is not None for _, found in stored):
+                self.used.update(n for n, _ in stored)
+                shape, dtype = stored[0][1]
+                if len(stored) > 1:
+                    shape[0] = sum(found[0][0] for _, found in stored)
                 if name in VOCAB_PARAMS:
                     shape[0] = self.config.vocab_size
                 return tuple(shape), dtype
