@@ -92,7 +92,12 @@ class ModelArgs:
         0.02, "Std of the normal initialisation (output projections: std / sqrt(2L)).")
     attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
     hidden_dropout: float = arg(0.1, "Dropout on embeddings and after attention and MLP.")
-    use_flash_attn: bool = arg(False, "Attention through the flash_attn package (CUDA).")
+    use_flash_attn: bool = arg(
+        False, "FlashAttention: the flash_attn package's kernels on a CUDA run with the package installed; "
+        "otherwise scaled_dot_product_attention serves it (its FLASH_ATTENTION kernel on CUDA, its own choice "
+        "on CPU) and one start-up line says so (megalite/config/flash_attn.py).")
+    flash_attn_served_by: str | None = arg(
+        None, "Set by validate_args: who serves --use-flash-attn (flash_attn, sdpa_cuda or sdpa_cpu).", cli=False)
     fused_kernels: bool | None = arg(
         None, "Triton kernels for norms, activations, rotary and cross-entropy (default: on "
         "with CUDA).", negative_flag="--no-fused-kernels", origin=MEGALITE)
