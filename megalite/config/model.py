@@ -122,8 +122,9 @@ class RecomputeArgs:
         None, "With full recompute: layers per group (uniform) or per stage (block); default all.")
     recompute_modules: list[str] | None = arg(
         None, "With selective recompute, what is recomputed (default core_attn): core_attn, mlp (dense MLPs), moe "
-        "(whole MoE layers), shared_experts, layernorm and moe_act (their outputs recomputed instead of kept); "
-        "Megatron's mla_up_proj and its gated-delta-net and hyper-connection modules are refused.")
+        "(whole MoE layers), shared_experts, layernorm, moe_act and mla_up_proj (multi-latent attention's up "
+        "projections and RoPE: their outputs q, k, v recomputed for the attention's backward instead of kept); "
+        "Megatron's gated-delta-net and hyper-connection modules are refused.")
 
 
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
