@@ -131,3 +131,34 @@ def test_global_aux_loss_flag():
                   "--moe-aux-loss-coeff 0.01", 1)
     moe = moe_config_from_args(args, 64)
     assert (moe.load_balancing_type, moe.aux_loss_coeff) == ("global_aux_loss", 0.01)
+
+
+def test_training_counts_each_step_afresh(monkeypatch):
+    """In the training loop (one CPU process, 2 micro-batches a step): after each step the counts
+    are those of that step's micro-batches alone, and the loss is logged under Megatron's name."""
+    from megalite.config.arguments import parse_args
+    from megalite.model.moe import moe_layers
+    from megalite.parallel.state import ParallelState
+    from megalite.training import setup_run
+    from megalite.training.loop import Trainer
+    from tests.training.launch import BASE, drop_flags
+
+    monkeypatch.setattr(setup_run, "init_distributed", lambda parallel: (ParallelState.single(), torch.device("cpu")))
+    extra = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "48", "--seq-length", "16",
+             "--global-batch-size", "4",
+             "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0", "--num-experts", "4",
+             "--moe-router-topk", "2",
+             "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"]
+    run = setup_run.build_run(parse_args(drop_flags(BASE, *extra) + extra))
+    trainer = Trainer(run)
+    iterator = setup_run.data_iterator(run, trainer.train_ds, 0)
+    routers = [layer.router for layer in moe_layers(run.models)]
+    tokens_per_step = 2 * 2 * 16 * 2  # micro-batches x micro-batch x sequence x top-k
+    for _ in range(2):
+        trainer.train_step(iterator)
+        for router in routers:
+            assert router.global_batches.item() == 2
+            assert router.global_tokens_per_expert.sum().item() == tokens_per_step
+    logged = pop_logged_losses(run.models)
+    assert set(logged) == {"global_load_balancing_loss"} and len(logged["global_load_balancing_loss"]) == 1
+    trainer.close()
