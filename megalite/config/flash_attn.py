@@ -50,7 +50,8 @@ def check_flash_attn_args(args, fail, *, installed: bool | None = None, cuda: bo
     """Decide who serves --use-flash-attn and refuse what that flash kernel cannot take on CUDA
     (fp32, an attention mask) before the first forward would."""
     args.flash_attn_served_by = flash_attn_served_by(args, installed=installed, cuda=cuda)
-    if not (uses_flash_attn_package(args) or args.flash_attn_served_by == "sdpa_cuda" and served_backend(args) == "flash"):
+    sdpa_flash = args.flash_attn_served_by == "sdpa_cuda" and served_backend(args) == "flash"
+    if not (uses_flash_attn_package(args) or sdpa_flash):
         return  # SDPA's own choice on CPU, or the --attention-backend given
     who = "flash_attn" if uses_flash_attn_package(args) else "scaled_dot_product_attention's flash kernel"
     if not (args.bf16 or args.fp16):

@@ -354,8 +354,8 @@ def _flash_decision(extra: str, *, installed: bool, cuda: bool, world_size: int 
 
     real_find_spec = importlib.util.find_spec
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a))
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if installed else None)
+                      if name == "flash_attn" else real_find_spec(name, *a))
         patch.setattr(torch.cuda, "is_available", lambda: cuda)
         args = parsed(extra, world_size)
     lines = [line for line in startup_notes(args, "cuda" if cuda else "cpu") if "--use-flash-attn" in line]
