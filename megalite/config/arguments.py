@@ -24,6 +24,7 @@ from megalite.config.context import ContextArgs, cp_a2a_size_of, cp_comm_type_of
 from megalite.config.dist_opt import DistOptArgs
 from megalite.config.dry_run import DryRunArgs
 from megalite.config.field import MEGALITE, arg, flag_of
+from megalite.config.flash_attn import uses_flash_attn_package
 from megalite.config.fp8 import Fp8Args
 from megalite.config.megatron.data import MegatronDataArgs
 from megalite.config.megatron.fim import MegatronFimArgs
@@ -310,7 +311,7 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         label_smoothing=args.label_smoothing,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fused_kernels=args.fused_kernels,
-        use_flash_attn=args.use_flash_attn,
+        use_flash_attn=uses_flash_attn_package(args),
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         **megatron_model_fields(args),
         **mup_model_fields(args, args.kv_channels or args.hidden_size // args.num_attention_heads),

@@ -8,6 +8,7 @@ flag (check_context_args).
 from dataclasses import dataclass
 
 from megalite.config.field import arg
+from megalite.config.flash_attn import uses_flash_attn_package
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -84,7 +85,7 @@ def check_context_args(args, fail) -> None:
     _check_hierarchical(args, fail)
     if cp == 1:
         return
-    if args.use_flash_attn and args.attention_dropout > 0:
+    if uses_flash_attn_package(args) and args.attention_dropout > 0:
         fail(f"--use-flash-attn with --context-parallel-size {cp} needs --attention-dropout 0 (flash_attn's "
              "dropout masks cannot be the ones megalite's context-parallel dropout draws per block)")
     split = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)

@@ -92,7 +92,12 @@ class ModelArgs:
         0.02, "Std of the normal initialisation (output projections: std / sqrt(2L)).")
     attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
     hidden_dropout: float = arg(0.1, "Dropout on embeddings and after attention and MLP.")
-    use_flash_attn: bool = arg(False, "Attention through the flash_attn package (CUDA).")
+    use_flash_attn: bool = arg(
+        False, "FlashAttention: the flash_attn package's kernels on a CUDA run with the package installed; "
+        "otherwise scaled_dot_product_attention serves it (its FLASH_ATTENTION kernel on CUDA, its own choice "
+        "on CPU) and one start-up line says so (megalite/config/flash_attn.py).")
+    flash_attn_served_by: str | None = arg(
+        None, "Set by validate_args: who serves --use-flash-attn (flash_attn, sdpa_cuda or sdpa_cpu).", cli=False)
     fused_kernels: bool | None = arg(
         None, "Triton kernels for norms, activations, rotary and cross-entropy (default: on "
         "with CUDA).", negative_flag="--no-fused-kernels", origin=MEGALITE)
@@ -117,8 +122,9 @@ class RecomputeArgs:
         None, "With full recompute: layers per group (uniform) or per stage (block); default all.")
     recompute_modules: list[str] | None = arg(
         None, "With selective recompute, what is recomputed (default core_attn): core_attn, mlp (dense MLPs), moe "
-        "(whole MoE layers), shared_experts, layernorm and moe_act (their outputs recomputed instead of kept); "
-        "Megatron's mla_up_proj and its gated-delta-net and hyper-connection modules are refused.")
+        "(whole MoE layers), shared_experts, layernorm, moe_act and mla_up_proj (multi-latent attention's up "
+        "projections and RoPE: their outputs q, k, v recomputed for the attention's backward instead of kept); "
+        "Megatron's gated-delta-net and hyper-connection modules are refused.")
 
 
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",

@@ -36,7 +36,7 @@ class MoEArgs:
     moe_router_load_balancing_type: str = arg(
         "aux_loss", "Load-balancing loss.",
         choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"),
-        unsupported=("global_aux_loss", "quantile_balancing"))
+        unsupported=("quantile_balancing",))
     moe_aux_loss_coeff: float = arg(0.0, "Coefficient of the load-balancing loss.")
     moe_z_loss_coeff: float | None = arg(None, "Coefficient of the router z-loss.")
     moe_router_enable_expert_bias: bool = arg(

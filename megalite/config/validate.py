@@ -5,10 +5,6 @@ unset values are filled (documented on each field) and derived values are added.
 
 from dataclasses import fields
 
-import importlib.util
-
-import torch
-
 from megalite.parallel.pipeline.schedules import default_schedule, validate_schedule
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, virtual_stages_per_rank
 from megalite.parallel.state import ParallelLayout
@@ -16,6 +12,7 @@ from megalite.config.context import check_context_args
 from megalite.config.dist_opt import check_dist_opt_args
 from megalite.config.dry_run import check_dry_run_args
 from megalite.config.field import flag_of
+from megalite.config.flash_attn import check_flash_attn_args
 from megalite.config.fp8 import check_fp8_args
 from megalite.config.megatron.checkpoint import check_megatron_checkpoint_args
 from megalite.config.megatron.data import apply_megatron_data_args
@@ -159,24 +156,6 @@ def _check_model(args):
         _fail("--bf16 and --fp16 contradict each other (give one)")
     if args.loss_scale is not None and not args.fp16:
         _fail(f"--loss-scale {args.loss_scale} applies only to --fp16")
-    if args.use_flash_attn:
-        _check_flash_attn(args)
-
-
-def _check_flash_attn(args):
-    """flash_attn computes only in 16 bits on CUDA and takes no attention mask; without these
-    checks the model would fail at its first forward pass or quietly use SDPA instead."""
-    if importlib.util.find_spec("flash_attn") is None:
-        _fail("--use-flash-attn needs the flash_attn package, which is not installed "
-              "(pip install flash-attn)")
-    if not (args.bf16 or args.fp16):
-        _fail("--use-flash-attn needs --bf16 or --fp16 (flash_attn has no fp32 kernels)")
-    if args.distributed_backend == "gloo" or not torch.cuda.is_available():
-        where = "--distributed-backend gloo" if args.distributed_backend == "gloo" else "no CUDA device"
-        _fail(f"--use-flash-attn runs only on CUDA GPUs (this run is on CPU: {where})")
-    if args.reset_attention_mask:
-        _fail("--use-flash-attn and --reset-attention-mask contradict each other (flash_attn takes "
-              "no attention mask)")
 
 
 def _check_recompute(args, layers_per_chunk: int):
@@ -352,6 +331,7 @@ def validate_args(args, world_size: int):
     virtual_pipeline_model_parallel_size, num_micro_batches and total_train_iters. Calling it
     again on its own result is allowed. Returns `args`."""
     _check_unsupported(args)
+    check_flash_attn_args(args, _fail)
     check_context_args(args, _fail)
     check_moe_args(args, _fail, world_size)
     check_megatron_model_args(args, _fail)

@@ -12,7 +12,7 @@ from megalite.parallel.state import ParallelLayout
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 UNFUSABLE_OPS = ("bias_gelu", "swiglu", "rotary", "cross_entropy", "bias_dropout_add")
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """The --recompute-modules megalite's layers recompute (Megatron's names)."""
 
 @dataclass

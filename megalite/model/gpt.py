@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite.model.config import GPTConfig
 from megalite.model.mla_config import mla_cos_sin
+from megalite.model.moe_router import TopKRouter
 from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.recompute import checkpointed, prepare_for_compile
@@ -118,6 +119,8 @@ class GPTModel(nn.Module):
                                      for n in layer_numbers})
         self.mtp = (MultiTokenPrediction(config, self.tp_group, rng_tracker, device, pstate.expert, pstate.cp_group)
                     if has_mtp else None)
+        for router in (m for m in self.modules() if isinstance(m, TopKRouter)):
+            router.dp_cp_group = pstate.dp_cp_group  # global_aux_loss counts the tokens of all of them
         self.final_layernorm = build_norm(config, device=device) if self.post_process else None
         self.output_layer = None
         if self.post_process:

@@ -24,7 +24,7 @@ from torch import nn
 from megalite import kernels
 from megalite.model.attention import SelfAttention
 from megalite.model.norms import build_norm
-from megalite.model.recompute import checkpointed
+from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel import comm
 from megalite.parallel.sharding import mark_sequence_parallel
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -93,46 +93,61 @@ class MLASelfAttention(nn.Module):
         return kernels.apply_rotary(deinterleave(t, cos.shape[-1]), cos, sin,
                                     impl=self.config.kernel_impl_for("rotary"))
 
-    def _queries(self, x):
-        if self.linear_q_proj is not None:
-            return self.linear_q_proj(x)
-        latent = self.linear_q_down_proj(x)
-        if self.q_layernorm is not None:
-            latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)
-
-    def query_key_value(self, x, rotary):
-        """q, k [s, b, n/tp, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, n/tp, v_head_dim]."""
+    def _latents(self, x):
+        """The down projections and latent norms: the queries' up-projection input (x itself
+        without --q-lora-rank), the kv latent, and the rotary key of every position [s, b, 1, d]."""
         mla = self.mla
-        q = self._queries(x)
-        s, b = q.shape[:2]
-        q = q.view(s, b, self.heads, mla.q_head_dim)
+        q_in = x
+        if self.linear_q_proj is None:
+            q_in = self.linear_q_down_proj(x)
+            if self.q_layernorm is not None:
+                q_in = self.q_layernorm(q_in)
         latent, k_rope = self.linear_kv_down_proj(x).split([mla.kv_lora_rank, mla.qk_pos_emb_head_dim], dim=-1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
-        kv = self.linear_kv_up_proj(latent).view(s, b, self.heads, mla.qk_head_dim + mla.v_head_dim)
-        k_nope, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)
         # one rotary key for every head: each rank's heads give a partial gradient
         if self.config.sequence_parallel:
             k_rope = comm.gather_from_sequence_parallel_region(k_rope, self.tp_group)
         else:
             k_rope = comm.copy_to_tensor_parallel_region(k_rope, self.tp_group)
-        k_rope = k_rope.unsqueeze(2)
-        if rotary is not None:
-            q = torch.cat((q[..., :mla.qk_head_dim], self._rotate(q[..., mla.qk_head_dim:], *rotary)), dim=-1)
-            k_rope = self._rotate(k_rope, *rotary)
+        return q_in, latent, k_rope.unsqueeze(2)
+
+    def _up_proj_and_rope(self, q_in, latent, k_rope, cos=None, sin=None):
+        """q, k [s, b, n/tp, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, n/tp, v_head_dim]
+        from _latents' results: the up projections and RoPE (Megatron's qkv_up_proj_and_rope_apply,
+        what --recompute-modules mla_up_proj recomputes)."""
+        mla = self.mla
+        q = (self.linear_q_proj if self.linear_q_proj is not None else self.linear_q_up_proj)(q_in)
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, mla.q_head_dim)
+        kv = self.linear_kv_up_proj(latent).view(s, b, self.heads, mla.qk_head_dim + mla.v_head_dim)
+        k_nope, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)
+        if cos is not None:
+            q = torch.cat((q[..., :mla.qk_head_dim], self._rotate(q[..., mla.qk_head_dim:], cos, sin)), dim=-1)
+            k_rope = self._rotate(k_rope, cos, sin)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.heads, -1)), dim=-1)
         return q, k, v.contiguous()
 
+    def query_key_value(self, x, rotary):
+        """q, k [s, b, n/tp, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, n/tp, v_head_dim]."""
+        return self._up_proj_and_rope(*self._latents(x), *(rotary or ()))
+
+    def _attention(self, q, k, v, attention_mask):
+        if self.config.recomputes("core_attn"):
+            forks = self.training and self.config.attention_dropout > 0
+            return checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
+        return self.core_attention(q, k, v, attention_mask)
+
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
         """As SelfAttention.forward; `rotary` is the MLA rotary part's (mla_config.mla_cos_sin)."""
+        if self.config.recomputes("mla_up_proj") and self.training and torch.is_grad_enabled():
+            # q, k and v are not kept for the attention's backward but rebuilt from the latents
+            up = RecomputedOutput(self._up_proj_and_rope, *self._latents(x), *(rotary or ()))
+            with up.consumers() as (q, k, v):
+                context = self._attention(q, k, v, attention_mask)
+            return self.linear_proj(context)
         q, k, v = self.query_key_value(x, rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             return self.linear_proj(self.core_attention(q, k, v, kv_cache.attention_mask(q.shape[0], q.device)))
-        if self.config.recomputes("core_attn"):
-            forks = self.training and self.config.attention_dropout > 0
-            context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.linear_proj(self._attention(q, k, v, attention_mask))

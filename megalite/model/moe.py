@@ -197,6 +197,16 @@ def update_expert_bias(chunks, dp_cp_group) -> None:
         counts.zero_()
 
 
+@torch.no_grad()
+def reset_global_aux_loss_counts(chunks) -> None:
+    """Before each step's forward-backward: global_aux_loss counts the global batch afresh (Megatron-Core
+    zeroes its counts as it finalizes each step's gradients, reset_model_temporary_tensors)."""
+    for layer in moe_layers(chunks):
+        if layer.moe.load_balancing_type == "global_aux_loss":
+            layer.router.global_tokens_per_expert.zero_()
+            layer.router.global_batches.zero_()
+
+
 def pop_logged_losses(chunks) -> dict[str, dict[int, float]]:
     """{loss name: {layer number: mean since the last call}} of this rank's MoE layers."""
     out = {}
@@ -210,7 +220,7 @@ def pop_logged_losses(chunks) -> dict[str, dict[int, float]]:
     return out
 
 
-LOGGED_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+LOGGED_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 
 
 def reduce_logged_losses(chunks, num_layers: int, group) -> dict[str, float]:

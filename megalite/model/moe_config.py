@@ -4,7 +4,7 @@ import ast
 from dataclasses import asdict, dataclass
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 
@@ -69,8 +69,9 @@ class MoEConfig:
     group_topk: int | None = None
     """Groups each token may use (--moe-router-group-topk)."""
     load_balancing_type: str = "aux_loss"
-    """'aux_loss' (per micro-batch), 'seq_aux_loss' (per sequence), 'sinkhorn' (S-BASE's
-    balanced top-k choice, no loss) or 'none'."""
+    """'aux_loss' (per micro-batch), 'seq_aux_loss' (per sequence), 'global_aux_loss' (the token
+    counts of the global batch: every DP x CP rank's micro-batches so far in the step), 'sinkhorn'
+    (S-BASE's balanced top-k choice, no loss) or 'none'."""
     aux_loss_coeff: float = 0.0
     """--moe-aux-loss-coeff."""
     z_loss_coeff: float | None = None

@@ -168,11 +168,17 @@ class TopKRouter(nn.Module):
     Under context parallelism each CP rank routes its part of every sequence; the balancing
     losses count tokens over the whole CP group, as Megatron's do over its sequence partition
     group, so that the CP ranks' losses sum to the unsplit sequence's (the z-loss, a mean,
-    takes 1/CP of its coefficient on each). Gradients are summed over CP (megalite.parallel.data)."""
+    takes 1/CP of its coefficient on each). Gradients are summed over CP (megalite.parallel.data).
 
-    def __init__(self, hidden_size: int, moe, init_std: float, dtype=torch.float32, device=None, cp_group=None):
+    global_aux_loss (Megatron-Core's _apply_global_aux_loss) counts over `dp_cp_group`, every rank
+    routing other tokens (TP ranks route the same rows here; GPTModel sets it), and over the
+    step's micro-batches so far: the buffers global_tokens_per_expert and global_batches, which
+    moe.reset_global_aux_loss_counts zeroes before each step's forward-backward."""
+
+    def __init__(self, hidden_size: int, moe, init_std: float, dtype=torch.float32, device=None, cp_group=None,
+                 dp_cp_group=None):
         super().__init__()
-        self.moe, self.init_std, self.cp_group = moe, init_std, cp_group
+        self.moe, self.init_std, self.cp_group, self.dp_cp_group = moe, init_std, cp_group, dp_cp_group
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype, device=device))
         if moe.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
@@ -180,6 +186,11 @@ class TopKRouter(nn.Module):
                                                                   device=device), persistent=False)
         else:
             self.expert_bias = None
+        if moe.load_balancing_type == "global_aux_loss":
+            self.register_buffer("global_tokens_per_expert", torch.zeros(moe.num_experts, dtype=torch.float32,
+                                                                         device=device), persistent=False)
+            self.register_buffer("global_batches", torch.zeros((), dtype=torch.float32, device=device),
+                                 persistent=False)
         self.loss_backward_scale = 1.0
         self.per_token_loss = False
         """Weight each auxiliary loss by the micro-batch's routed tokens (see set_loss_backward_scale)."""
@@ -213,6 +224,12 @@ class TopKRouter(nn.Module):
             counts = comm.all_reduce(top_map.sum(0).to(scores.dtype), self.cp_group)
             return "load_balancing_loss", switch_aux_loss(scores, counts, logits.shape[0] * cp, moe.router_topk,
                                                           moe.aux_loss_coeff)
+        if moe.load_balancing_type == "global_aux_loss":
+            self.global_tokens_per_expert += comm.all_reduce(top_map.sum(0).float(), self.dp_cp_group)
+            self.global_batches += 1
+            total = logits.shape[0] * comm.group_size(self.dp_cp_group)  # one micro-batch's, as Megatron's
+            return "global_load_balancing_loss", switch_aux_loss(
+                scores, self.global_tokens_per_expert / self.global_batches, total, moe.router_topk, moe.aux_loss_coeff)
         per_seq = top_map.view(seq_length, batch, -1)
         counts = comm.all_reduce(per_seq.sum(0).to(scores.dtype), self.cp_group)
         return "seq_load_balancing_loss", seq_aux_loss(scores.view(seq_length, batch, -1), counts,
@@ -237,9 +254,12 @@ class TopKRouter(nn.Module):
             probs, routing_map = topk_routing(logits, moe, self.expert_bias)
         if moe.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, moe)
-        if training and moe.load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.aux_loss_coeff:
+        if training and moe.load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss") \
+                and moe.aux_loss_coeff:
             name, loss = self._balancing_loss(logits, seq_length, batch)
-            self._log(name, loss * cp / moe.aux_loss_coeff)
+            # logged x the ranks whose parts sum to the loss: their mean is the whole loss (Megatron's sum)
+            parts = comm.group_size(self.dp_cp_group) if name == "global_load_balancing_loss" else cp
+            self._log(name, loss * parts / moe.aux_loss_coeff)
             probs = AttachLoss.apply(probs, loss, scale)
         if training and self.expert_bias is not None:
             self.tokens_per_expert += routing_map.sum(0)

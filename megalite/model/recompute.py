@@ -56,36 +56,38 @@ def checkpointed(fn, tracker, *args):
 
 
 class RecomputedOutput:
-    """fn(*inputs), whose result the modules after it do not keep for backward: while
-    `consumers()` is open, a tensor they save that is the result (or a view of it) is stored
-    as its shape and offsets, and rebuilt by running fn again on the same inputs when backward
-    needs it (Megatron's output-discarding checkpoint of --recompute-modules layernorm and
-    moe_act). fn must be deterministic (no dropout); its own backward keeps what it saved."""
+    """fn(*inputs) (a tensor or a tuple of tensors), whose result the modules after it do not
+    keep for backward: while `consumers()` is open, a tensor they save that is a result (or a
+    view of one) is stored as its shape and offsets, and rebuilt by running fn again on the same
+    inputs when backward needs it (Megatron's output-discarding checkpoint of --recompute-modules
+    layernorm, moe_act and mla_up_proj). fn must be deterministic (no dropout); its own backward
+    keeps what it saved."""
 
     def __init__(self, fn, *inputs):
         self.fn, self.inputs = fn, inputs
         self.output = fn(*inputs)
-        out = self.output
+        outputs = self.output if isinstance(self.output, tuple) else (self.output,)
         # A fresh contiguous result can be rebuilt with the same layout; anything else is kept.
-        self._discardable = out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0
-        self._storage = out.untyped_storage().data_ptr()
+        self._discardable = {out.untyped_storage().data_ptr(): (i, out.dtype) for i, out in enumerate(outputs)
+                             if out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0}
         self._rebuilt = None
 
     def _pack(self, saved):
-        if self._discardable and saved.untyped_storage().data_ptr() == self._storage \
-                and saved.dtype == self.output.dtype:
-            return (self, saved.size(), saved.stride(), saved.storage_offset())
+        index, dtype = self._discardable.get(saved.untyped_storage().data_ptr(), (None, None))
+        if index is not None and saved.dtype == dtype:
+            return (self, index, saved.size(), saved.stride(), saved.storage_offset())
         return saved
 
     @staticmethod
     def _unpack(packed):
         if not isinstance(packed, tuple):
             return packed
-        self, size, stride, offset = packed
+        self, index, size, stride, offset = packed
         if self._rebuilt is None:
             with torch.no_grad():
-                self._rebuilt = self.fn(*(x.detach() for x in self.inputs))
-        return self._rebuilt.as_strided(size, stride, offset)
+                rebuilt = self.fn(*(x.detach() if isinstance(x, torch.Tensor) else x for x in self.inputs))
+            self._rebuilt = rebuilt if isinstance(rebuilt, tuple) else (rebuilt,)
+        return self._rebuilt[index].as_strided(size, stride, offset)
 
     @contextlib.contextmanager
     def consumers(self):

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.model.moe import set_loss_backward_scale, update_expert_bias
+from megalite.model.moe import reset_global_aux_loss_counts, set_loss_backward_scale, update_expert_bias
 from megalite.model.mtp import auxiliary_losses
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.checkpoint.dcp.checkpoint import save_checkpoint
@@ -232,6 +232,7 @@ class Trainer:
         executor.loss_scale = run.optimizer.loss_scale
         set_loss_backward_scale(run.models, run.optimizer.loss_scale / executor.num_microbatches,
                                 run.per_token is not None)
+        reset_global_aux_loss_counts(run.models)
         started = time.perf_counter()
         with self.timers("forward-backward"):
             loss, factor = self.step_loss(executor, microbatches)

@@ -343,28 +343,80 @@ def test_uneven_pipeline_stages_with_virtual_stages():
         "--decoder-first-pipeline-num-layers 2 --global-batch-size 4", 2)
 
 
-def test_use_flash_attn_is_checked_before_the_first_forward(monkeypatch):
+def _flash_decision(extra: str, *, installed: bool, cuda: bool, world_size: int = 1):
+    """validate_args on a machine with or without the flash_attn package and a CUDA device: (args,
+    its --use-flash-attn start-up lines, GPTConfig)."""
     import importlib.util
 
     import torch
 
-    assert importlib.util.find_spec("flash_attn") is None, "this test expects flash_attn to be absent here"
-    assert refused("--use-flash-attn --bf16") == (
-        "--use-flash-attn needs the flash_attn package, which is not installed (pip install flash-attn)")
+    from megalite.config.run_config import startup_notes
+
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert refused("--use-flash-attn") == "--use-flash-attn needs --bf16 or --fp16 (flash_attn has no fp32 kernels)"
-    assert refused("--use-flash-attn --bf16") == \
-        "--use-flash-attn runs only on CUDA GPUs (this run is on CPU: no CUDA device)"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert "--distributed-backend gloo" in refused("--use-flash-attn --fp16 --distributed-backend gloo")
-    assert "--reset-attention-mask" in refused("--use-flash-attn --bf16 --reset-attention-mask")
-    assert parsed("--use-flash-attn --bf16", world_size=1).use_flash_attn
-    # context parallelism: flash_attn blocks take no dropout (megalite.parallel.context.flash_blocks)
-    assert "--attention-dropout 0" in refused("--use-flash-attn --bf16 --context-parallel-size 2", 2)
-    assert parsed("--use-flash-attn --bf16 --context-parallel-size 2 --attention-dropout 0", world_size=2).use_flash_attn
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if installed else None)
+                      if name == "flash_attn" else real_find_spec(name, *a))
+        patch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = parsed(extra, world_size)
+    lines = [line for line in startup_notes(args, "cuda" if cuda else "cpu") if "--use-flash-attn" in line]
+    return args, lines, model_config_from_args(args, 128)
+
+
+def test_use_flash_attn_package_on_cuda_else_sdpa_with_one_line():
+    """--use-flash-attn: flash_attn's kernels where installed on CUDA (no line); else SDPA serves it
+    (its flash kernel on CUDA, as --attention-backend flash; its own choice on CPU, as auto) and one
+    start-up line says so and what to install. Flash kernels on CUDA refuse fp32 and masks up front."""
+    args, lines, config = _flash_decision("--use-flash-attn --bf16", installed=True, cuda=True)
+    assert (args.flash_attn_served_by, lines, config.use_flash_attn) == ("flash_attn", [], True)
+    args, lines, config = _flash_decision("--use-flash-attn --bf16", installed=False, cuda=True)
+    assert args.flash_attn_served_by == "sdpa_cuda" and not config.use_flash_attn
+    assert config == _flash_decision("--attention-backend flash --bf16", installed=False, cuda=True)[2]
+    assert lines == ["--use-flash-attn: the flash_attn package is not installed, so scaled_dot_product_attention's "
+                     "FLASH_ATTENTION kernel serves attention (the same FlashAttention-2 algorithm, as "
+                     "--attention-backend flash); flash_attn's own kernels need a CUDA run with the package "
+                     "installed (pip install flash-attn)"]
+    for installed in (True, False):
+        args, lines, config = _flash_decision("--use-flash-attn --bf16", installed=installed, cuda=False)
+        assert args.flash_attn_served_by == "sdpa_cpu" and not config.use_flash_attn
+        assert config == _flash_decision("--bf16", installed=installed, cuda=False)[2]
+        assert len(lines) == 1 and lines[0].startswith("--use-flash-attn: this run is on CPU (no CUDA device)"), lines
+        assert "own choice on CPU" in lines[0] and "pip install flash-attn" in lines[0]
+    args, lines, _ = _flash_decision("--use-flash-attn --distributed-backend gloo", installed=True, cuda=True)
+    assert args.flash_attn_served_by == "sdpa_cpu" and "(--distributed-backend gloo)" in lines[0]
+    # an explicit --attention-backend decides where SDPA serves (as in Megatron)
+    _, lines, config = _flash_decision("--use-flash-attn --attention-backend unfused", installed=False, cuda=True)
+    assert config.attention_backend == "unfused" and "--attention-backend unfused serves attention" in lines[0]
+    for installed in (True, False):
+        with pytest.raises(ValueError, match=r"^--use-flash-attn needs --bf16 or --fp16 on CUDA"):
+            _flash_decision("--use-flash-attn", installed=installed, cuda=True)
+        with pytest.raises(ValueError, match=r"^--use-flash-attn and --reset-attention-mask contradict"):
+            _flash_decision("--use-flash-attn --bf16 --reset-attention-mask", installed=installed, cuda=True)
+    # context parallelism: flash_attn's blocks take no dropout (megalite.parallel.context.flash_blocks); SDPA's do
+    with pytest.raises(ValueError, match="--attention-dropout 0"):
+        _flash_decision("--use-flash-attn --bf16 --context-parallel-size 2", installed=True, cuda=True, world_size=2)
+    assert _flash_decision("--use-flash-attn --bf16 --context-parallel-size 2", installed=False, cuda=True,
+                           world_size=2)[2].attention_backend == "flash"
+
+
+def test_use_flash_attn_on_cpu_computes_as_attention_backend_auto():
+    """The CPU model of a --use-flash-attn run (no flash_attn here) trains as the one without it."""
+    import importlib.util
+
+    import torch
+
+    from megalite.model.gpt import GPTModel, masked_mean_loss
+
+    assert importlib.util.find_spec("flash_attn") is None, "this test expects flash_attn to be absent here"
+    losses = []
+    for extra in ("--use-flash-attn --attention-dropout 0 --hidden-dropout 0 --num-layers 2",
+                  "--attention-dropout 0 --hidden-dropout 0 --num-layers 2"):
+        model = GPTModel(model_config_from_args(parsed(extra, 1), 128), init_seed=3)
+        tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+        loss = masked_mean_loss(model(tokens, labels=tokens.roll(-1, 1)), torch.ones(2, 32))
+        loss.backward()
+        losses.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert torch.equal(losses[0][0], losses[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1]))
 
 
 def test_save_interval_without_save_saves_nothing_with_one_line():

@@ -64,30 +64,28 @@ def test_accepted_count(counted):
         assert case in counted["accepted"], (case, counted["refused"].get(case))
 
 
-MOE_ACCEPTED = 45  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32)
+MOE_ACCEPTED = 54  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32, 45 before
+# --use-flash-attn without flash_attn, global_aux_loss and --recompute-modules mla_up_proj)
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
-MLA_UP_PROJ = (r"^--recompute-modules mla_up_proj: not implemented in megalite",
-               "selective recompute of MLA's up projections is not in megalite (past their --pipeline-model-parallel-layout)")
-GLOBAL_AUX_LOSS = (r"^--moe-router-load-balancing-type global_aux_loss is not implemented",
-                   "global_aux_loss is not in megalite (the config's --fp8-format hybrid would stop it next)")
-FLASH = (r"^--use-flash-attn (needs the flash_attn package|runs only on CUDA GPUs)",
-         "flash_attn runs on CUDA GPUs only: the release configs ask for it, this machine has none")
+OFFLOADING = (r"^--fine-grained-activation-offloading: not implemented in megalite",
+              "moving saved activations to CPU memory and back is not in megalite (past their mla_up_proj recompute)")
+BLOCKWISE_FP8 = (r"^--fp8-recipe blockwise: blockwise scaling .* needs a block-scaled FP8 GEMM",
+                 "blockwise FP8 needs a block-scaled FP8 GEMM (Transformer Engine's; past their global_aux_loss)")
 MOE_REFUSED = {
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
         r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
         "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local)"),
-    # these 8 stopped on --pipeline-model-parallel-layout before it was accepted
-    **dict.fromkeys(["gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",
-                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
-                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], MLA_UP_PROJ),
+    **dict.fromkeys(["gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
+                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], OFFLOADING),
     **dict.fromkeys(["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
-                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], GLOBAL_AUX_LOSS),
-    **dict.fromkeys(["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
-                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
-                     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release_sm",
-                     "mixtral_8x22b_tp2pp8ep8vpp1_release", "mixtral_8x7b_alltoall_tp2pp4ep4_release",
-                     "mixtral_8x7b_alltoall_tp2pp4ep4_release_sm", "mixtral_8x7b_tp1pp4ep8vpp8_release"], FLASH),
+                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], BLOCKWISE_FP8),
 }
+FLASH_ATTN_CASES = (  # --use-flash-attn, served by scaled_dot_product_attention without flash_attn or CUDA
+    "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
+    "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
+    "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release_sm", "mixtral_8x22b_tp2pp8ep8vpp1_release",
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release", "mixtral_8x7b_alltoall_tp2pp4ep4_release_sm",
+    "mixtral_8x7b_tp1pp4ep8vpp8_release")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +107,9 @@ def test_moe_configs_accepted_and_refused(counted_moe):
                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed",  # --moe-permute-fusion, --logging-level
                  "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser",  # --use-transformer-engine-op-fuser
                  "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon",  # Muon with experts
-                 "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap"):  # --save-interval without --save
+                 "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap",  # --save-interval without --save
+                 "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",  # mla_up_proj
+                 *FLASH_ATTN_CASES):
         assert case in counted_moe["accepted"], (case, counted_moe["refused"].get(case))
 
 

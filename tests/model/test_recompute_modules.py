@@ -112,6 +112,49 @@ def test_expert_activation_is_not_kept(monkeypatch, grouped):
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def mla_model_config(modules):
+    from tests.parallel.mla_harness import mla_config
+
+    return mla_config(mtp_num_layers=None, recompute_granularity="selective" if modules is not None else None,
+                      recompute_modules=modules or ())
+
+
+def up_proj_outputs(monkeypatch):
+    """A watch on q, k and v as MLA's up projections and RoPE return them (the forward's only)."""
+    from megalite.model.mla import MLASelfAttention
+
+    real = MLASelfAttention._up_proj_and_rope
+
+    def watch(model, seen):
+        def recording(self, *inputs):
+            out = real(self, *inputs)
+            if torch.is_grad_enabled():  # not the backward's rebuild
+                seen.extend(StorageWeakRef(t.untyped_storage()) for t in out)
+            return out
+        monkeypatch.setattr(MLASelfAttention, "_up_proj_and_rope", recording)
+        return []
+    return watch
+
+
+@pytest.mark.parametrize("modules", [("mla_up_proj",), ("mla_up_proj", "core_attn", "layernorm")])
+def test_mla_up_proj_recompute_is_bit_identical_and_drops_the_keys_and_values(monkeypatch, modules):
+    """--recompute-modules mla_up_proj (Megatron's qkv_up_proj_and_rope_apply in a checkpoint that
+    discards its output): losses and gradients bit for bit those of keeping q, k and v; alone, the
+    values the attention saves are not kept after the forward."""
+    watch = up_proj_outputs(monkeypatch)
+    want_loss, want, kept = loss_and_grads(mla_model_config(None), watch)
+    got_loss, got, freed = loss_and_grads(mla_model_config(modules), watch)
+    assert torch.equal(got_loss, want_loss)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    # [q, k, v] of each layer: the math kernel that serves MLA's unequal head widths on CPU saves
+    # its own scaled copies of q and k, and v as it is
+    assert kept == [True, True, False] * 4, kept
+    if modules == ("mla_up_proj",):
+        assert freed == [True] * 12, freed
+
+
 def test_dry_run_formula_is_not_given_for_other_modules():
     """The dry run's Korthikanti activation formula models selective recompute of core attention
     alone: with other --recompute-modules it gives none rather than a wrong number."""

@@ -2,7 +2,8 @@
 layout against the single-process run (fp32, gloo, spawned ranks; tests/parallel/mla_harness.py's
 tiny DeepSeek-V3-shaped model, 6 Adam steps): per-step losses, the logged MTP and auxiliary
 losses, the first step's gradients, the final parameters and expert biases, and eval logits
-within 1e-5 relative. Two-process layouts: TP2 with sequence parallelism, PP2 (MTP and a copy
+within 1e-5 relative. Two-process layouts: TP2 with sequence parallelism (and selective
+recompute of MLA's up projections), PP2 (MTP and a copy
 of the embedding on the last stage; also tied to the output layer, with a learned position table
 the copy repeats), PP2 interleaved (two chunks per rank), CP2 with each
 --cp-comm-type that supports unequal query and value head widths, EP2 (over DP2, also with the
@@ -16,7 +17,9 @@ from tests.distributed import run_distributed
 from tests.parallel.mla_harness import check, layout_state, mla_config, reference, train
 
 TWO = {
-    "tp2-sp": dict(tp=2, sp=True),
+    # with --recompute-modules mla_up_proj: q, k, v rebuilt in backward (the SP gather of the up
+    # projections' input again)
+    "tp2-sp": dict(tp=2, sp=True, model=dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",))),
     "pp2": dict(pp=2),
     "pp2-interleaved": dict(pp=2, vp=2),
     "cp2-p2p": dict(cp=2, cp_comm_type="p2p"),

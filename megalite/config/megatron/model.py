@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from megalite.model.attention_backends import how_served
 from megalite.model.config import ATTENTION_BACKENDS
 from megalite.config.field import arg
+from megalite.config.flash_attn import flash_attn_note, served_backend
 
 @dataclass
 class MegatronModelArgs:
@@ -163,7 +164,7 @@ def megatron_model_fields(args) -> dict:
         rotary_seq_len_interpolation_factor=(None if args.rotary_seq_len_interpolation_factor is None
                                              else float(args.rotary_seq_len_interpolation_factor)),
         use_rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
-        attention_backend=args.attention_backend, unfused_kernels=unfused_kernels(args))
+        attention_backend=served_backend(args), unfused_kernels=unfused_kernels(args))
 
 
 def tokenizer_options(args) -> dict:
@@ -197,6 +198,7 @@ def start_up_notes(args, device_type: str) -> list[str]:
     backend = how_served(args.attention_backend, device_type)
     if backend:
         notes.append(backend)
+    notes += flash_attn_note(args)
     explained = (
         ("no_masked_softmax_fusion", "--no-masked-softmax-fusion: megalite has no masked-softmax kernel (the "
          "softmax is inside scaled_dot_product_attention or its explicit path)"),

@@ -7,13 +7,15 @@ logits all equal the reference within 1e-5 relative. One MoE layer at EP = 4 wit
 token count on each rank, capacity dropping on (pad and position policies) and off, equals the
 EP = 1 layer on the same tokens (outputs, input, router and expert gradients). One spawn of 4
 processes runs them all. An EP rank whose experts receive no token still joins the backward's
-collectives (a spawn of 2, failing in 30 s should it wait in one)."""
+collectives (a spawn of 2, failing in 30 s should it wait in one). The same spawn checks
+global_aux_loss's counts over DP = 4 against Megatron-Core (test_moe_global_aux_loss.py)."""
 
 import math
 
 import pytest
 
 from tests.distributed import run_distributed
+from tests.model.test_moe_global_aux_loss import assert_same, dp4_worker_losses, megatron_losses
 from tests.parallel.expert.ep_harness import check_run, expert_state, layer_errors, train_runs
 
 TOL = 1e-5
@@ -41,6 +43,7 @@ def _worker(rank, world_size):
     for dispatcher in ("alltoall", "allgather"):
         for name, moe in LAYER_CASES.items():
             out[f"layer/{dispatcher}/{name}"] = layer_errors(layer_state, dispatcher, **moe)
+    out["global_aux_loss"] = dp4_worker_losses(rank)
     return {**out, **train_runs(rank, world_size, LAYOUTS, RUNS)}
 
 
@@ -59,6 +62,13 @@ def test_layer_at_ep4_with_variable_tokens_per_rank(results, dispatcher, case):
         assert all(err <= TOL for err in errors.values()), (rank, errors)
         if case == "drop-probs-pad":  # every local expert gets its capacity in rows, from every rank
             assert counts == [sum(math.ceil((3 + q) * 2 * 2 / 8 * 0.75) for q in range(4))] * 2
+
+
+def test_global_aux_loss_counts_over_the_data_parallel_group_as_megatron_core(results):
+    """Each DP rank's global_aux_loss (counts of all 4 ranks, averaged over micro-batches) and its
+    gradient equal Megatron-Core's _apply_global_aux_loss for that rank."""
+    for rank, r in enumerate(results):
+        assert_same(r["global_aux_loss"], megatron_losses(rank, 4))
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "/".join(r))
