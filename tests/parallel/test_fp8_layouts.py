@@ -1,8 +1,12 @@
 """FP8 training (delayed scaling, hybrid, history 2, max) at every two-process layout against the
 one-process FP8 run: TP2 with sequence parallelism, PP2 interleaved (two chunks per rank), CP2,
-DP2 with the distributed optimizer, FSDP2 (16-bit weights gathered, each GEMM quantizing them:
-what --fp8-param-gather runs today), and EP2 over DP2 (MoE: attention and the shared expert in
-FP8, the routed experts 16-bit). All layouts run in ONE spawn (a module fixture).
+DP2 with the distributed optimizer, FSDP2 (fp32 weights gathered, each GEMM quantizing them),
+FSDP2 with --fp8-param-gather (each weight shard cast to FP8 before the all-gather, the gathered
+FP8 weight multiplied as it is: parallel/tensor/fp8_param.py), and EP2 over DP2 (MoE: attention
+and the shared expert in FP8, the routed experts 16-bit). All layouts run in ONE spawn (a module
+fixture), which also records what FSDP2's all-gathers move, runs the FP8 all-gather with
+tensorwise scaling (against the same FSDP2 run gathering fp32 weights) and saves the FP8-gather
+run's checkpoint, loaded into a bf16 model.
 
 Model: tests/parallel/expert/ep_harness.py's tiny MoE GPT at 4 layers (no auxiliary losses),
 6 Adam steps of 8 sequences. The amaxes of a step are MAX-reduced over TP, then DP x CP
@@ -39,6 +43,7 @@ from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.parallel.tensor import fp8_param
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
 from megalite.parallel.tensor.fp8_param import Fp8ShardedWeight
 from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
@@ -49,6 +54,7 @@ from tests.parallel.expert.ep_harness import HIDDEN, MICRO, OPTIM, SEQ, compare,
 from tests.parallel.train_step import train_step
 
 STEPS, TOL, SCALE_TOL = 6, 1e-4, 1e-5
+TENSORWISE_STEPS = 3  # the FSDP2 pair compared with each other (suite time)
 RECIPE = Fp8Recipe(format="hybrid", amax_history_len=2, amax_compute_algo="max")
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sp=True),
@@ -59,8 +65,8 @@ LAYOUTS = {
     "ep2": dict(ep=2),
     "dp2-tp-only-amax-red": dict(tp_only=True),
     "fsdp2-fp8-gather": dict(fsdp=True, fp8_gather=True),
-    "fsdp2-tensorwise": dict(fsdp=True, tensorwise=True),
-    "fsdp2-tensorwise-fp8-gather": dict(fsdp=True, tensorwise=True, fp8_gather=True),
+    "fsdp2-tensorwise": dict(fsdp=True, tensorwise=True, steps=TENSORWISE_STEPS),
+    "fsdp2-tensorwise-fp8-gather": dict(fsdp=True, tensorwise=True, fp8_gather=True, steps=TENSORWISE_STEPS),
 }
 NOT_ONE_PROCESS = ("dp2-tp-only-amax-red", "fsdp2-tensorwise", "fsdp2-tensorwise-fp8-gather")
 TENSORWISE = dataclasses.replace(RECIPE, scaling="tensorwise", amax_history_len=1, amax_compute_algo="most_recent")
@@ -81,7 +87,7 @@ def _batches(step: int, pstate: ParallelState, micro: int) -> list[dict]:
 
 
 def _train(pstate: ParallelState, recipe: Fp8Recipe | None, sp=False, dist_opt=False, fsdp=False,
-           per_token=False, micro=MICRO, save_to=None) -> dict:
+           per_token=False, micro=MICRO, save_to=None, steps=STEPS) -> dict:
     config = _config(sp)
     models = build_model_chunks(config, pstate, init_seed=7)
     scaling = enable_fp8_chunks(models, recipe, config.num_layers, pstate)
@@ -96,7 +102,7 @@ def _train(pstate: ParallelState, recipe: Fp8Recipe | None, sp=False, dist_opt=F
                                     num_microbatches=len(batches_of(0)), seq_length=SEQ, micro_batch_size=micro,
                                     hidden_size=HIDDEN, sequence_parallel=sp, forward_step=forward_step)
     out = {"losses": [], "scales": []}
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         out["losses"].append(train_step(chunks, pstate, batches_of(step), forward_step, executor, per_token))
         if step == 0 and not (dist_opt or fsdp):
@@ -126,8 +132,14 @@ def _recipe(spec: dict) -> Fp8Recipe:
 
 def _record_fp8_gathers(seen: dict) -> None:
     """In this process: each FSDP2 all-gather's input bytes (seen["all_gather_bytes"]), each FP8
-    weight's all-gather input (dtype, numel) and the FP8 weights the GEMMs multiply (dtype)."""
+    weight's all-gather input (dtype, numel), the FP8 weights the GEMMs multiply (dtype) and the
+    weights of each tensorwise weight-amax all-reduce."""
     all_gather, pre_all_gather, gemm_weight = dist.all_gather_single, Fp8ShardedWeight.fsdp_pre_all_gather, Fp8Gemm._weight
+    weight_scales = fp8_param.tensorwise_scales
+
+    def recording_weight_scales(gemms, shards, groups):
+        seen["tensorwise_reductions"].append(len(gemms))
+        return weight_scales(gemms, shards, groups)
 
     def recording_all_gather(output, input, *args, **kwargs):
         seen["all_gather_bytes"].append(input.numel() * input.element_size())
@@ -145,6 +157,7 @@ def _record_fp8_gathers(seen: dict) -> None:
 
     dist.all_gather_single, Fp8ShardedWeight.fsdp_pre_all_gather, Fp8Gemm._weight = (
         recording_all_gather, recording_pre_all_gather, recording_weight)
+    fp8_param.tensorwise_scales = recording_weight_scales
 
 
 def _bf16_load(root, pstate) -> dict:
@@ -160,11 +173,11 @@ def _worker(rank, world_size, root):
     out, seen = {}, {}
     _record_fp8_gathers(seen)
     for name, spec in LAYOUTS.items():
-        seen.update(all_gather_bytes=[], fp8_inputs=[], gemm_weights=[])
+        seen.update(all_gather_bytes=[], fp8_inputs=[], gemm_weights=[], tensorwise_reductions=[])
         out[name] = _train(_state(**{k: v for k, v in spec.items() if k in GRID + ("ep",)}), _recipe(spec),
                            sp=spec.get("sp", False), dist_opt=spec.get("dist_opt", False), fsdp=spec.get("fsdp", False),
                            per_token=True, micro=MICRO if name in DATA_PARALLEL else 2 * MICRO,
-                           save_to=root if name == "fsdp2-fp8-gather" else None)
+                           save_to=root if name == "fsdp2-fp8-gather" else None, steps=spec.get("steps", STEPS))
         out[name]["gathers"] = {k: list(v) for k, v in seen.items()}
     out["bf16_load"] = _bf16_load(root, _state())
     return out
@@ -233,7 +246,12 @@ def test_fsdp2_fp8_gather_tensorwise_equals_the_16_bit_gather(two_process):
     process's), so the reference is the same FSDP2 run gathering fp32 weights: the weight cast
     before the gather (global amax over FSDP2 x TP) must equal the weight cast after it."""
     for run in two_process:
-        assert run["fsdp2-tensorwise-fp8-gather"]["gathers"]["fp8_inputs"]
+        gathers = run["fsdp2-tensorwise-fp8-gather"]["gathers"]
+        assert gathers["fp8_inputs"]
+        # the first step reduces each weight's amax in its hook (no scale yet), every optimizer
+        # step after it all weights' in one all-reduce (what the hooks then use)
+        weights = max(gathers["tensorwise_reductions"])
+        assert gathers["tensorwise_reductions"] == [1] * weights + [weights] * TENSORWISE_STEPS, gathers["tensorwise_reductions"]
     reference = {"losses": torch.tensor([r["fsdp2-tensorwise"]["losses"] for r in two_process]).mean(0).tolist(),
                  "params": two_process[0]["fsdp2-tensorwise"]["params"]}
     differences = compare([r["fsdp2-tensorwise-fp8-gather"] for r in two_process], reference, TOL)
