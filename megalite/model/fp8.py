@@ -89,7 +89,8 @@ def enable_fp8_chunks(models, recipe: Fp8Recipe | None, num_layers: int, pstate)
         states.update(enable_fp8(model, recipe, num_layers, pstate.tp_group))
     across = pstate.cp_group if recipe.tp_only_amax_reduction else pstate.dp_cp_group
     gathered = [] if recipe.scaling == "delayed" else [
-        (m, m.gemm) for model in models for m in model.modules() if isinstance(getattr(m, "weight", None), Fp8ShardedWeight)]
+        (m, m.gemm) for model in models for m in model.modules()
+        if isinstance(getattr(m, "weight", None), Fp8ShardedWeight)]
     return Fp8StepUpdate(DelayedScalingStates(states, (pstate.tp_group, across)),
                          GatheredWeightScales(gathered, pstate.dp_cp_group, pstate.tp_group))
 

@@ -126,7 +126,8 @@ def _state(tp=1, pp=1, vp=1, cp=1, ep=1) -> ParallelState:
 
 
 def _recipe(spec: dict) -> Fp8Recipe:
-    return dataclasses.replace(TENSORWISE if spec.get("tensorwise") else RECIPE, param_gather=spec.get("fp8_gather", False),
+    return dataclasses.replace(TENSORWISE if spec.get("tensorwise") else RECIPE,
+                               param_gather=spec.get("fp8_gather", False),
                                tp_only_amax_reduction=spec.get("tp_only", False))
 
 
@@ -134,7 +135,8 @@ def _record_fp8_gathers(seen: dict) -> None:
     """In this process: each FSDP2 all-gather's input bytes (seen["all_gather_bytes"]), each FP8
     weight's all-gather input (dtype, numel), the FP8 weights the GEMMs multiply (dtype) and the
     weights of each tensorwise weight-amax all-reduce."""
-    all_gather, pre_all_gather, gemm_weight = dist.all_gather_single, Fp8ShardedWeight.fsdp_pre_all_gather, Fp8Gemm._weight
+    all_gather, gemm_weight = dist.all_gather_single, Fp8Gemm._weight
+    pre_all_gather = Fp8ShardedWeight.fsdp_pre_all_gather
     weight_scales = fp8_param.tensorwise_scales
 
     def recording_weight_scales(gemms, shards, groups):
@@ -250,8 +252,9 @@ def test_fsdp2_fp8_gather_tensorwise_equals_the_16_bit_gather(two_process):
         assert gathers["fp8_inputs"]
         # the first step reduces each weight's amax in its hook (no scale yet), every optimizer
         # step after it all weights' in one all-reduce (what the hooks then use)
-        weights = max(gathers["tensorwise_reductions"])
-        assert gathers["tensorwise_reductions"] == [1] * weights + [weights] * TENSORWISE_STEPS, gathers["tensorwise_reductions"]
+        weights = max(gathers["tensorwise_reductions"])  # FP8 weights on this rank
+        reductions = gathers["tensorwise_reductions"]
+        assert reductions == [1] * weights + [weights] * TENSORWISE_STEPS, reductions
     reference = {"losses": torch.tensor([r["fsdp2-tensorwise"]["losses"] for r in two_process]).mean(0).tolist(),
                  "params": two_process[0]["fsdp2-tensorwise"]["params"]}
     differences = compare([r["fsdp2-tensorwise-fp8-gather"] for r in two_process], reference, TOL)

@@ -48,6 +48,9 @@ class Fp8Gemm(Gemm):
         # training's scales; inside the autograd Function grad mode is always off
         self.record_forward = True
         self.split = {INPUT: parallel_mode == "row", WEIGHT: True, GRAD: parallel_mode == "column"}
+        # --fp8-param-gather under FSDP2, tensorwise: (the weight shard's version, the scale it is
+        # cast with before the all-gather), set by fp8_param.py
+        self.gathered_weight_scale = (None, None)
 
     def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)

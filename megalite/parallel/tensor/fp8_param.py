@@ -8,8 +8,9 @@ with (torch.distributed.fsdp's _fsdp_param.py; torchao's float8 weights use it t
 - Fp8ShardedWeight: an FP8 linear's fp32 weight as FSDP2 shards it: a wrapper whose ops all run
   on the fp32 tensor it holds (the optimizer updates it, checkpoints save it as that plain fp32
   tensor); only the view / slice / copy ops FSDP2 builds its shard with keep the class
-  (KEEPS_CLASS, as torchao's float8 weight keeps its own), and its fsdp_pre_all_gather casts the shard to FP8 with the weight's scale: the all-gather moves
-  one byte per element instead of two (bf16) or four (fp32).
+  (KEEPS_CLASS, as torchao's float8 weight keeps its own). Its fsdp_pre_all_gather casts the
+  shard to FP8 with the weight's scale: the all-gather moves one byte per element instead of two
+  (bf16) or four (fp32).
 - Fp8GatheredWeight: the unsharded parameter: the gathered FP8 weight and its scale, with the
   shape and dtype of the 16-bit weight (what autograd and FSDP2 see; the weight gradient is an
   ordinary 16-bit / fp32 tensor, reduce-scattered as before). Fp8Gemm multiplies its FP8 data
@@ -21,8 +22,9 @@ the gather and multiplied with one scale after it):
   step's MAX reduction over TP and DP x CP (the FSDP2 group) makes it the whole weight's.
 - tensorwise: fp8_max / amax of the whole weight: the shards' amaxes MAX-reduced over the FSDP2
   group and TP. GatheredWeightScales computes all of a rank's weights' scales with one
-  all-reduce per group after the optimizer step (torchao's precompute_float8_dynamic_scale_for_fsdp);
-  a weight changed since (a checkpoint load, the first step) reduces its own amax in the hook.
+  all-reduce per group after the optimizer step (torchao's
+  precompute_float8_dynamic_scale_for_fsdp); a weight changed since (a checkpoint load, the
+  first step: the shard's version counter tells) reduces its own amax in the hook.
 """
 
 import torch
@@ -120,7 +122,7 @@ def gathered_weight_scale(gemm, shard: torch.Tensor, fsdp_group) -> torch.Tensor
     """The scale `gemm`'s weight is cast to FP8 with before its all-gather."""
     if isinstance(gemm.scaling, DelayedScaling):
         return gemm.scaling.scale(WEIGHT, shard, split=True, record=True)
-    version, scale = getattr(gemm, "gathered_weight_scale", (None, None))
+    version, scale = gemm.gathered_weight_scale
     if version != shard._version:
         scale = tensorwise_scales([gemm], [shard], (fsdp_group, gemm.scaling.group))[0]
         gemm.gathered_weight_scale = (shard._version, scale)
