@@ -100,6 +100,10 @@ def check_fp8_args(args, fail) -> None:
     if args.fp8_param_gather and args.use_torch_fsdp2 and args.tp_only_amax_red:
         fail("--tp-only-amax-red with --fp8-param-gather under --use-torch-fsdp2: a weight's FSDP2 shards are cast "
              "to FP8 with one scale, which needs its amax reduced over DP x CP too; drop --tp-only-amax-red")
+    if args.fp8_param_gather and args.use_torch_fsdp2 and args.torch_compile:
+        fail("--torch-compile with --fp8-param-gather under --use-torch-fsdp2: the compiled run's losses differ from "
+             "the eager run's (4e-4 relative at step 2, measured; without --fp8-param-gather they agree), not yet "
+             "found why; drop one of them")
     if args.fp8_margin is not None and args.fp8_margin < 0:
         fail(f"--fp8-margin must not be negative, got {args.fp8_margin}")
     if args.fp8_amax_history_len is not None and args.fp8_amax_history_len < 1:

@@ -80,6 +80,8 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
     ("--fp8-param-gather --use-distributed-optimizer", ["--fp8-param-gather", "needs --fp8-format"]),
     ("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2 --tp-only-amax-red",
      ["--tp-only-amax-red with --fp8-param-gather under --use-torch-fsdp2", "DP x CP"]),
+    ("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2 --torch-compile",
+     ["--torch-compile with --fp8-param-gather under --use-torch-fsdp2", "eager"]),
     ("--fp8-format hybrid --fp8-dot-product-attention", ["--fp8-dot-product-attention", "FP8 attention kernel"]),
     ("--fp8-format hybrid --fp8-multi-head-attention", ["--fp8-multi-head-attention", "FP8 attention kernel"]),
     ("--fp8-margin 0", ["--fp8-margin needs --fp8-format"]),
