@@ -7,9 +7,11 @@ attention core (no FP8 attention: --fp8-dot-product-attention is refused).
 """
 
 import torch
+from torch import nn
 
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
+from megalite.parallel.tensor.fp8_param import Fp8ShardedWeight, GatheredWeightScales
 from megalite.parallel.tensor.fp8_scaling import DelayedScaling, DelayedScalingStates, Fp8Recipe, TensorwiseScaling
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -32,7 +34,19 @@ def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict
                 scaling = TensorwiseScaling(recipe, tp_group)
             linear.gemm = Fp8Gemm(recipe, scaling, "column" if isinstance(linear, ColumnParallelLinear) else "row")
             linear.register_forward_pre_hook(_record_when_training)
+            if recipe.param_gather:
+                _gather_in_fp8(linear)
     return states
+
+
+def _gather_in_fp8(linear) -> None:
+    """--fp8-param-gather under FSDP2: the weight (same storage, same attributes) becomes an
+    Fp8ShardedWeight, which FSDP2 (applied next) all-gathers in FP8."""
+    weight = linear.weight
+    attributes = dict(vars(weight))
+    linear.weight = nn.Parameter(Fp8ShardedWeight(weight.detach()), requires_grad=weight.requires_grad)
+    for name, value in attributes.items():
+        setattr(linear.weight, name, value)
 
 
 def _record_when_training(linear, _inputs) -> None:
@@ -46,16 +60,39 @@ def fp8_linear_names(models) -> list[str]:
             if isinstance(getattr(m, "gemm", None), Fp8Gemm)]
 
 
-def enable_fp8_chunks(models, recipe: Fp8Recipe | None, num_layers: int, pstate) -> DelayedScalingStates | None:
-    """enable_fp8 on every model chunk of this rank; the delayed-scaling states (reduced over
-    TP, then DP x CP, or TP and CP with --tp-only-amax-red), or None without --fp8-format."""
+class Fp8StepUpdate:
+    """What an FP8 run updates after each optimizer step: the delayed-scaling states (`states`,
+    by linear name), then, with --fp8-param-gather under FSDP2 and tensorwise scaling, the
+    scales of the weights cast to FP8 before their all-gather."""
+
+    def __init__(self, delayed: DelayedScalingStates, gathered: GatheredWeightScales):
+        self.delayed, self.gathered = delayed, gathered
+
+    @property
+    def states(self):
+        return self.delayed.states
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        self.delayed.after_optimizer_step()
+        self.gathered.after_optimizer_step()
+
+
+def enable_fp8_chunks(models, recipe: Fp8Recipe | None, num_layers: int, pstate) -> Fp8StepUpdate | None:
+    """enable_fp8 on every model chunk of this rank; its after-step update (delayed states
+    reduced over TP, then DP x CP, or TP and CP with --tp-only-amax-red), or None without
+    --fp8-format."""
     if recipe is None:
         return None
     states = {}
     for model in models:
         states.update(enable_fp8(model, recipe, num_layers, pstate.tp_group))
     across = pstate.cp_group if recipe.tp_only_amax_reduction else pstate.dp_cp_group
-    return DelayedScalingStates(states, (pstate.tp_group, across))
+    gathered = [] if recipe.scaling == "delayed" else [
+        (m, m.gemm) for model in models for m in model.modules()
+        if isinstance(getattr(m, "weight", None), Fp8ShardedWeight)]
+    return Fp8StepUpdate(DelayedScalingStates(states, (pstate.tp_group, across)),
+                         GatheredWeightScales(gathered, pstate.dp_cp_group, pstate.tp_group))
 
 
 def fp8_state_tensors(model) -> list[tuple[str, object]]:

@@ -1,7 +1,8 @@
 """Megatron's FP8 / FP4 flags (megalite/config/fp8.py): the served ones reach the run's
 Fp8Recipe with Megatron's defaults and meaning; the others stop in one line naming the flag and
 what it needs (mxfp8 / NVFP4: Blackwell; blockwise: a block-scaled GEMM; FP8 attention: an FP8
-attention kernel), never accepted and ignored; --fp8-param-gather is served with one line."""
+attention kernel), never accepted and ignored; --fp8-param-gather is served with one line (FP8
+all-gathers under FSDP2: tests/parallel/test_fp8_layouts.py)."""
 
 import pytest
 
@@ -46,12 +47,21 @@ def test_fp8_interval_is_accepted_with_its_deprecation_line():
 
 
 def test_fp8_param_gather_is_served_with_one_line_under_the_distributed_optimizer():
-    """As Megatron falls back under FSDP2 with Transformer Engine 2: 16-bit weights gathered, each GEMM
-    quantizing them; the recipe is the one without the flag."""
+    """The distributed optimizer gathers the 16-bit weights, each GEMM quantizing them; the recipe is
+    the one without the flag."""
     args = parsed("--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer", 2)
     notes = fp8_notes(args)
     assert len(notes) == 1 and notes[0].startswith("--fp8-param-gather: the parameters stay 16-bit"), notes
     assert fp8_recipe_from_args(args) == fp8_recipe_from_args(parsed("--fp8-format hybrid --use-distributed-optimizer", 2))
+
+
+def test_fp8_param_gather_under_fsdp2_gathers_fp8_weights():
+    args = parsed("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2", 2)
+    notes = fp8_notes(args)
+    assert len(notes) == 1 and notes[0].startswith("--fp8-param-gather with --use-torch-fsdp2: each FP8 linear's "
+                                                   "weight shard is cast to FP8"), notes
+    assert fp8_recipe_from_args(args).param_gather
+    assert not fp8_recipe_from_args(parsed("--fp8-format hybrid --use-torch-fsdp2", 2)).param_gather
 
 
 def test_moe_runs_say_which_gemms_stay_16_bit():
@@ -68,6 +78,10 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
     ("--fp4-param-gather", ["--fp4-param-gather", "Blackwell"]),
     ("--fp8-format hybrid --fp8-param-gather", ["--fp8-param-gather", "--use-distributed-optimizer"]),
     ("--fp8-param-gather --use-distributed-optimizer", ["--fp8-param-gather", "needs --fp8-format"]),
+    ("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2 --tp-only-amax-red",
+     ["--tp-only-amax-red with --fp8-param-gather under --use-torch-fsdp2", "DP x CP"]),
+    ("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2 --torch-compile",
+     ["--torch-compile with --fp8-param-gather under --use-torch-fsdp2", "eager"]),
     ("--fp8-format hybrid --fp8-dot-product-attention", ["--fp8-dot-product-attention", "FP8 attention kernel"]),
     ("--fp8-format hybrid --fp8-multi-head-attention", ["--fp8-multi-head-attention", "FP8 attention kernel"]),
     ("--fp8-margin 0", ["--fp8-margin needs --fp8-format"]),

@@ -1,8 +1,12 @@
 """FP8 training (delayed scaling, hybrid, history 2, max) at every two-process layout against the
 one-process FP8 run: TP2 with sequence parallelism, PP2 interleaved (two chunks per rank), CP2,
-DP2 with the distributed optimizer, FSDP2 (16-bit weights gathered, each GEMM quantizing them:
-what --fp8-param-gather runs today), and EP2 over DP2 (MoE: attention and the shared expert in
-FP8, the routed experts 16-bit). All layouts run in ONE spawn (a module fixture).
+DP2 with the distributed optimizer, FSDP2 (fp32 weights gathered, each GEMM quantizing them),
+FSDP2 with --fp8-param-gather (each weight shard cast to FP8 before the all-gather, the gathered
+FP8 weight multiplied as it is: parallel/tensor/fp8_param.py), and EP2 over DP2 (MoE: attention
+and the shared expert in FP8, the routed experts 16-bit). All layouts run in ONE spawn (a module
+fixture), which also records what FSDP2's all-gathers move, runs the FP8 all-gather with
+tensorwise scaling (against the same FSDP2 run gathering fp32 weights) and saves the FP8-gather
+run's checkpoint, loaded into a bf16 model.
 
 Model: tests/parallel/expert/ep_harness.py's tiny MoE GPT at 4 layers (no auxiliary losses),
 6 Adam steps of 8 sequences. The amaxes of a step are MAX-reduced over TP, then DP x CP
@@ -25,6 +29,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+from megalite.checkpoint.dcp.checkpoint import load_checkpoint, save_checkpoint
 
 from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.moe import update_expert_bias
@@ -35,6 +43,9 @@ from megalite.parallel.data.fsdp import apply_fsdp2
 from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelLayout, ParallelState
+from megalite.parallel.tensor import fp8_param
+from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
+from megalite.parallel.tensor.fp8_param import Fp8ShardedWeight
 from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
 from megalite.training.per_token_loss import PerTokenLoss
 from tests.distributed import run_distributed
@@ -43,6 +54,7 @@ from tests.parallel.expert.ep_harness import HIDDEN, MICRO, OPTIM, SEQ, compare,
 from tests.parallel.train_step import train_step
 
 STEPS, TOL, SCALE_TOL = 6, 1e-4, 1e-5
+TENSORWISE_STEPS = 3  # the FSDP2 pair compared with each other (suite time)
 RECIPE = Fp8Recipe(format="hybrid", amax_history_len=2, amax_compute_algo="max")
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sp=True),
@@ -52,9 +64,14 @@ LAYOUTS = {
     "fsdp2": dict(fsdp=True),
     "ep2": dict(ep=2),
     "dp2-tp-only-amax-red": dict(tp_only=True),
+    "fsdp2-fp8-gather": dict(fsdp=True, fp8_gather=True),
+    "fsdp2-tensorwise": dict(fsdp=True, tensorwise=True, steps=TENSORWISE_STEPS),
+    "fsdp2-tensorwise-fp8-gather": dict(fsdp=True, tensorwise=True, fp8_gather=True, steps=TENSORWISE_STEPS),
 }
+NOT_ONE_PROCESS = ("dp2-tp-only-amax-red", "fsdp2-tensorwise", "fsdp2-tensorwise-fp8-gather")
+TENSORWISE = dataclasses.replace(RECIPE, scaling="tensorwise", amax_history_len=1, amax_compute_algo="most_recent")
 GRID = ("tp", "pp", "vp", "cp")
-DATA_PARALLEL = ("dp2-distopt", "fsdp2", "ep2", "dp2-tp-only-amax-red")
+DATA_PARALLEL = ("dp2-distopt", "fsdp2", "ep2", "dp2-tp-only-amax-red") + NOT_ONE_PROCESS[1:] + ("fsdp2-fp8-gather",)
 
 
 def _config(sequence_parallel=False):
@@ -70,7 +87,7 @@ def _batches(step: int, pstate: ParallelState, micro: int) -> list[dict]:
 
 
 def _train(pstate: ParallelState, recipe: Fp8Recipe | None, sp=False, dist_opt=False, fsdp=False,
-           per_token=False, micro=MICRO) -> dict:
+           per_token=False, micro=MICRO, save_to=None, steps=STEPS) -> dict:
     config = _config(sp)
     models = build_model_chunks(config, pstate, init_seed=7)
     scaling = enable_fp8_chunks(models, recipe, config.num_layers, pstate)
@@ -85,7 +102,7 @@ def _train(pstate: ParallelState, recipe: Fp8Recipe | None, sp=False, dist_opt=F
                                     num_microbatches=len(batches_of(0)), seq_length=SEQ, micro_batch_size=micro,
                                     hidden_size=HIDDEN, sequence_parallel=sp, forward_step=forward_step)
     out = {"losses": [], "scales": []}
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         out["losses"].append(train_step(chunks, pstate, batches_of(step), forward_step, executor, per_token))
         if step == 0 and not (dist_opt or fsdp):
@@ -96,6 +113,8 @@ def _train(pstate: ParallelState, recipe: Fp8Recipe | None, sp=False, dist_opt=F
             scaling.after_optimizer_step()
             out["scales"].append({k: s.scales.clone() for k, s in scaling.states.items()})
     out["params"] = full_state(chunks, pstate)
+    if save_to is not None:
+        save_checkpoint(save_to, STEPS, chunks=[c.module for c in chunks], optimizer=None, pstate=pstate, common={})
     return out
 
 
@@ -106,19 +125,69 @@ def _state(tp=1, pp=1, vp=1, cp=1, ep=1) -> ParallelState:
     return pstate
 
 
-def _worker(rank, world_size):
-    out = {}
+def _recipe(spec: dict) -> Fp8Recipe:
+    return dataclasses.replace(TENSORWISE if spec.get("tensorwise") else RECIPE,
+                               param_gather=spec.get("fp8_gather", False),
+                               tp_only_amax_reduction=spec.get("tp_only", False))
+
+
+def _record_fp8_gathers(seen: dict) -> None:
+    """In this process: each FSDP2 all-gather's input bytes (seen["all_gather_bytes"]), each FP8
+    weight's all-gather input (dtype, numel), the FP8 weights the GEMMs multiply (dtype) and the
+    weights of each tensorwise weight-amax all-reduce."""
+    all_gather, gemm_weight = dist.all_gather_single, Fp8Gemm._weight
+    pre_all_gather = Fp8ShardedWeight.fsdp_pre_all_gather
+    weight_scales = fp8_param.tensorwise_scales
+
+    def recording_weight_scales(gemms, shards, groups):
+        seen["tensorwise_reductions"].append(len(gemms))
+        return weight_scales(gemms, shards, groups)
+
+    def recording_all_gather(output, input, *args, **kwargs):
+        seen["all_gather_bytes"].append(input.numel() * input.element_size())
+        return all_gather(output, input, *args, **kwargs)
+
+    def recording_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        seen["fp8_inputs"] += [(t.dtype, t.numel()) for t in inputs]
+        return inputs, metadata
+
+    def recording_weight(self, weight, record):
+        wq, scale = gemm_weight(self, weight, record)
+        seen["gemm_weights"].append((type(weight).__name__, wq.dtype))
+        return wq, scale
+
+    dist.all_gather_single, Fp8ShardedWeight.fsdp_pre_all_gather, Fp8Gemm._weight = (
+        recording_all_gather, recording_pre_all_gather, recording_weight)
+    fp8_param.tensorwise_scales = recording_weight_scales
+
+
+def _bf16_load(root, pstate) -> dict:
+    """The FP8-gather run's checkpoint loaded into a bf16 model (no FP8), and its saved dtypes."""
+    saved = {k: str(v.properties.dtype) for k, v in FileSystemReader(f"{root}/iter_{STEPS:07d}").read_metadata()
+             .state_dict_metadata.items() if hasattr(v, "properties") and k.startswith("model/")}
+    model = build_model_chunks(_config().replace(params_dtype="bfloat16"), pstate, init_seed=8)[0]
+    load_checkpoint(root, chunks=[model], pstate=pstate, load_rng=False)
+    return {"saved_dtypes": saved, "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+def _worker(rank, world_size, root):
+    out, seen = {}, {}
+    _record_fp8_gathers(seen)
     for name, spec in LAYOUTS.items():
-        recipe = dataclasses.replace(RECIPE, tp_only_amax_reduction=True) if spec.get("tp_only") else RECIPE
-        out[name] = _train(_state(**{k: v for k, v in spec.items() if k in GRID + ("ep",)}), recipe,
+        seen.update(all_gather_bytes=[], fp8_inputs=[], gemm_weights=[], tensorwise_reductions=[])
+        out[name] = _train(_state(**{k: v for k, v in spec.items() if k in GRID + ("ep",)}), _recipe(spec),
                            sp=spec.get("sp", False), dist_opt=spec.get("dist_opt", False), fsdp=spec.get("fsdp", False),
-                           per_token=True, micro=MICRO if name in DATA_PARALLEL else 2 * MICRO)
+                           per_token=True, micro=MICRO if name in DATA_PARALLEL else 2 * MICRO,
+                           save_to=root if name == "fsdp2-fp8-gather" else None, steps=spec.get("steps", STEPS))
+        out[name]["gathers"] = {k: list(v) for k, v in seen.items()}
+    out["bf16_load"] = _bf16_load(root, _state())
     return out
 
 
 @pytest.fixture(scope="module")
-def two_process():
-    return run_distributed(_worker, 2, timeout=900)
+def two_process(tmp_path_factory):
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("fp8_gather")), timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +199,7 @@ def one_process():
     return {"fp8": single(RECIPE, per_token=True, micro=2 * MICRO), "fp32": single(None, per_token=True, micro=2 * MICRO)}
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "dp2-tp-only-amax-red"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in NOT_ONE_PROCESS])
 def test_fp8_layout_equals_the_one_process_fp8_run(two_process, one_process, layout):
     ref = one_process["fp8"]
     results = [r[layout] for r in two_process]
@@ -158,3 +227,44 @@ def test_fp8_really_runs(one_process):
     moved = max(rel_error(fp8["params"][k], v) for k, v in fp32["params"].items())
     assert moved > 100 * TOL, moved
     assert all((s != 1).all() for s in fp8["scales"][-1].values())
+
+
+def test_fsdp2_fp8_gather_moves_fp8_bytes(two_process):
+    """The FP8 weights' all-gather inputs are e4m3 (one byte), every FSDP2 all-gather moves 3
+    bytes less per FP8 weight element than the same run gathering fp32 weights, and the GEMMs
+    multiply the gathered FP8 weight itself."""
+    for run in two_process:
+        plain, fp8 = run["fsdp2"]["gathers"], run["fsdp2-fp8-gather"]["gathers"]
+        assert plain["fp8_inputs"] == [] and fp8["fp8_inputs"], (len(plain["fp8_inputs"]), len(fp8["fp8_inputs"]))
+        assert {dtype for dtype, _ in fp8["fp8_inputs"]} == {torch.float8_e4m3fn}
+        fp8_elements = sum(numel for _, numel in fp8["fp8_inputs"])
+        assert sum(plain["all_gather_bytes"]) - sum(fp8["all_gather_bytes"]) == 3 * fp8_elements > 0
+        assert set(fp8["gemm_weights"]) == {("Fp8GatheredWeight", torch.float8_e4m3fn)}
+        assert ("Fp8GatheredWeight", torch.float8_e4m3fn) not in set(plain["gemm_weights"])
+
+
+def test_fsdp2_fp8_gather_tensorwise_equals_the_16_bit_gather(two_process):
+    """Tensorwise: the input and gradient scales are per micro-batch (a DP rank's differ from one
+    process's), so the reference is the same FSDP2 run gathering fp32 weights: the weight cast
+    before the gather (global amax over FSDP2 x TP) must equal the weight cast after it."""
+    for run in two_process:
+        gathers = run["fsdp2-tensorwise-fp8-gather"]["gathers"]
+        assert gathers["fp8_inputs"]
+        # the first step reduces each weight's amax in its hook (no scale yet), every optimizer
+        # step after it all weights' in one all-reduce (what the hooks then use)
+        weights = max(gathers["tensorwise_reductions"])  # FP8 weights on this rank
+        reductions = gathers["tensorwise_reductions"]
+        assert reductions == [1] * weights + [weights] * TENSORWISE_STEPS, reductions
+    reference = {"losses": torch.tensor([r["fsdp2-tensorwise"]["losses"] for r in two_process]).mean(0).tolist(),
+                 "params": two_process[0]["fsdp2-tensorwise"]["params"]}
+    differences = compare([r["fsdp2-tensorwise-fp8-gather"] for r in two_process], reference, TOL)
+    assert differences == [], differences[:4]
+
+
+def test_fsdp2_fp8_gather_checkpoint_keeps_fp32_weights(two_process):
+    """The FP8-gather run's checkpoint holds its fp32 master weights and loads into a bf16 model."""
+    loaded, trained = two_process[0]["bf16_load"], two_process[0]["fsdp2-fp8-gather"]["params"]
+    assert loaded["saved_dtypes"] and set(loaded["saved_dtypes"].values()) == {"torch.float32"}, loaded["saved_dtypes"]
+    fp8_weights = [n for n in trained if n.endswith(("linear_qkv.weight", "linear_proj.weight"))]
+    assert fp8_weights and set(trained) <= set(loaded["params"])
+    assert max(rel_error(loaded["params"][n], trained[n]) for n in trained) < 1e-2

@@ -19,6 +19,7 @@ row-parallel layer's input (its features). The other operands are whole on every
 
 import torch
 
+from megalite.parallel.tensor.fp8_param import Fp8GatheredWeight
 from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, Fp8Recipe, quantize
 from megalite.parallel.tensor.gemm import Gemm
 
@@ -47,16 +48,26 @@ class Fp8Gemm(Gemm):
         # training's scales; inside the autograd Function grad mode is always off
         self.record_forward = True
         self.split = {INPUT: parallel_mode == "row", WEIGHT: True, GRAD: parallel_mode == "column"}
+        # --fp8-param-gather under FSDP2, tensorwise: (the weight shard's version, the scale it is
+        # cast with before the all-gather), set by fp8_param.py
+        self.gathered_weight_scale = (None, None)
 
     def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
         return quantize(tensor, scale, self.recipe.dtype(operand)), scale
 
+    def _weight(self, weight, record: bool):
+        """The FP8 weight and its scale: as all-gathered (--fp8-param-gather under FSDP2, cast
+        and recorded before the gather: fp8_param.py), or quantized here."""
+        if isinstance(weight, Fp8GatheredWeight):
+            return weight.fp8_data, weight.fp8_scale
+        return self._quantized(WEIGHT, weight, record)
+
     def fprop(self, x, weight, bias):
         """Records the input's and weight's amaxes when `record_forward` (not in evaluation)."""
         x2d = x.reshape(-1, x.shape[-1])
         xq, x_scale = self._quantized(INPUT, x2d, record=self.record_forward)
-        wq, w_scale = self._quantized(WEIGHT, weight, record=self.record_forward)
+        wq, w_scale = self._weight(weight, record=self.record_forward)
         y = scaled_mm(xq, x_scale, wq.t(), w_scale, x.dtype)
         if bias is not None:
             y = y + bias
@@ -65,7 +76,7 @@ class Fp8Gemm(Gemm):
     def dgrad(self, grad, weight):
         grad2d = grad.reshape(-1, grad.shape[-1])
         gq, g_scale = self._quantized(GRAD, grad2d, record=True)
-        wq, w_scale = self._quantized(WEIGHT, weight, record=False)  # as in forward
+        wq, w_scale = self._weight(weight, record=False)  # as in forward
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def _fp8_wgrad(self, grad2d, x2d, out_dtype):

@@ -38,7 +38,8 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 @dataclass(frozen=True)
 class Fp8Recipe:
     """What --fp8-format, --fp8-recipe, --fp8-margin, --fp8-amax-history-len,
-    --fp8-amax-compute-algo, --no-fp8-wgrad, --tp-only-amax-red and --first-last-layers-bf16 ask."""
+    --fp8-amax-compute-algo, --no-fp8-wgrad, --tp-only-amax-red, --first-last-layers-bf16 and
+    --fp8-param-gather (under FSDP2) ask."""
 
     format: str = "e4m3"  # e4m3 | hybrid
     scaling: str = "delayed"  # delayed | tensorwise
@@ -49,6 +50,7 @@ class Fp8Recipe:
     tp_only_amax_reduction: bool = False
     bf16_layers_at_start: int = 0
     bf16_layers_at_end: int = 0
+    param_gather: bool = False  # --fp8-param-gather under FSDP2: weights cast to FP8, then all-gathered
 
     def dtype(self, operand: int) -> torch.dtype:
         if operand == GRAD and self.format == "hybrid":
