@@ -33,12 +33,16 @@ QUANTIZE_BYTES = 33
 TRANSPOSE_BYTES = 2
 
 
-def check_fp8_workload(workload: Workload) -> None:
-    """ValueError naming the flag when the planner has no FP8 model for this model."""
-    config = workload.config
-    if workload.fp8 is not None and (config.mla is not None or config.gdn is not None):
+def check_fp8_plan(workload: Workload, cluster) -> None:
+    """ValueError naming the flag when the planner has no FP8 model for this model or card."""
+    if workload.fp8 is None:
+        return
+    if workload.config.mla is not None or workload.config.gdn is not None:
         raise ValueError("--fp8-format with multi-latent attention or Gated DeltaNet layers: the planner's FP8 "
                          "model covers standard attention's linears only")
+    if cluster.fp8_peak_flops is None:
+        raise ValueError(f"--fp8-format: cluster {cluster.name} has no FP8 peak (fp8_peak_flops): FP8 GEMMs need "
+                         "an sm_89+ GPU; give fp8_peak_flops in the cluster JSON")
 
 
 def is_fp8_layer(workload: Workload, layer: int) -> bool:
@@ -79,9 +83,7 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
     linears = fp8_linears(workload, layout, layer)
     if not linears:
         return 0.0, 0.0, 0.0, 0.0
-    if cluster.fp8_peak_flops is None:
-        raise ValueError(f"--fp8-format: cluster {cluster.name} has no FP8 peak (fp8_peak_flops): FP8 GEMMs need "
-                         "an sm_89+ GPU; give fp8_peak_flops in the cluster JSON")
+    check_fp8_plan(workload, cluster)
     e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
     bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
     gemm_f = gemm_b = cast_f = cast_b = 0.0

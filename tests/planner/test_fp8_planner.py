@@ -3,6 +3,7 @@ on fake tensors) and holds their delayed-scaling state and quantization copies; 
 FP8 memory against the dry run of the same flags, and its FP8 step faster than the 16-bit one
 by half the FP8 linears' GEMM time (the FP8 peak is twice bf16's) less the casts."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,8 +15,10 @@ from megalite.planner.cluster import preset
 from megalite.planner.fp8 import QUANTIZE_BYTES, TRANSPOSE_BYTES, fp8_memory_bytes
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import rank_memory
+from megalite.planner.search import plan
 from megalite.planner.step import predict
 from megalite.planner.workload import from_flags
+from tests.parallel.mla_harness import mla_config
 
 SMALL = ("--bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 4 --hidden-size 256 "
          "--num-attention-heads 4 --ffn-hidden-size 1024 --swiglu --normalization RMSNorm "
@@ -94,11 +97,19 @@ def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth():
     assert fp8.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts, rel=1e-9)
     assert fp8.step_time == pytest.approx(bf16.step_time - saved + casts, rel=1e-9)
     assert fp8.step_time > bf16.step_time
+
+
+def test_fp8_plans_the_planner_cannot_model_are_refused():
+    """No FP8 peak on an A100 (no FP8 tensor cores); no FP8 model for MLA layers: one line each."""
+    fp8 = from_flags("--bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 2 --hidden-size 64 "
+                     "--num-attention-heads 4 --fp8-format hybrid".split(), 128, 2)
     assert preset("a100", 1).fp8_peak_flops is None
-    with pytest.raises(ValueError, match="no FP8 peak"):
-        predict(preset("a100", 1), from_flags(
-            "--bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 2 --hidden-size 64 "
-            "--num-attention-heads 4 --fp8-format hybrid".split(), 128, 2), Layout(1, 1, 1))
+    with pytest.raises(ValueError, match="--fp8-format: cluster .* has no FP8 peak"):
+        plan(fp8, preset("a100", 1))
+    plan(dataclasses.replace(fp8, fp8=None), preset("a100", 1))  # the same model in 16-bit plans
+    with pytest.raises(ValueError, match="--fp8-format with multi-latent attention"):
+        plan(dataclasses.replace(fp8, config=mla_config(vocab_size=1000, hidden_size=32, num_layers=4)),
+             preset("h100", 1))
 
 
 def test_wide_fp8_plan_faster_by_the_gemm_share():
