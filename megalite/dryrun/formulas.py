@@ -26,15 +26,18 @@ the last stage are not in it.
 from megalite.model.attention_backends import EXPLICIT_BACKENDS
 from megalite.parallel.pipeline.actions import B, F, W
 from megalite.parallel.pipeline.schedules import schedule_actions
+from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
 from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
 
 
-def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_elements: int = 0) -> dict:
+def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_elements: int = 0,
+                   fp8_delayed_linears: int = 0) -> dict:
     """formulas.md's bytes for this rank's DDP gradient `buffers` (see the module docstring),
     the parameters' with the `models`' buffers (the MoE routers' expert biases and token counts,
-    fp32 per expert), which the held parameters include. Under FSDP2 (`fsdp_shard_elements`: the
-    rank's parameter shards, padded as allocated) ZeRO-3's fp32 weights, gradients and Adam's
-    moments: 4 + 4 + 8 bytes per element."""
+    fp32 per expert) and the delayed-scaling state of `fp8_delayed_linears` FP8 linears (fp32
+    amax history [--fp8-amax-history-len, 3] and scales [3] each), which the held parameters
+    include. Under FSDP2 (`fsdp_shard_elements`: the rank's parameter shards, padded as
+    allocated) ZeRO-3's fp32 weights, gradients and Adam's moments: 4 + 4 + 8 bytes per element."""
     weight = 2 if args.bf16 or args.fp16 else 4
     grad = 2 if args.fp16 and not args.accumulate_allreduce_grads_in_fp32 else 4
     main = 4 if weight == 2 else 0  # fp32 main parameters beside 16-bit weights
@@ -49,6 +52,7 @@ def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_element
             params += sum(max(0, min(end, s1) - max(start, s0)) for start, end in bucket.param_ranges.values())
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
     model_buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
+    model_buffers += fp8_delayed_linears * delayed_state_bytes(args.fp8_amax_history_len or 1)
     if fsdp_shard_elements:
         return {"parameters": 4 * fsdp_shard_elements + model_buffers, "gradients": 4 * fsdp_shard_elements,
                 "optimizer": moments * fsdp_shard_elements + steps}

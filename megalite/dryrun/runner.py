@@ -21,6 +21,7 @@ from megalite.dryrun.gpu_attention import GpuAttention
 from megalite.dryrun.pipeline_sends import ScheduledSendsP2P, send_completion_times
 from megalite.dryrun.probes import CommCounter, MixCheck, ScalarReads
 from megalite.dryrun.step_tracker import AcyclicModTracker, StepMemTracker
+from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.moe import moe_layers
@@ -32,6 +33,7 @@ from megalite.parallel.expert.groups import ExpertLayout, ExpertState
 from megalite.parallel.pipeline.executor import PipelineExecutor
 from megalite.parallel.state import ParallelState
 from megalite.config.arguments import layout_from_args, model_config_from_args
+from megalite.config.fp8 import fp8_recipe_from_args
 from megalite.config.megatron.training import interleaved_group_size, split_accounting
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, compute_dtype
 from megalite.training.setup_run import build_optimizer_and_schedule, wrap_chunks
@@ -99,10 +101,14 @@ def _microbatches(args, device, count: int, vocab: int, pstate):
                "attention_mask": None}
 
 
-def _track_megalite_state(mt: MemTracker, chunks, optimizer) -> None:
+def _track_megalite_state(mt: MemTracker, chunks, optimizer, fp8_scaling=None) -> None:
     """Tell MemTracker what megalite holds outside .grad and optimizer.state: the contiguous
     parameter and main-gradient buffers of DDP, the fp32 main parameters and, with fp16
-    gradients, their fp32 copies (else filed as activations when first used)."""
+    gradients, their fp32 copies, and FP8 delayed scaling's amax histories and scales (filed
+    with the parameters, as buffers are; else filed as activations when first used)."""
+    for state in (fp8_scaling.states.values() if fp8_scaling is not None else ()):
+        for tensor in (state.amax_history, state.scales):
+            mt._update_and_maybe_create_winfos(tensor, _MemRefType.BUFFER)
     for chunk in chunks:
         mt.track_external(chunk.module)
         if isinstance(chunk, DistributedDataParallel):
@@ -193,6 +199,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         with fake, contextlib.nullcontext() if real else ScalarReads(), GpuAttention(), CpuStreamsAsCuda():
             for m in models:
                 materialize_(m, device, init=real)
+            # FP8 linears' GEMMs and delayed-scaling states, as setup_run gives them (on the materialised device)
+            fp8_scaling = enable_fp8_chunks(models, fp8_recipe_from_args(args), config.num_layers, pstate)
             chunks = wrap_chunks(models, parallel, pstate)
             optimizer, _ = build_optimizer_and_schedule(chunks, OptimizerConfig.from_args(args), pstate)
             if optimizer.loss_scaler is not None and not real:  # fp16: run the inf check, take its answer as "none"
@@ -220,7 +228,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                         param.grad = torch.zeros_like(param)
             optimizer.inner.step()
             mt = StepMemTracker()
-            _track_megalite_state(mt, chunks, optimizer)
+            _track_megalite_state(mt, chunks, optimizer, fp8_scaling)
             checks = MixCheck(lambda: max(modules.parents, key=len, default="")) if strict else None
             with mt, counter, modules:
                 if checks is not None:
@@ -231,6 +239,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                     executor.run(_microbatches(args, device, args.num_micro_batches, config.vocab_size, pstate))
                     finalize_model_grads(chunks, pstate)
                     optimizer.step(iteration=1)
+                    if fp8_scaling is not None:
+                        fp8_scaling.after_optimizer_step()
                 finally:
                     if checks is not None:
                         checks.__exit__(None, None, None)
@@ -258,7 +268,7 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
         shards = sum(p.to_local().untyped_storage().nbytes() // 4 for c in chunks if isinstance(c, FSDPChunk)
                      for p in c.module.parameters())
         report.formula = expected_bytes(args, [b for c in chunks for b in getattr(c, "buffers_", [])], optimizer,
-                                        models, shards)
+                                        models, shards, len(fp8_scaling.states) if fp8_scaling is not None else 0)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
                                                           layout.coords(rank)[2], [len(m.layers) for m in models])

@@ -85,6 +85,9 @@ class Cluster:
     preset (the ring model above)."""
     source: str = ""
     """Where the numbers come from."""
+    fp8_peak_flops: float | None = None
+    """Dense FP8 tensor-core peak FLOP/s (H100 / H200 SXM: 1978.9 TFLOP/s, twice bf16); None: the
+    card has none known, and --fp8-format plans are refused on it."""
     kernels: "KernelRates | None" = field(default=None, compare=False, hash=False)
     """megalite's kernels as measured on this GPU (gpu_kernels.py times them); None: the
     roofline of compute.py."""
@@ -292,7 +295,7 @@ PRESETS = {
                  source="presets: formulas.md peak; ml-engineering MAMF; NVIDIA data sheets; 80%/90% link/HBM "
                         "efficiency assumed"),
     "h100": dict(name="H100-80GB SXM, 8 per node (NVLink 4, 8x400 Gb/s NDR InfiniBand)", gpus_per_node=8,
-                 memory_bytes=80 * GIB, peak_flops=989.4e12, matmul_efficiency=792.1 / 989.4,
+                 memory_bytes=80 * GIB, peak_flops=989.4e12, fp8_peak_flops=1978.9e12, matmul_efficiency=792.1 / 989.4,
                  memory_bandwidth=3.35e12 * _HBM_EFFICIENCY, intra_node_bandwidth=450e9 * _LINK_EFFICIENCY,
                  inter_node_bandwidth=50e9 * _LINK_EFFICIENCY,
                  source="presets: formulas.md peak; ml-engineering MAMF; NVIDIA data sheets; 80%/90% link/HBM "

@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from megalite.parallel.expert.groups import ExpertLayout
 from megalite.planner.cluster import Cluster
+from megalite.planner.fp8 import fp8_layer_seconds
 from megalite.planner.gpu_kernels import (accumulated_parameters, accumulation_bytes, attention_seconds, embedding_seconds, measured_layer,
                                           output_seconds)
 from megalite.planner.layouts import Layout
@@ -202,6 +203,8 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     groups = groups_of(layout)
     times = ChunkTimes()
     dense, core = _layer_gemms(cluster, workload, layout, tokens, moe_layer)
+    fp8_f, fp8_b, cast_f, cast_b = fp8_layer_seconds(cluster, workload, layout, layer, groups["tp"])
+    dense += fp8_f  # the backward's GEMMs are taken as twice the forward's below; fp8_b corrects that
     accumulate = accumulation_bytes(workload, accumulated_parameters(workload, layer, layout))
     if cluster.kernels is not None:
         count = sum(1 for *_, kind in layer_gemms(workload, layout, tokens, moe_layer) if kind != "core")
@@ -212,6 +215,11 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
     else:
         times = _roofline_layer(cluster, workload, layout, tokens, moe_layer, dense, core,
                                 accumulate / cluster.memory_bandwidth, ops)
+    if workload.fp8 is not None:
+        full = layout.recompute == "full"
+        times.add("matmul", 0.0, fp8_b - 2 * fp8_f)
+        times.weight += fp8_b - 2 * fp8_f
+        times.add("memory-bound", cast_f, cast_b + (cast_f if full else 0.0))
     activation = tokens * config.hidden_size * e
     tp = 2 * _tp_comm(cluster, layout, activation, groups["tp"])
     regather = 0.0

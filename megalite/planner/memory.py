@@ -35,6 +35,7 @@ from megalite.kernels.cross_entropy_torch import TORCH_CHUNK_ELEMENTS
 from megalite.optimizer.memory_report import bytes_per_parameter
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.simulator import held_activations
+from megalite.planner.fp8 import fp8_memory_bytes
 from megalite.planner.layouts import Layout
 from megalite.parallel.pipeline.stage_layout import stage_layers
 from megalite.planner.parameters import layer_parameters, rank_parameters
@@ -58,10 +59,13 @@ class RankMemory:
     num_parameters: int = 0
     held_microbatches: float = 0.0
     """Micro-batches in flight at the peak, in whole-stage equivalents (chunk activations / v)."""
+    fp8: float = 0.0
+    """--fp8-format: delayed-scaling states and the quantization working set (planner/fp8.py)."""
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.logits
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.logits
+                + self.fp8)
 
 
 @lru_cache(maxsize=4096)
@@ -127,7 +131,9 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
     if layout.fsdp2:
         root, accumulated, logits, recompute = fsdp2_extras(workload, layout, dense, m, recompute)
         w, g = w + root, g + accumulated
-    return RankMemory(rank, w, g, o, activations, recompute, logits, dense + expert, held / v)
+    fp8 = fp8_memory_bytes(workload, layout, [layer for c in range(v)
+                                              for layer in stage_layers(config.num_layers, p, rank, c, v, **split)])
+    return RankMemory(rank, w, g, o, activations, recompute, logits, dense + expert, held / v, fp8)
 
 
 def fsdp2_extras(workload: Workload, layout: Layout, params: int, m: int,

@@ -25,7 +25,8 @@ def memory_unit(nbytes: float) -> tuple[float, str]:
 def memory_text(memory: RankMemory) -> str:
     unit, name = memory_unit(memory.total)
     extras = "".join(f" + {label} {value / unit:.2f}" for label, value in
-                     (("recompute", memory.recompute), ("logits", memory.logits)) if value)
+                     (("recompute", memory.recompute), ("logits", memory.logits), ("fp8", memory.fp8))
+                     if value)
     return (f"weights {memory.parameters / unit:.2f} + grads {memory.gradients / unit:.2f} + optimizer "
             f"{memory.optimizer / unit:.2f} + activations {memory.activations / unit:.2f}{extras} = "
             f"{memory.total / unit:.2f} {name} (pipeline rank {memory.rank})")

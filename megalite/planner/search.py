@@ -4,6 +4,7 @@ then run the schedule simulator on the best `simulate` of them and rank by step 
 from dataclasses import dataclass, field
 
 from megalite.planner.cluster import Cluster
+from megalite.planner.fp8 import check_fp8_plan
 from megalite.planner.layouts import Layout, Space, enumerate_layouts
 from megalite.planner.memory import RankMemory, peak_memory
 from megalite.planner.step import Prediction, predict
@@ -28,6 +29,7 @@ def plan(workload: Workload, cluster: Cluster, space: Space | None = None, memor
     """Every layout of cluster.num_gpus ranks in `space`, ranked by predicted step time."""
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
+    check_fp8_plan(workload, cluster)
     space = space or Space()
     limit = memory_fraction * cluster.memory_bytes
     fitting: list[tuple[Layout, RankMemory]] = []

@@ -28,6 +28,7 @@ from megalite.parallel.pipeline.schedules import all_ranks
 from megalite.parallel.pipeline.simulator import Costs, simulate
 from megalite.parallel.pipeline.stage_layout import stage_layers
 from megalite.planner.cluster import Cluster
+from megalite.planner.fp8 import is_fp8_layer
 from megalite.planner.compute import ChunkTimes, embedding_times, groups_of, layer_times, output_times
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import RankMemory, peak_memory, state_bytes
@@ -70,10 +71,11 @@ def chunk_times(cluster: Cluster, workload: Workload, layout: Layout) -> list[li
         for chunk in range(layout.vp):
             times = ChunkTimes()
             for layer in stage_layers(config.num_layers, layout.pp, rank, chunk, layout.vp, **split):
-                moe = config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers)
-                if moe not in per_layer:
-                    per_layer[moe] = layer_times(cluster, workload, layout, layer, ops[0])
-                times += per_layer[moe]
+                kind = (config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers),
+                        is_fp8_layer(workload, layer))
+                if kind not in per_layer:
+                    per_layer[kind] = layer_times(cluster, workload, layout, layer, ops[0])
+                times += per_layer[kind]
             if rank == 0 and chunk == 0:
                 times += embedding_times(cluster, workload, layout)
             if rank == layout.pp - 1 and chunk == layout.vp - 1:

@@ -45,6 +45,8 @@ class Workload:
     gradient_accumulation_fusion: bool = True
     """Linear weight gradients accumulated into main_grad inside their GEMM (Megatron's default;
     off with --no-gradient-accumulation-fusion or --torch-compile among the model's flags)."""
+    fp8: object = None
+    """The Fp8Recipe of --fp8-format among the model's flags (megalite/planner/fp8.py), else None."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -101,6 +103,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
     """A Workload from pretrain_gpt's flags (Megatron names; `--config file.yaml` allowed). The
     vocabulary is the tokenizer's: `--vocab-size` with NullTokenizer, or the tokenizer files."""
     from megalite.config.arguments import model_config_from_args, parse_args
+    from megalite.config.fp8 import fp8_recipe_from_args
     from megalite.config.megatron.model import tokenizer_from_args
 
     args = parse_args(argv)
@@ -135,7 +138,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
                     account_for_embedding=args.account_for_embedding_in_pipeline_split,
                     account_for_loss=args.account_for_loss_in_pipeline_split,
                     gradient_accumulation_fusion=args.gradient_accumulation_fusion is not False
-                    and not args.torch_compile)
+                    and not args.torch_compile, fp8=fp8_recipe_from_args(args))
 
 
 def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:

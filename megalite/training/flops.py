@@ -5,6 +5,8 @@
                                                              k = 2 GeLU, 3 SwiGLU)
     MoE layers: k*h*f becomes h*E + topk*k*h*f_moe (+ k*h*f_shared + h): activated experts only
     MFU     = F_token * tokens/s per GPU / peak FLOP/s
+    (an --fp8-format run: against the dense bf16 peak, and also against the dense FP8 peak;
+     F_token is the same count either way)
 
 Multi-latent attention (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP"): a layer's
 attention weights are h*r_q + r_q*a*d_q (or h*a*d_q without a query latent) + h*(r_kv + d_r)
@@ -35,6 +37,9 @@ PEAK_BF16_FLOPS = (
     (re.compile(r"\bH200\b(?!.*NVL)"), "H200", 989.4e12),
     (re.compile(r"\bA100\b"), "A100", 312e12),
 )
+# Dense FP8 tensor-core peak FLOP/s (NVIDIA's H100 / H200 SXM data sheets: 3958 TFLOP/s with
+# sparsity, half of it dense; twice the bf16 rate). A100 has no FP8 tensor cores.
+PEAK_FP8_FLOPS = {"H100 SXM": 1978.9e12, "H200": 1978.9e12}
 
 def mlp_matmul_parameters(config: GPTConfig, layer: int, activated: bool = True) -> int:
     """MLP weights of one layer that multiply each token: the dense MLP's; in an MoE layer the
@@ -118,6 +123,19 @@ def peak_flops(device_name: str | None = None) -> tuple[str, float] | None:
         if pattern.search(device_name):
             return name, peak
     return None
+
+
+def fp8_peak_flops(device_name: str | None = None) -> float | None:
+    """Dense FP8 peak FLOP/s of a GPU (default the current CUDA device); None when unknown."""
+    known = peak_flops(device_name)
+    return PEAK_FP8_FLOPS.get(known[0]) if known else None
+
+
+def run_peak_flops(fp8_run: bool, device_name: str | None = None) -> tuple[float | None, float | None]:
+    """(dense bf16 peak, dense FP8 peak) a run's MFU is stated against: the FP8 one for
+    --fp8-format runs only (a 16-bit run's log line keeps one MFU); None where unknown."""
+    known = peak_flops(device_name)
+    return (known[1] if known else None), (fp8_peak_flops(device_name) if fp8_run else None)
 
 
 def model_flops_utilization(flops_per_token: float, tokens_per_second_per_gpu: float,

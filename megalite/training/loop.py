@@ -308,7 +308,7 @@ class Trainer:
         seconds = elapsed / max(iters, 1)
         batch = batch or training.global_batch_size
         rates = throughput(run.flops_per_token, batch * training.seq_length, seconds,
-                           run.pstate.world_size, run.peak_flops)
+                           run.pstate.world_size, run.peak_flops, run.peak_fp8_flops)
         memory, kind = memory_usage_mb(run.device)
         record = TrainingRecord(
             iteration=run.iteration, train_iters=training.total_train_iters, consumed_samples=run.consumed_train_samples,

@@ -38,7 +38,9 @@ class TrainingRecord:
     tokens_per_second_per_gpu: float | None = None
     tflops_per_gpu: float | None = None
     mfu: float | None = None
-    """Model FLOPs utilisation as a fraction; None when the device's peak is unknown."""
+    """Model FLOPs utilisation as a fraction of the dense bf16 peak; None when the device's peak is unknown."""
+    mfu_fp8: float | None = None
+    """An --fp8-format run's MFU against the device's dense FP8 peak (same FLOPs); None otherwise."""
     memory_mb: float | None = None
     memory_kind: str | None = None
     """'cuda_max_allocated' or 'max_rss' (CPU), see memory_usage_mb."""
@@ -50,14 +52,15 @@ class TrainingRecord:
 
 
 def throughput(flops_per_token: float, tokens_per_iteration: int, seconds_per_iteration: float,
-               world_size: int, peak_flops: float | None) -> dict:
+               world_size: int, peak_flops: float | None, peak_fp8_flops: float | None = None) -> dict:
     """tokens/s per GPU, TFLOP/s per GPU and MFU (None without a known peak) of one iteration
     that processed `tokens_per_iteration` tokens (global batch x seq length) on `world_size`
-    GPUs."""
+    GPUs; `mfu_fp8` the same FLOPs against `peak_fp8_flops` (given for --fp8-format runs)."""
     tokens = tokens_per_iteration / seconds_per_iteration / world_size
-    mfu = flops_per_token * tokens / peak_flops if peak_flops else None
-    return {"tokens_per_second_per_gpu": tokens,
-            "tflops_per_gpu": flops_per_token * tokens / 1e12, "mfu": mfu}
+    achieved = flops_per_token * tokens
+    return {"tokens_per_second_per_gpu": tokens, "tflops_per_gpu": achieved / 1e12,
+            "mfu": achieved / peak_flops if peak_flops else None,
+            "mfu_fp8": achieved / peak_fp8_flops if peak_fp8_flops else None}
 
 
 def memory_usage_mb(device=None) -> tuple[float, str]:
@@ -87,8 +90,11 @@ def format_training_line(record: TrainingRecord, now: datetime | None = None) ->
              f" elapsed time per iteration (ms): {r.elapsed_ms_per_iteration:.1f} |"]
     if r.tflops_per_gpu is not None:
         parts.append(f" throughput per GPU (TFLOP/s/GPU): {r.tflops_per_gpu:.1f} |")
-        parts.append(f" MFU: {100 * r.mfu:.1f}% |" if r.mfu is not None
-                     else " MFU: n/a (unknown device peak) |")
+        if r.mfu is not None and r.mfu_fp8 is not None:
+            parts.append(f" MFU: {100 * r.mfu:.1f}% of the bf16 peak, {100 * r.mfu_fp8:.1f}% of the FP8 peak |")
+        else:
+            parts.append(f" MFU: {100 * r.mfu:.1f}% |" if r.mfu is not None
+                         else " MFU: n/a (unknown device peak) |")
     if r.tokens_per_second_per_gpu is not None:
         parts.append(f" tokens per second per GPU: {r.tokens_per_second_per_gpu:.1f} |")
     parts += [f" learning rate: {r.learning_rate:.6E} |",

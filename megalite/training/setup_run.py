@@ -30,7 +30,7 @@ from megalite.parallel.state import ParallelState
 from megalite.training.cuda_graphs import layer_graphs_for
 from megalite.parallel.tensor.comm_overlap import enable_tp_comm_overlap
 from megalite.parallel.tensor.deferred_wgrad import defer_wgrad
-from megalite.training.flops import flops_per_token, peak_flops
+from megalite.training.flops import flops_per_token, run_peak_flops
 from megalite.training.lr_schedule import lr_scheduler
 from megalite.optimizer.mup import apply_mup
 from megalite.training.per_token_loss import PerTokenLoss, apply_decoupled_lr
@@ -62,6 +62,7 @@ class Run:
     executors: dict = field(default_factory=dict)
     cuda_graphs: list = field(default_factory=list)  # --cuda-graph-impl local: LayerGraphs per chunk
     fp8_scaling: object = None  # --fp8-format: DelayedScalingStates, updated after each optimizer step
+    peak_fp8_flops: float | None = None  # --fp8-format on a card with a known FP8 peak: MFU against it too
 
     def optimizer_step(self, iteration: int) -> tuple[bool, float | None, int | None]:
         """The optimizer's step, then the FP8 delayed-scaling update (also after a skipped
@@ -190,12 +191,12 @@ def build_run(args) -> Run:
             forward_step=per_token or gpt_forward_step, microbatch_group_size=parallel.microbatch_group_size)
 
     executor = make_executor(parallel.num_micro_batches)
-    peak = peak_flops() if device.type == "cuda" else None
+    peak, peak_fp8 = run_peak_flops(cfg.fp8 is not None) if device.type == "cuda" else (None, None)
     run = Run(cfg, pstate, device, tracker, chunks, optimizer, scheduler, executor,
               flops_per_token(config, data.seq_length, config.padded_vocab_size(pstate.tp_size)),
-              peak[1] if peak else None, make_executor=make_executor, per_token=per_token,
+              peak, make_executor=make_executor, per_token=per_token,
               cuda_graphs=layer_graphs_for(models, cfg.training.cuda_graph_impl, cfg.training.cuda_graph_warmup_steps),
-              fp8_scaling=fp8_scaling)
+              fp8_scaling=fp8_scaling, peak_fp8_flops=peak_fp8)
     if common is not None:
         run.loaded_from = common["path"]
         if not (ckpt.finetune or common["finetune"]):

@@ -5,7 +5,7 @@ import pytest
 from megalite.model.config import GPTConfig
 from megalite.optimizer.memory_report import bytes_per_parameter, fsdp_bytes_per_parameter
 from megalite.training.flops import (activation_bytes_per_layer, flops_per_token, matmul_parameters,
-                                     model_flops_utilization, peak_flops)
+                                     model_flops_utilization, peak_flops, run_peak_flops)
 
 
 def megatron_flops_per_step(batch, seq, layers, hidden, vocab):
@@ -61,6 +61,16 @@ def test_device_peaks_and_mfu():
         assert peak_flops(unknown) is None, unknown
     assert model_flops_utilization(1e9, 400_000, 989.4e12) == pytest.approx(4e14 / 989.4e12, rel=1e-12)
     assert model_flops_utilization(1e9, 400_000, None) is None
+
+
+def test_fp8_peaks_only_for_fp8_runs():
+    """Dense FP8 peak = 2 x dense bf16 on H100 / H200 (data sheets); an FP8 run gets both, a
+    16-bit run only the bf16 one; no FP8 peak on A100 or an unknown card."""
+    for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert run_peak_flops(True, card) == (989.4e12, 1978.9e12)
+        assert run_peak_flops(False, card) == (989.4e12, None)
+    assert run_peak_flops(True, "NVIDIA A100-SXM4-80GB") == (312e12, None)
+    assert run_peak_flops(True, "NVIDIA H100 PCIe") == (None, None)
 
 
 def test_bytes_per_parameter_table():

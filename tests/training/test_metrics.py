@@ -43,6 +43,20 @@ def test_training_line_is_megatrons():
     assert "grad norm" not in cpu
 
 
+def test_fp8_run_states_mfu_against_both_peaks():
+    """An --fp8-format run's line names both peaks; a 16-bit run's (mfu_fp8 None) is unchanged."""
+    rates = throughput(flops_per_token=1e9, tokens_per_iteration=64 * 1024, seconds_per_iteration=0.5,
+                       world_size=8, peak_flops=989.4e12, peak_fp8_flops=1978.9e12)
+    assert rates["mfu_fp8"] == pytest.approx(16.384e12 / 1978.9e12, rel=1e-12)
+    assert rates["mfu"] == pytest.approx(2 * rates["mfu_fp8"], rel=1e-4)
+    fp8 = format_training_line(record(mfu=rates["mfu"], mfu_fp8=rates["mfu_fp8"]))
+    assert " MFU: 1.7% of the bf16 peak, 0.8% of the FP8 peak |" in fp8
+    assert fp8.count("MFU") == 1
+    without = throughput(1e9, 64 * 1024, 0.5, 8, 989.4e12)
+    assert without["mfu_fp8"] is None
+    assert format_training_line(record(**without)).count(" MFU: 1.7% |") == 1
+
+
 def test_evaluation_block():
     text = format_evaluation_lines("valid", 200, 3.0)
     rule, line, rule2 = text.split("\n")

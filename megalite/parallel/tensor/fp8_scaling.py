@@ -91,6 +91,11 @@ class TensorwiseScaling:
         return scale_from_amax(amax, FP8_MAX[self.recipe.dtype(operand)], 0, torch.ones_like(amax))
 
 
+def delayed_state_bytes(history_len: int) -> int:
+    """Bytes of one linear's delayed-scaling state: the fp32 amax history [len, 3] and scales [3]."""
+    return 4 * (3 * history_len + 3)
+
+
 class DelayedScaling:
     """One linear's delayed-scaling state: amax history [history_len, 3] and scales [3]."""
 

@@ -1,0 +1,120 @@
+"""An --fp8-format run's time and memory beyond the 16-bit run's, as megalite's FP8 linears
+(megalite/parallel/tensor/fp8_gemm.py) run them: the attention's and the MLP's column- and
+row-parallel linears of the FP8 decoder layers (a MoE layer's shared expert, not its routed
+experts or router); the embedding, the output layer and the attention core stay 16-bit.
+
+Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
+- each of its GEMMs (fprop, dgrad, and wgrad unless --no-fp8-wgrad) at the card's dense FP8
+  peak x the same matmul efficiency as 16-bit (an assumption until a GPU measures it), FP8
+  operands (1 byte) and a 16-bit result, in place of the 16-bit GEMM;
+- the casts, at the memory bandwidth: megalite quantizes with unfused torch operators, each
+  quantized element moving QUANTIZE_BYTES (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale
+  4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes; delayed scaling reads the amax of the tensor too);
+  forward quantizes x and W, dgrad the output gradient dy and W, wgrad dy and x again, and
+  wgrad's operands get a transposed copy (1 + 1 bytes per element of dy and x);
+- tensorwise scaling: an all-reduce of one fp32 amax over TP per split operand per GEMM (W
+  always; dy of a column-parallel, x of a row-parallel linear), at the latency of the group.
+
+Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales [3]; and the
+quantization working set of the rank's largest FP8 linear, taken as held on top of the
+activation peak (backward runs it while the activations are held): the largest of forward's
+5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's 2G + 5X or
+2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into main_grad),
+with X = T k, G = T n, W = k n elements (T the micro-batch's tokens: a sequence-parallel
+column linear gathers its input, a row linear reduce-scatters its output). Checked against the
+dry run (tests/planner/test_fp8_planner.py).
+"""
+
+from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
+from megalite.planner.layouts import Layout
+from megalite.planner.workload import Workload
+
+QUANTIZE_BYTES = 33
+TRANSPOSE_BYTES = 2
+
+
+def check_fp8_plan(workload: Workload, cluster) -> None:
+    """ValueError naming the flag when the planner has no FP8 model for this model or card."""
+    if workload.fp8 is None:
+        return
+    if workload.config.mla is not None or workload.config.gdn is not None:
+        raise ValueError("--fp8-format with multi-latent attention or Gated DeltaNet layers: the planner's FP8 "
+                         "model covers standard attention's linears only")
+    if cluster.fp8_peak_flops is None:
+        raise ValueError(f"--fp8-format: cluster {cluster.name} has no FP8 peak (fp8_peak_flops): FP8 GEMMs need "
+                         "an sm_89+ GPU; give fp8_peak_flops in the cluster JSON")
+
+
+def is_fp8_layer(workload: Workload, layer: int) -> bool:
+    return workload.fp8 is not None and workload.fp8.is_fp8_layer(layer, workload.config.num_layers)
+
+
+def fp8_linears(workload: Workload, layout: Layout, layer: int) -> list[tuple[float, float, float, str]]:
+    """(T, k, n, 'column' or 'row') of layer `layer`'s FP8 linears on one rank; [] for a 16-bit layer."""
+    if not is_fp8_layer(workload, layer):
+        return []
+    config, t = workload.config, layout.tp
+    tokens = layout.micro_batch_size * workload.seq_length / layout.cp
+    h, d = config.hidden_size, config.kv_channels
+    q, kv = config.num_attention_heads * d, config.num_query_groups * d
+    up = 2 if config.activation == "swiglu" else 1
+    linears = [(tokens, h, (q * (2 if config.attention_output_gate else 1) + 2 * kv) / t, "column"),
+               (tokens, q / t, h, "row")]
+    moe = config.moe
+    if moe is not None and moe.is_moe_layer(layer, config.num_layers):
+        ffn = moe.shared_expert_intermediate_size or 0
+    else:
+        ffn = config.ffn_hidden_size
+    if ffn:
+        linears += [(tokens, h, up * ffn / t, "column"), (tokens, ffn / t, h, "row")]
+    return linears
+
+
+def _gemm_seconds(flops_rate: float, bandwidth: float, m: float, k: float, n: float, operand: int,
+                  result: int) -> float:
+    return max(2 * m * k * n / flops_rate, (operand * (m * k + k * n) + result * m * n) / bandwidth)
+
+
+def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
+                      tp_group=None) -> tuple[float, float, float, float]:
+    """(GEMM seconds forward, backward, casts forward, backward) that layer `layer`'s FP8
+    linears add to its 16-bit time on one rank (GEMM seconds negative: FP8 is faster);
+    `tp_group` the ranks of its TP group (tensorwise amax all-reduces)."""
+    linears = fp8_linears(workload, layout, layer)
+    if not linears:
+        return 0.0, 0.0, 0.0, 0.0
+    check_fp8_plan(workload, cluster)
+    e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
+    bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
+    gemm_f = gemm_b = cast_f = cast_b = 0.0
+    for tokens, k, n, mode in linears:
+        # fprop [T,k]x[k,n]; dgrad [T,n]x[n,k]; wgrad [k,T]x[T,n]: the same FLOPs and operand sizes
+        delta = _gemm_seconds(fp8_rate, bw, tokens, k, n, 1, e) - _gemm_seconds(bf16_rate, bw, tokens, k, n, e, e)
+        gemm_f += delta
+        gemm_b += delta * (2 if recipe.wgrad else 1)
+        x, g, w = tokens * k, tokens * n, k * n
+        cast_f += QUANTIZE_BYTES * (x + w) / bw
+        cast_b += QUANTIZE_BYTES * (g + w) / bw
+        if recipe.wgrad:
+            cast_b += (QUANTIZE_BYTES + TRANSPOSE_BYTES) * (g + x) / bw
+        if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
+            reduce = cluster.collective_time("all_reduce", 4, tp_group)
+            # fprop: W, and x of a row linear; dgrad: W, and dy of a column linear; wgrad: the split one of dy, x
+            cast_f += reduce * (1 + (mode == "row"))
+            cast_b += reduce * (1 + (mode == "column") + recipe.wgrad)
+    return gemm_f, gemm_b, cast_f, cast_b
+
+
+def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> float:
+    """Bytes an FP8 rank holding decoder `layers` adds: delayed-scaling states and the largest
+    FP8 linear's quantization working set (module docstring)."""
+    linears = [linear for layer in layers for linear in fp8_linears(workload, layout, layer)]
+    if not linears:
+        return 0.0
+    state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
+        if workload.fp8.scaling == "delayed" else 0
+    working = 0.0
+    for tokens, k, n, _ in linears:
+        x, g, w = tokens * k, tokens * n, k * n
+        working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
+    return state + working
