@@ -45,6 +45,7 @@ def test_flags_reach_the_optimizer():
     assert validate_args(parse_args(BASE + MUON + ["--use-torch-fsdp2"]), 4).use_torch_fsdp2
     dist_muon = validate_args(parse_args(BASE + MUON[2:] + ["--optimizer", "dist_muon"]), 4)
     assert dist_muon.optimizer == "muon" and OptimizerConfig.from_args(dist_muon).use_distributed_optimizer
+    assert _validated("--num-experts", "4", "--expert-model-parallel-size", "2").num_experts == 4  # experts: ETP split
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -56,7 +57,6 @@ def test_flags_reach_the_optimizer():
     (["--muon-coefficient-type", "cubic"], "--muon-coefficient-type 'cubic'"),
     (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
     (["--muon-use-syrk"], "--muon-use-syrk"),
-    (["--num-experts", "4"], "--num-experts"),
     (["--decoupled-lr", "1e-3"], "--decoupled-lr"),
     (["--use-mup"], "--use-mup"),
     (["--optimizer", "lion"], "--optimizer"),
