@@ -57,12 +57,15 @@ def test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported(tmp_path)
     assert "| bench-kernels | timed out | " in table and done.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert "torch " + torch.__version__ in table and "command: `bash tools/benchmarks/gpu_check.sh --cpu-smoke" in table
     steps = ["tests-kernels", "tests-tp-cuda", "bench-host-overhead", "bench-attention", "run-1b",
-             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
+             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-fp8",
+             "bench-model"]
     for name in steps:
         assert f"| {name} | ok |" in table, name
     for name in ("1b", "8b-layers", "1b-recompute"):
         row = next(line for line in table.splitlines() if line.startswith(f"| run-{name} |"))
         assert "ms/step" in row and "dry run n/a" not in row and "planner (h200) n/a" not in row, row
+    fp8 = next(line for line in table.splitlines() if line.startswith("| bench-fp8 |"))
+    assert "8b-layers: FP8 " in fp8 and "tokens/s" in fp8 and "loss after 3 steps" in fp8, fp8  # bench_fp8.py --cpu-smoke
     assert "1 passed" in table and "skipped" in table  # the smoke selection: a kernel file, the TP cases' skips
 
 
