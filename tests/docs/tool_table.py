@@ -159,6 +159,9 @@ BENCHMARKS = {
     "python tools/benchmarks/bench_fp8.py [--json out.json]": CannotRun(GPU, (
         FP8_BENCH + "test_bench_fp8_without_a_gpu_says_so", FP8_BENCH + "test_bench_fp8_holds_each_model_to_its_targets",
         GPU_CHECK_SMOKE)),
+    "python tools/benchmarks/bench_fp8.py": CannotRun(GPU, (
+        FP8_BENCH + "test_bench_fp8_without_a_gpu_says_so", FP8_BENCH + "test_bench_fp8_holds_each_model_to_its_targets",
+        GPU_CHECK_SMOKE)),
     "python tools/benchmarks/bench_fp8.py --cpu-smoke": Elsewhere(
         (GPU_CHECK_SMOKE,), "gpu_check.sh --cpu-smoke runs it (--models 8b-layers: the 8B layers' two runs at toy size)"),
     "python tools/benchmarks/bench_host_overhead.py [--calls 300] [--ops rms_norm,swiglu] [--shape 8,2048]": Elsewhere(

@@ -215,3 +215,16 @@ def test_run_metrics_reads_a_metrics_file_with_evaluation_records(tmp_path):
         logger.log_evaluation("test", 6, 2.4)
     metrics = report.run_metrics(path, profiled=5)  # iteration 5 was profiled: left out
     assert metrics == {"ms": 110.0, "mfu": 0.11, "memory_mib": 1006.0, "memory_kind": "cuda peak"}
+
+
+def test_the_fp8_step_is_summarised_by_its_lines(tmp_path):
+    """bench_fp8.py's --json rows (one line each: FP8 against bf16 and the targets) make the step's row."""
+    (tmp_path / "steps.tsv").write_text("bench-fp8\tok\t120\t150\n")
+    rows = [{"model": "8b-layers", "line": "8b-layers: FP8 1 tokens/s ... NOT met"},
+            {"model": "1b", "line": "1b: not measured (FP8 run did not finish)"}]
+    (tmp_path / "bench-fp8.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": rows}))
+    text = report.table(tmp_path, "bash gpu_check.sh", "NVIDIA H200", "h200")
+    assert ("| bench-fp8 | ok | 120 (150) | 8b-layers: FP8 1 tokens/s ... NOT met; "
+            "1b: not measured (FP8 run did not finish) |") in text
+    (tmp_path / "bench-fp8.json").unlink()
+    assert "| bench-fp8 | ok | 120 (150) | no result file |" in report.table(tmp_path, "c", "g", "h200")

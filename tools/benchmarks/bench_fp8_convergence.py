@@ -19,8 +19,10 @@ iterations (the three runs see the same batches, so the comparison is paired). W
 fp8_convergence.csv (loss per iteration), fp8_convergence.json (final losses, ratios, the
 commands, date and machine) and fp8_convergence.png (the curves, with matplotlib: the `plot`
 extra) to --output-dir, and prints each FP8 run's final loss over bf16's against --tolerance.
-Exit 0 when it measured (a ratio outside the tolerance is a line of the output), 1 when a
-training failed, 2 for bad options.
+--from-metrics DIR writes the outputs from the metrics files of runs already made (a --work-dir)
+without training. Exit 0 when it measured (a ratio outside the tolerance is a line of the
+output), 1 when a training failed, 2 for bad options (a --from-metrics run short of
+--train-iters too).
 """
 
 import argparse
@@ -44,6 +46,7 @@ RUNS = {
     "delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
                 "--fp8-amax-compute-algo", "max"],
 }
+COLORS = {"bf16": "C0", "tensorwise": "C1", "delayed": "C2"}  # a run's colour in both panels
 # options given to the demo config (in one process, no TP/PP: FP8 is the runs' only difference)
 MODEL_OPTIONS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                  "micro_batch_size", "global_batch_size", "train_iters", "lr_warmup_iters")
@@ -69,6 +72,9 @@ def parse_args(argv):
     p.add_argument("--window", type=int, default=20, help="iterations averaged for the final loss (default 20)")
     p.add_argument("--tolerance", type=float, default=0.02, help="target |FP8 / bf16 - 1| (default 0.02)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--from-metrics", metavar="DIR",
+                   help="no training: the outputs from DIR's metrics-{bf16,tensorwise,delayed}.jsonl (a --work-dir of an "
+                        "earlier run, or runs made with the commands its JSON records)")
     args = p.parse_args(argv)
     if (args.data_path is None) != (args.tokenizer_model is None):
         p.error("--data-path and --tokenizer-model go together")
@@ -76,6 +82,10 @@ def parse_args(argv):
         p.error(f"--data-path {args.data_path}: no {args.data_path}.bin")
     if not 1 <= args.window <= args.train_iters:
         p.error(f"--window {args.window} must be 1..--train-iters ({args.train_iters})")
+    if args.from_metrics:
+        missing = [n for n in RUNS if not (Path(args.from_metrics) / f"metrics-{n}.jsonl").exists()]
+        if missing:
+            p.error(f"--from-metrics {args.from_metrics}: no metrics-{missing[0]}.jsonl")
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         p.error(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters ({args.train_iters})")
     return args
@@ -130,12 +140,13 @@ def plot(curves: dict[str, dict[int, float]], path: Path, title: str) -> None:
     figure, (loss_ax, ratio_ax) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                                gridspec_kw={"height_ratios": [3, 2]})
     for name, curve in curves.items():
-        loss_ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], label=name, linewidth=1)
+        loss_ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], label=name, linewidth=1, color=COLORS[name])
     base = curves["bf16"]
     for name, curve in curves.items():
         if name != "bf16":
             its = sorted(set(curve) & set(base))
-            ratio_ax.plot(its, [curve[i] / base[i] for i in its], label=f"{name} / bf16", linewidth=1)
+            ratio_ax.plot(its, [curve[i] / base[i] for i in its], label=f"{name} / bf16", linewidth=1,
+                          color=COLORS[name])
     ratio_ax.axhline(1.0, color="gray", linewidth=0.5)
     loss_ax.set_ylabel("training lm loss")
     ratio_ax.set_ylabel("loss / bf16 loss")
@@ -148,10 +159,9 @@ def plot(curves: dict[str, dict[int, float]], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def train(args):
+    """The three trainings (the corpus built first unless given): (curves, commands, seconds), or
+    None after saying what failed."""
     with tempfile.TemporaryDirectory(prefix="bench_fp8_") as scratch:
         work = Path(args.work_dir or scratch)
         work.mkdir(parents=True, exist_ok=True)
@@ -160,7 +170,7 @@ def main(argv=None) -> int:
                                else build_corpus(work, args.corpus_mb, args.vocab_size))
         except RuntimeError as error:
             print(f"bench_fp8_convergence: building the demo corpus: {error}", file=sys.stderr)
-            return 1
+            return None
         metrics = {name: work / f"metrics-{name}.jsonl" for name in RUNS}
         commands = {name: training_command(args, name, data, tokenizer, metrics[name]) for name in RUNS}
         for path in metrics.values():
@@ -174,10 +184,34 @@ def main(argv=None) -> int:
                           "last")
             print(f"bench_fp8_convergence: the {failed} training failed (status {status}):\n"
                   + log.read_text()[-3000:], file=sys.stderr)
-            return 1
+            return None
         curves = {name: losses(path) for name, path in metrics.items()}
         print(f"trained {', '.join(f'{n} ({len(c)} iterations)' for n, c in curves.items())} in {seconds:.0f} s",
               flush=True)
+    return curves, commands, seconds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_metrics:
+        work = Path(args.from_metrics)
+        data, tokenizer = (args.data_path or str(work / "demo_text_document"),
+                           args.tokenizer_model or str(work / "tokenizer.model"))
+        metrics = {name: work / f"metrics-{name}.jsonl" for name in RUNS}
+        commands = {name: training_command(args, name, data, tokenizer, metrics[name]) for name in RUNS}
+        curves, seconds = {name: losses(path) for name, path in metrics.items()}, None
+    else:
+        trained = train(args)
+        if trained is None:
+            return 1
+        curves, commands, seconds = trained
+    short = [n for n in RUNS if len(curves[n]) < args.train_iters]
+    if short:
+        print(f"bench_fp8_convergence: the {short[0]} run logged {len(curves[short[0]])} of {args.train_iters} "
+              "iterations", file=sys.stderr)
+        return 2 if args.from_metrics else 1
     iterations = sorted(curves["bf16"])
     with open(out / "fp8_convergence.csv", "w", newline="") as f:
         writer = csv.writer(f)

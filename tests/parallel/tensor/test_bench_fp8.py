@@ -46,7 +46,8 @@ def corpus(tmp_path_factory):
 
 
 def test_convergence_smoke_writes_the_three_curves_and_their_ratios(tmp_path, corpus, capsys):
-    assert convergence.main([*corpus, *TINY, "--output-dir", str(tmp_path)]) == 0
+    work = tmp_path / "work"
+    assert convergence.main([*corpus, *TINY, "--output-dir", str(tmp_path), "--work-dir", str(work)]) == 0
     with open(tmp_path / "fp8_convergence.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["iteration"]) for r in rows] == [1, 2, 3]
@@ -66,11 +67,20 @@ def test_convergence_smoke_writes_the_three_curves_and_their_ratios(tmp_path, co
     assert (tmp_path / "fp8_convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "tensorwise / bf16 = " in out and "delayed / bf16 = " in out and "target within 2%" in out
+    # the same outputs again from the runs' metrics files, without training
+    again = tmp_path / "again"
+    assert convergence.main([*TINY, "--output-dir", str(again), "--from-metrics", str(work), "--no-plot"]) == 0
+    assert (again / "fp8_convergence.csv").read_text() == (tmp_path / "fp8_convergence.csv").read_text()
+    assert json.loads((again / "fp8_convergence.json").read_text())["ratio_to_bf16"] == summary["ratio_to_bf16"]
+    assert convergence.main([*TINY, "--train-iters", "4", "--from-metrics", str(work), "--no-plot",
+                             "--output-dir", str(again)]) == 2
+    assert "the bf16 run logged 3 of 4 iterations" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [(["--window", "0"], "--window 0 must be"),
                                            (["--data-path", "x"], "--data-path and --tokenizer-model go together"),
-                                           (["--data-path", "nowhere", "--tokenizer-model", "t"], "no nowhere.bin")])
+                                           (["--data-path", "nowhere", "--tokenizer-model", "t"], "no nowhere.bin"),
+                                           (["--from-metrics", "nowhere"], "no metrics-bf16.jsonl")])
 def test_convergence_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         convergence.main(argv)
