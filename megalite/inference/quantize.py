@@ -10,7 +10,11 @@ precision is what gpt-fast and torchao's LLaMA examples do too).
 
 Where torchao 0.18 has no kernel, the choice is refused in one line: INT4 needs CUDA (its CPU
 int4 path, IntxWeightOnlyConfig, stores int4 values unpacked in int8 bytes, so it saves nothing
-over INT8). TP > 1 is refused: the quantized shards have not been checked against TP = 1; so
+over INT8) on a GPU of compute capability 8.0 or newer (tinygemm's tensor-core kernel, as torchao
+checks). On CUDA INT4 is Int4WeightOnlyConfig with the tile_packed_to_4d layout and tinygemm's
+asymmetric scale and zero point per group of 128 (`quantize_config`): the model is cast to bf16
+first, tinygemm's only dtype; torchao pads rows and columns to its tile sizes itself. torchao's
+inductor settings are left alone (set_inductor_config=False): generation is not compiled. TP > 1 is refused: the quantized shards have not been checked against TP = 1; so
 are MoE models, whose experts' grouped weights are not TP linears.
 """
 
@@ -38,6 +42,23 @@ def check_quantize(mode: str | None, device: torch.device, tp_size: int, has_exp
     if mode == "int4" and device.type != "cuda":
         raise ValueError("--quantize int4 needs CUDA (torchao 0.18's int4 weight-only kernel is CUDA's tinygemm; "
                          "it has no packed int4 layout on CPU): use --quantize int8 on CPU")
+    if mode == "int4" and cuda_capability(device) < (8, 0):
+        raise ValueError(f"--quantize int4 needs a GPU of compute capability 8.0 or newer (tinygemm's tensor-core "
+                         f"kernel); {device} has {'.'.join(map(str, cuda_capability(device)))}: use --quantize int8")
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def quantize_config(mode: str):
+    """The torchao config --quantize `mode` passes to quantize_."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if mode == "int4":
+        return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d",
+                                    int4_choose_qparams_algorithm="tinygemm", set_inductor_config=False)
+    return Int8WeightOnlyConfig(set_inductor_config=False)
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -49,7 +70,7 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
     """`model` with its attention and MLP weights quantized in place (see the module docstring)."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import quantize_
 
     targets = {id(module) for _, module in quantized_linears(model)}
     if mode == "int4":
@@ -58,10 +79,7 @@ def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
                 raise ValueError(f"--quantize int4: {name}'s input width {module.weight.shape[1]} is not a "
                                  f"multiple of the group size {INT4_GROUP_SIZE}")
         model.to(torch.bfloat16)  # tinygemm takes bf16 activations and weights
-        config = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d")
-    else:
-        config = Int8WeightOnlyConfig()
-    quantize_(model, config, filter_fn=lambda module, fqn: id(module) in targets)
+    quantize_(model, quantize_config(mode), filter_fn=lambda module, fqn: id(module) in targets)
     return model
 
 

@@ -20,6 +20,8 @@ PIPELINE_SMOKE = ("tests/parallel/pipeline/test_bench_pipeline.py::"
 CP_SMOKE = ("tests/parallel/context/test_bench_context_parallel.py::test_bench_smoke_run",)
 MOE_SMOKE = ("tests/parallel/expert/test_bench_moe.py::test_bench_moe_smoke",)
 DEMO = ("tests/training/test_demo_run.py::test_embedded_default_run",)
+GPU_CHECK_SMOKE = "tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported"
+FP8_BENCH = "tests/parallel/tensor/test_bench_fp8.py::"
 ONE_RUN_FLAGS = ("--input corpus.jsonl --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer "
                  "--tokenizer-model tok.model --append-eod --workers 2")
 TINY_DATA_BENCH = "--corpus-mb 0.3 --vocab-size 500"
@@ -150,6 +152,18 @@ BENCHMARKS = {
         Elsewhere(("tests/generation/test_generate_cli.py::test_bench_quantize_reports_memory_and_perplexity",),
                   "the benchmark on a toy checkpoint and a 3-document corpus instead of the demo's"),
     "python tools/benchmarks/bench_moe.py": Elsewhere(MOE_SMOKE, "the benchmark at its docstring's smoke size"),
+    "python tools/benchmarks/bench_fp8_convergence.py --output-dir tools/benchmarks": Elsewhere(
+        (FP8_BENCH + "test_convergence_smoke_writes_the_three_curves_and_their_ratios",),
+        "the benchmark at 3 iterations, 1 layer of hidden 32, on a 0.1 MB corpus (its 200 iterations take most of "
+        "an hour of a shared 2-core CPU)"),
+    "python tools/benchmarks/bench_fp8.py [--json out.json]": CannotRun(GPU, (
+        FP8_BENCH + "test_bench_fp8_without_a_gpu_says_so", FP8_BENCH + "test_bench_fp8_holds_each_model_to_its_targets",
+        GPU_CHECK_SMOKE)),
+    "python tools/benchmarks/bench_fp8.py": CannotRun(GPU, (
+        FP8_BENCH + "test_bench_fp8_without_a_gpu_says_so", FP8_BENCH + "test_bench_fp8_holds_each_model_to_its_targets",
+        GPU_CHECK_SMOKE)),
+    "python tools/benchmarks/bench_fp8.py --cpu-smoke": Elsewhere(
+        (GPU_CHECK_SMOKE,), "gpu_check.sh --cpu-smoke runs it (--models 8b-layers: the 8B layers' two runs at toy size)"),
     "python tools/benchmarks/bench_host_overhead.py [--calls 300] [--ops rms_norm,swiglu] [--shape 8,2048]": Elsewhere(
         ("tests/planner/test_gpu_check.py::test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported", "tests/kernels/test_host_path.py"),
         "gpu_check.sh's CPU smoke run runs it (--ops rms_norm); its host-only driver is the kernels' host-path test's"),

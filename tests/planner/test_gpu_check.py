@@ -57,12 +57,15 @@ def test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported(tmp_path)
     assert "| bench-kernels | timed out | " in table and done.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert "torch " + torch.__version__ in table and "command: `bash tools/benchmarks/gpu_check.sh --cpu-smoke" in table
     steps = ["tests-kernels", "tests-tp-cuda", "bench-host-overhead", "bench-attention", "run-1b",
-             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-model"]
+             "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-fp8",
+             "bench-model"]
     for name in steps:
         assert f"| {name} | ok |" in table, name
     for name in ("1b", "8b-layers", "1b-recompute"):
         row = next(line for line in table.splitlines() if line.startswith(f"| run-{name} |"))
         assert "ms/step" in row and "dry run n/a" not in row and "planner (h200) n/a" not in row, row
+    fp8 = next(line for line in table.splitlines() if line.startswith("| bench-fp8 |"))
+    assert "8b-layers: FP8 " in fp8 and "tokens/s" in fp8 and "loss after 3 steps" in fp8, fp8  # bench_fp8.py --cpu-smoke
     assert "1 passed" in table and "skipped" in table  # the smoke selection: a kernel file, the TP cases' skips
 
 
@@ -212,3 +215,16 @@ def test_run_metrics_reads_a_metrics_file_with_evaluation_records(tmp_path):
         logger.log_evaluation("test", 6, 2.4)
     metrics = report.run_metrics(path, profiled=5)  # iteration 5 was profiled: left out
     assert metrics == {"ms": 110.0, "mfu": 0.11, "memory_mib": 1006.0, "memory_kind": "cuda peak"}
+
+
+def test_the_fp8_step_is_summarised_by_its_lines(tmp_path):
+    """bench_fp8.py's --json rows (one line each: FP8 against bf16 and the targets) make the step's row."""
+    (tmp_path / "steps.tsv").write_text("bench-fp8\tok\t120\t150\n")
+    rows = [{"model": "8b-layers", "line": "8b-layers: FP8 1 tokens/s ... NOT met"},
+            {"model": "1b", "line": "1b: not measured (FP8 run did not finish)"}]
+    (tmp_path / "bench-fp8.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": rows}))
+    text = report.table(tmp_path, "bash gpu_check.sh", "NVIDIA H200", "h200")
+    assert ("| bench-fp8 | ok | 120 (150) | 8b-layers: FP8 1 tokens/s ... NOT met; "
+            "1b: not measured (FP8 run did not finish) |") in text
+    (tmp_path / "bench-fp8.json").unlink()
+    assert "| bench-fp8 | ok | 120 (150) | no result file |" in report.table(tmp_path, "c", "g", "h200")

@@ -12,7 +12,8 @@
 #            its failures and what it was running; over the host's cores with pytest-xdist
 #            and 90 s a test with pytest-timeout, where installed), and the
 #            "cuda" cases of tests/model/test_gpt_tp.py and tests/parallel/tensor/test_tp_layers.py
-#            (pytest -k cuda: their device parameter); meanwhile, on the CPU, each driver run's dry
+#            (pytest -k cuda: their device parameter) and tests/generation/test_quantize.py (--quantize
+#            int4 on CUDA: torchao's tinygemm layout, where torchao is installed); meanwhile, on the CPU, each driver run's dry
 #            run (--dry-run on fake CUDA: its peak against the run's torch.cuda.max_memory_allocated)
 #            and planner prediction (tools/plan.py, --cluster h200 or h100 by the GPU's name,
 #            --num-gpus 1, restricted to the run's own layout)
@@ -30,6 +31,9 @@
 #            planner predicts the three again with those rates; then the 1.1B with --torch-compile
 #            --cross-entropy-loss-fusion, and that with --cuda-graph-impl local (both dropout 0; the
 #            report gives their largest relative loss difference)
+#   fp8      tools/benchmarks/bench_fp8.py (issue 31): the 8B layers and the 1.1B above in bf16 and with
+#            --fp8-format hybrid --fp8-recipe tensorwise, 8 steps each in one process: tokens/s and loss
+#            ratios against the targets (>= 1.25x and loss within 1% for the 8B layers, >= 1.1x for the 1.1B)
 #   model    tools/benchmarks/bench_model.py --quick --skip-kernels (all rows, both models) with
 #            --time-limit set to the time left: rows that do not fit say "not measured"
 # Each step runs under `timeout` with its budget (a step that fails or times out is reported and
@@ -37,7 +41,7 @@
 # when $OUT is set, else ./gpu_check.md), the logs to gpu_check_logs/ beside it. Budgets in
 # seconds, overridable: BUDGET_TESTS=200 BUDGET_KERNELS=60 BUDGET_RUN=60 (each driver run;
 # BUDGET_RUN_1B=90 for the profiled one, BUDGET_RUN_FAST=75 for the compiled ones)
-# BUDGET_HOST=30 BUDGET_ATTENTION=60 BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60;
+# BUDGET_HOST=30 BUDGET_ATTENTION=60 BUDGET_DRY=120 (each dry run) BUDGET_PLAN=60 BUDGET_FP8=150;
 # bench_model gets what is left of --budget (480): --only model gives it the whole budget. With
 # --cpu-smoke the budget is 1200 and each step's 2-4 times the above.
 # Without a GPU it says so and exits 0. Runs from any directory; python is $PYTHON or python3.
@@ -49,7 +53,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 MODE=gpu
 OUT_FILE=""
-ONLY="tests,kernels,drivers,model"
+ONLY="tests,kernels,drivers,fp8,model"
 TOTAL=""
 COMMAND="bash tools/benchmarks/gpu_check.sh $*"
 
@@ -65,12 +69,12 @@ while [ $# -gt 0 ]; do
   shift
 done
 for step in ${ONLY//,/ }; do
-  case "$step" in tests|kernels|drivers|model) ;; *) echo "gpu_check.sh: --only: unknown step $step" >&2; exit 2 ;; esac
+  case "$step" in tests|kernels|drivers|fp8|model) ;; *) echo "gpu_check.sh: --only: unknown step $step" >&2; exit 2 ;; esac
 done
 # a CPU smoke run is no measurement: the budgets only keep it bounded, on a slow shared CPU
 if [ "$MODE" = smoke ]; then
   TOTAL=${TOTAL:-1200}
-  for b in TESTS:300 KERNELS:120 HOST:120 ATTENTION:120 RUN:180 RUN_1B:180 RUN_FAST:180 DRY:240 PLAN:120; do
+  for b in TESTS:300 KERNELS:120 HOST:120 ATTENTION:120 RUN:180 RUN_1B:180 RUN_FAST:180 DRY:240 PLAN:120 FP8:240; do
     var=BUDGET_${b%%:*}; [ -n "${!var:-}" ] || export "$var=${b#*:}"
   done
 else
@@ -188,6 +192,7 @@ if wants tests; then
     -p pytest_stream --stream-results "$LOGS/tests-kernels.results" --junitxml="$LOGS/tests-kernels.xml"
   TRITON_INTERPRET=$([ "$MODE" = gpu ] && echo 0 || echo 1) step tests-tp-cuda "$(budget $(( ${BUDGET_TESTS:-200} / 4 )))" \
     "${STREAM[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/model/test_gpt_tp.py tests/parallel/tensor/test_tp_layers.py \
+    tests/generation/test_quantize.py \
     -k "$TP_FILTER" -p pytest_stream --stream-results "$LOGS/tests-tp-cuda.results" --junitxml="$LOGS/tests-tp-cuda.xml"
 fi
 if [ -n "${PREDICTING:-}" ]; then wait "$PREDICTING"; fi  # the driver runs are timed on an idle host
@@ -246,6 +251,12 @@ if wants drivers; then
         --json "$LOGS/plan-rates-$name.json" -- ${MODEL[$name]}
     done
   fi
+fi
+if wants fp8; then
+  # the whole runs' limit inside the step's (the script reports what finished); its own --json for the table
+  FP8_BUDGET=$(budget "${BUDGET_FP8:-150}")
+  step bench-fp8 "$FP8_BUDGET" "$PY" tools/benchmarks/bench_fp8.py --time-limit "$(( FP8_BUDGET > 15 ? FP8_BUDGET - 10 : 5 ))" \
+    --json "$LOGS/bench-fp8.json" $([ "$MODE" = gpu ] || echo --cpu-smoke --models 8b-layers)  # smoke: 2 runs, not 4
 fi
 if wants model; then
   if [ "$MODE" = gpu ]; then

@@ -336,6 +336,9 @@ SUMMARIES = {"tests-kernels": lambda logs: junit_summary(logs / "tests-kernels.x
              "bench-kernels": lambda logs: kernels_summary(logs / "bench-kernels.log"),
              "bench-attention": lambda logs: attention_summary(logs / "bench-attention.log"),
              "bench-model": lambda logs: model_summary(logs / "bench-model.md"),
+             # bench_fp8.py's --json: each model's line (FP8 against bf16 and its targets)
+             "bench-fp8": lambda logs: "; ".join(r["line"] for r in json.loads((logs / "bench-fp8.json").read_text())["rows"])
+             if (logs / "bench-fp8.json").exists() else "no result file",
              "profile": profile_row}
 
 
