@@ -95,7 +95,7 @@ def _program_main(program, environ, cwd):
 def _keep(conn, fds, request):
     """The server's child for one request: forks the program, tells the client its pid and then its
     exit status (negative: the signal that ended it); kills it if the client goes away first."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's own handler is not the program's
     pid = os.fork()
     if pid == 0:
         conn.close()

@@ -51,8 +51,8 @@ def test_tracker_keeps_no_input_of_a_stage_alive(tracker, recompute):
 def test_interleaved_stage_holds_the_same_activations_for_any_number_of_micro_batches():
     peaks = {}
     for m in (4, 8, 16):
-        out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *PP2_V2, "--global-batch-size", str(m)],
-                                 env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+        out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *PP2_V2, "--global-batch-size",
+                                  str(m)], env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
         peaks[m] = [r["activation_peak"] for r in json.loads(out.stdout)]
     message = 32 * 64 * 4  # one activation message [s, b, h] in fp32

@@ -118,8 +118,9 @@ def test_members_of_a_distinct_stage_measure_the_same():
     """The grouping's claim checked: with every stage measured (--dry-run-all-stages), the
     stages of one group hold the same bytes at the peak, at most at once and after the step,
     and send the same."""
-    out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *MIDDLE_HIGHEST, "--dry-run-all-stages"],
-                             env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *MIDDLE_HIGHEST,
+                              "--dry-run-all-stages"], env=fake_cuda_env(), capture_output=True, text=True,
+                             timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert [r["coords"][2] for r in got] == list(range(6))
