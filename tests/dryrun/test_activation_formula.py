@@ -9,12 +9,12 @@ formula without the s x s scores term.
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from megalite.dryrun.formulas import layers_in_flight
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 
@@ -42,8 +42,8 @@ LLAMA_8B_LAYERS = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 1282
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_llama_activations_within_10_percent_of_korthikanti(sequence_parallel):
     argv = LLAMA_8B_LAYERS.split() + (["--sequence-parallel"] if sequence_parallel else [])
-    out = subprocess.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *argv], env=fake_cuda_env(),
-                         capture_output=True, text=True, timeout=900, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *argv], env=fake_cuda_env(),
+                             capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     first = json.loads(out.stdout)[0]
     assert first["coords"][2] == 0

@@ -5,7 +5,6 @@ equal the schedule's; planted device and dtype mismatches stop the run naming mo
 tensors."""
 
 import re
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from megalite.dryrun.cli import run_dry
 from megalite.dryrun.probes import MixedTensorsError
 from megalite.config.arguments import layout_from_args, parse_args, validate_args
 from tests.dryrun.dry_run_json import reports
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 S, B, H, T, D = 32, 2, 64, 2, 2
@@ -31,8 +31,8 @@ MICRO_BATCHES = 8 // (B * D)
 
 
 def test_dry_run_on_fake_cuda_prints_formula_bytes_per_rank():
-    out = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *SMALL], env=fake_cuda_env(),
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "megalite.pretrain_gpt", *SMALL], env=fake_cuda_env(),
+                             capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "device cuda (fake)" in out.stdout
     assert "a pipeline send is held until its peer receives it" in out.stdout  # PP=2: how sends are modelled

@@ -3,13 +3,13 @@ dispatcher): every distinct rank runs on fake tensors with its cp / ep groups; b
 formulas.md's (every local expert counted), bytes moved equal independent formulas."""
 
 import re
-import subprocess
 import sys
 
 import pytest
 
 from megalite.dryrun.balanced_routing import balanced_counts
 from tests.dryrun.dry_run_json import reports
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 S, B, H, L, HEAD_DIM, GROUPS = 32, 2, 64, 2, 16, 2
@@ -132,8 +132,8 @@ def test_balanced_counts():
     "--dry-run-world-size 8 --global-batch-size 4".split()], ids=["ep", "cp"])
 def test_cp_and_ep_dry_runs_on_fake_cuda(extra):
     base = [a for a in BASE if a not in ("--dry-run-device", "cpu")]
-    out = subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *base, *extra], env=fake_cuda_env(),
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "megalite.pretrain_gpt", *base, *extra], env=fake_cuda_env(),
+                             capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "device cuda (fake)" in out.stdout
     held = re.findall(r"^\s+0\s+\(0, 0, 0, 0\)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+formula\s+([\d,]+)\s+([\d,]+)\s+"

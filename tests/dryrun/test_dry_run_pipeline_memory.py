@@ -6,7 +6,6 @@ as NCCL does)."""
 
 import gc
 import json
-import subprocess
 import sys
 import weakref
 
@@ -18,6 +17,7 @@ from megalite.dryrun.step_tracker import AcyclicModTracker, StepMemTracker
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.pipeline.schedules import schedule_actions
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 PP2_V2 = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --num-layers 4 --hidden-size 64 "
@@ -51,8 +51,8 @@ def test_tracker_keeps_no_input_of_a_stage_alive(tracker, recompute):
 def test_interleaved_stage_holds_the_same_activations_for_any_number_of_micro_batches():
     peaks = {}
     for m in (4, 8, 16):
-        out = subprocess.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *PP2_V2, "--global-batch-size", str(m)],
-                             env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+        out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *PP2_V2, "--global-batch-size",
+                                  str(m)], env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
         peaks[m] = [r["activation_peak"] for r in json.loads(out.stdout)]
     message = 32 * 64 * 4  # one activation message [s, b, h] in fp32

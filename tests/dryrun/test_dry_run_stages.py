@@ -8,7 +8,6 @@ rank 3 and 4 fewer."""
 
 import json
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ import pytest
 from megalite.dryrun.report import verdict
 from megalite.dryrun.stages import distinct_stages, stage_label
 from megalite.config.arguments import layout_from_args, model_config_from_args, parse_args, validate_args
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 TOY = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --hidden-size 64 --num-attention-heads 4 "
@@ -45,8 +45,8 @@ def _groups(argv, device="cuda"):
 
 
 def _dry_run(argv):
-    return subprocess.run([sys.executable, "-m", "megalite.pretrain_gpt", *argv], env=fake_cuda_env(),
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    return program_server.run([sys.executable, "-m", "megalite.pretrain_gpt", *argv], env=fake_cuda_env(),
+                              capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 def test_stage_labels():
@@ -118,8 +118,9 @@ def test_members_of_a_distinct_stage_measure_the_same():
     """The grouping's claim checked: with every stage measured (--dry-run-all-stages), the
     stages of one group hold the same bytes at the peak, at most at once and after the step,
     and send the same."""
-    out = subprocess.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *MIDDLE_HIGHEST, "--dry-run-all-stages"],
-                         env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *MIDDLE_HIGHEST,
+                              "--dry-run-all-stages"], env=fake_cuda_env(), capture_output=True, text=True,
+                             timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert [r["coords"][2] for r in got] == list(range(6))

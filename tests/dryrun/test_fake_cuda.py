@@ -3,13 +3,13 @@ backward, and the kernels take their fused (Triton) path there exactly as on a r
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from megalite.dryrun.fake_cuda import ENV_FLAG, shim_path
+from tests import program_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,8 +23,8 @@ def fake_cuda_env() -> dict:
 
 def test_kernels_take_the_fused_path_on_fake_cuda():
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-m", "tests.dryrun.fake_cuda_kernels"], env=fake_cuda_env(),
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.fake_cuda_kernels"], env=fake_cuda_env(),
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     auto, ref = result["auto"], result["torch"]
@@ -46,8 +46,8 @@ def test_compiled_regions_with_fused_kernels_on_fake_cuda_have_no_graph_break():
     TP = 1. With the reference loss (no --cross-entropy-loss-fusion) no cross-entropy kernel is
     left."""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-m", "tests.dryrun.fake_cuda_compile", "gpt2", "llama"],
-                         env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.fake_cuda_compile", "gpt2", "llama"],
+                             env=fake_cuda_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     family_kernels = {"gpt2": {"_norm_fwd_kernel", "_bias_gelu_fwd_kernel"},

@@ -8,11 +8,11 @@ down, Korthikanti's MLP term being a dense MLP's) at TP=2 PP=2, with and without
 parallelism."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import program_server
 from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 MLA_LAYERS = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 4 --hidden-size 1024 "
@@ -29,8 +29,8 @@ MLA_LAYERS = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --nu
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_mla_and_mtp_activations_within_10_percent_of_the_formula(sequence_parallel):
     argv = MLA_LAYERS.split() + (["--sequence-parallel"] if sequence_parallel else [])
-    out = subprocess.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *argv], env=fake_cuda_env(),
-                         capture_output=True, text=True, timeout=900, cwd=REPO)
+    out = program_server.run([sys.executable, "-m", "tests.dryrun.dry_run_json", *argv], env=fake_cuda_env(),
+                             capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     stages = json.loads(out.stdout)
     assert [r["coords"][2] for r in stages] == [0, 1]

@@ -18,6 +18,7 @@ from megalite.planner.gpu_kernels import attention_seconds, step_traffic
 from megalite.planner.layouts import Layout
 from megalite.planner.parameters import rank_parameters
 from megalite.planner.workload import from_flags
+from tests import program_server
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools/benchmarks/gpu_check.sh"
@@ -48,15 +49,19 @@ def test_bad_options_are_one_line(args, message):
 
 
 def test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported(tmp_path):
-    """Every step at toy scale; bench-kernels is given 1 s, so it is reported as timed out and the
-    script goes on (its CPU smoke run is tests/kernels/test_bench_kernels.py's)."""
+    """Every step at toy scale; bench-host-overhead is given 1 s, so it is reported as timed out and
+    the script goes on (it starts a fresh interpreter without Triton's and compiles kernels: seconds;
+    its own run is tests/kernels/test_host_path.py's). The script's $PYTHON forks its programs from
+    a server that has imported torch and megalite (tests/program_server.py; a step that changes
+    Triton's mode starts a real interpreter)."""
     out = tmp_path / "check.md"
-    done = run("--cpu-smoke", "--out", str(out), env={"BUDGET_KERNELS": "1"}, timeout=1500)
+    python = program_server.python_command(tmp_path, ENV)
+    done = run("--cpu-smoke", "--out", str(out), env={"BUDGET_HOST": "1", "PYTHON": python}, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
-    assert "| bench-kernels | timed out | " in table and done.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "| bench-host-overhead | timed out | " in table and done.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert "torch " + torch.__version__ in table and "command: `bash tools/benchmarks/gpu_check.sh --cpu-smoke" in table
-    steps = ["tests-kernels", "tests-tp-cuda", "bench-host-overhead", "bench-attention", "run-1b",
+    steps = ["tests-kernels", "tests-tp-cuda", "bench-kernels", "bench-attention", "run-1b",
              "run-8b-layers", "run-1b-recompute", "profile", "run-1b-compile", "run-1b-compile-graphs", "bench-fp8",
              "bench-model"]
     for name in steps:
