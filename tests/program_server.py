@@ -126,9 +126,8 @@ def serve(path: str) -> None:
     sys.path[0] = str(REPO)
     import importlib
 
-    import torch
-
-    torch.set_num_threads(1)  # as the test processes and their ranks (tests/conftest.py)
+    # no torch.set_num_threads here: it makes the thread pool, which a forked program that forks
+    # again (the dry run's stages) finds leaked ("Invalid thread pool!")
     for name in PRELOAD:
         importlib.import_module(name)
     stop = []

@@ -148,6 +148,21 @@ def _forward(model, ids: torch.Tensor) -> torch.Tensor | None:
         return torch.cat(pieces, dim=-1)[..., :VOCAB]
 
 
+def tp_logits(model, tp: int) -> torch.Tensor:
+    """A Megatron-Core GPT model's eval logits on tokens(), its vocabulary shards gathered over TP."""
+    from megatron.core import parallel_state
+
+    ids = tokens()
+    positions = torch.arange(SEQ).expand_as(ids)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, positions, causal)
+    pieces = [torch.empty_like(out) for _ in range(tp)]
+    dist.all_gather(pieces, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(pieces, dim=-1)[..., :VOCAB]
+
+
 def _save_torch(model, root: Path, family: str, te_names: bool) -> None:
     from megatron.core import parallel_state
 

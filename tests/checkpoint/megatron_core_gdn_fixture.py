@@ -92,20 +92,6 @@ def build_model(seed: int):
     return model
 
 
-def _logits(model) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    ids = base.tokens()
-    positions = torch.arange(SEQ).expand_as(ids)
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    model.eval()
-    with torch.no_grad():
-        out = model(ids, positions, causal)
-    pieces = [torch.empty_like(out) for _ in range(TP)]
-    dist.all_gather(pieces, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(pieces, dim=-1)[..., :VOCAB]
-
-
 def _save_torch(model, root: Path) -> None:
     from megatron.core import parallel_state
 
@@ -130,7 +116,7 @@ def write_gdn_checkpoints(rank: int, world: int, out: str):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     try:
         model = build_model(seed=321)
-        logits = _logits(model)
+        logits = base.tp_logits(model, TP)
         root = Path(out)
         folder = root / "torch_dist" / f"iter_{ITERATION:07d}"
         if rank == 0:

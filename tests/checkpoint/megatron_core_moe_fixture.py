@@ -82,20 +82,6 @@ def build_model(kind: str, seed: int):
     return model
 
 
-def _logits(model) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    ids = base.tokens()
-    positions = torch.arange(SEQ).expand_as(ids)
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    model.eval()
-    with torch.no_grad():
-        out = model(ids, positions, causal)
-    pieces = [torch.empty_like(out) for _ in range(TP)]
-    dist.all_gather(pieces, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(pieces, dim=-1)[..., :VOCAB]
-
-
 def write_moe_checkpoints(rank: int, world: int, out: str):
     """Spawned worker (4 ranks: TP2 x DP2 for the dense part, EP2 x ETP1 x DP2 for experts):
     every kind built, run and saved."""
@@ -107,7 +93,7 @@ def write_moe_checkpoints(rank: int, world: int, out: str):
     try:
         for kind in KINDS:
             model = build_model(kind, seed=2024)
-            logits = _logits(model)
+            logits = base.tp_logits(model, TP)
             root = Path(out) / kind
             folder = root / f"iter_{ITERATION:07d}"
             if rank == 0:
