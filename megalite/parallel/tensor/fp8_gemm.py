@@ -18,8 +18,9 @@ backward and a recomputed forward, until the weight changes. WeightCache says wh
 weight (or a detached alias of it) at the same version counter (an optimizer step or a checkpoint load writes it in
 place) and, with delayed scaling, the same scales version (their update after each step and a
 checkpoint load write them in place); Fp8StepUpdate (model/fp8.py) also drops every cache after
-the optimizer step, freeing it. The numbers are the ones an uncached cast gives: the same weight
-with the same scale casts to the same bytes.
+the optimizer step, freeing it. Not while a CUDA graph is captured (_capturing_cuda_graph). The
+numbers are the ones an uncached cast gives: the same weight with the same scale casts to the
+same bytes.
 
 Which operands are split over the tensor-parallel group decides whose amax a tensorwise scale
 needs reduced: the weight always; a column-parallel layer's output gradient (its columns); a
@@ -38,6 +39,13 @@ from megalite.parallel.tensor.gemm import Gemm
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
+
+
+def _capturing_cuda_graph() -> bool:
+    """Whether a CUDA graph is being captured (--cuda-graph-impl local): a captured layer must
+    cast its weight inside the graph, not read a cast made before the capture (its replays come
+    after optimizer steps that no Python code sees), so the weight cache is bypassed then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -120,6 +128,8 @@ class Fp8Gemm(Gemm):
         cached), or this step's cached cast."""
         if isinstance(weight, Fp8GatheredWeight):
             return weight.fp8_data, weight.fp8_scale
+        if _capturing_cuda_graph():  # the graph must hold the cast: its replays follow weight updates
+            return self._quantized(WEIGHT, weight, record)
         cache = self._cached_weight(weight, record)
         if not column_major:
             return cache.data, cache.scale

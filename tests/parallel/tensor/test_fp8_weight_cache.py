@@ -75,3 +75,21 @@ def test_weights_cast_once_per_step_and_the_run_is_bit_identical(monkeypatch, na
     for key in ("grads", "params"):
         for step, (a, b) in enumerate(zip(cached[key], reference[key])):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (key, step)
+
+
+def test_a_cuda_graph_capture_casts_the_weight_at_every_use(monkeypatch):
+    """--cuda-graph-impl local: a captured layer replays after optimizer steps no Python sees, so
+    while a graph is captured the weight is cast inside it (every use), never read from the cache."""
+    from tests.parallel.tensor.test_fp8_gemm import _fp8_linear, _operands
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    real, casts = fp8_gemm.quantize, []
+    x, w, b, dy = _operands()
+
+    def counting_quantize(tensor, scale, dtype):
+        casts.append(tuple(tensor.shape) == tuple(w.shape))
+        return real(tensor, scale, dtype)
+
+    monkeypatch.setattr(fp8_gemm, "quantize", counting_quantize)
+    _fp8_linear(Fp8Recipe(format="hybrid", scaling="tensorwise"), x, w, b, dy)
+    assert sum(casts) == 2  # fprop and dgrad, as without the cache
