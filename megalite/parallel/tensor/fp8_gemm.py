@@ -15,9 +15,9 @@ scaling the same tensor gives the same amax, so backward quantizes exactly as fo
 The weight is the exception (Transformer Engine's is_first_microbatch cache): its FP8 copy, and
 the column-major copy dgrad needs, are cast once and reused by every later micro-batch, the
 backward and a recomputed forward, until the weight changes. WeightCache says when: the same
-weight (or a detached alias of it) at the same version counter (an optimizer step or a checkpoint load writes it in
-place) and, with delayed scaling, the same scales version (their update after each step and a
-checkpoint load write them in place); Fp8StepUpdate (model/fp8.py) also drops every cache after
+weight (or a detached alias of it) at the same version counter (an optimizer step or a
+checkpoint load writes it in place) and, with delayed scaling, the same scales version (their
+update after each step and a checkpoint load write them in place); Fp8StepUpdate (model/fp8.py) also drops every cache after
 the optimizer step, freeing it. Not while a CUDA graph is captured (_capturing_cuda_graph). The
 numbers are the ones an uncached cast gives: the same weight with the same scale casts to the
 same bytes.
