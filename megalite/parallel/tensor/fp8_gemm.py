@@ -17,10 +17,10 @@ the column-major copy dgrad needs, are cast once and reused by every later micro
 backward and a recomputed forward, until the weight changes. WeightCache says when: the same
 weight (or a detached alias of it) at the same version counter (an optimizer step or a
 checkpoint load writes it in place) and, with delayed scaling, the same scales version (their
-update after each step and a checkpoint load write them in place); Fp8StepUpdate (model/fp8.py) also drops every cache after
-the optimizer step, freeing it. Not while a CUDA graph is captured (_capturing_cuda_graph). The
-numbers are the ones an uncached cast gives: the same weight with the same scale casts to the
-same bytes.
+update after each step and a checkpoint load write them in place); Fp8StepUpdate
+(model/fp8.py) also drops every cache after the optimizer step, freeing it. Not while a CUDA
+graph is captured (_capturing_cuda_graph). The numbers are the ones an uncached cast gives: the
+same weight with the same scale casts to the same bytes.
 
 Which operands are split over the tensor-parallel group decides whose amax a tensorwise scale
 needs reduced: the weight always; a column-parallel layer's output gradient (its columns); a
