@@ -63,10 +63,12 @@ def fp8_linear_names(models) -> list[str]:
 class Fp8StepUpdate:
     """What an FP8 run updates after each optimizer step: the delayed-scaling states (`states`,
     by linear name), then, with --fp8-param-gather under FSDP2 and tensorwise scaling, the
-    scales of the weights cast to FP8 before their all-gather."""
+    scales of the weights cast to FP8 before their all-gather; and it drops every FP8 linear's
+    cached weight cast (`gemms`: fp8_gemm.py's WeightCache; its version checks would refuse the
+    stale cast anyway: dropping frees it)."""
 
-    def __init__(self, delayed: DelayedScalingStates, gathered: GatheredWeightScales):
-        self.delayed, self.gathered = delayed, gathered
+    def __init__(self, delayed: DelayedScalingStates, gathered: GatheredWeightScales, gemms=()):
+        self.delayed, self.gathered, self.gemms = delayed, gathered, list(gemms)
 
     @property
     def states(self):
@@ -76,6 +78,8 @@ class Fp8StepUpdate:
     def after_optimizer_step(self) -> None:
         self.delayed.after_optimizer_step()
         self.gathered.after_optimizer_step()
+        for gemm in self.gemms:
+            gemm.drop_weight_cache()
 
 
 def enable_fp8_chunks(models, recipe: Fp8Recipe | None, num_layers: int, pstate) -> Fp8StepUpdate | None:
@@ -91,8 +95,9 @@ def enable_fp8_chunks(models, recipe: Fp8Recipe | None, num_layers: int, pstate)
     gathered = [] if recipe.scaling == "delayed" else [
         (m, m.gemm) for model in models for m in model.modules()
         if isinstance(getattr(m, "weight", None), Fp8ShardedWeight)]
+    gemms = [m.gemm for model in models for m in model.modules() if isinstance(getattr(m, "gemm", None), Fp8Gemm)]
     return Fp8StepUpdate(DelayedScalingStates(states, (pstate.tp_group, across)),
-                         GatheredWeightScales(gathered, pstate.dp_cp_group, pstate.tp_group))
+                         GatheredWeightScales(gathered, pstate.dp_cp_group, pstate.tp_group), gemms)
 
 
 def fp8_state_tensors(model) -> list[tuple[str, object]]:

@@ -10,12 +10,18 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
 - the casts, at the memory bandwidth: megalite quantizes with unfused torch operators, each
   quantized element moving QUANTIZE_BYTES (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale
   4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes; delayed scaling reads the amax of the tensor too);
-  forward quantizes x and W, dgrad the output gradient dy and W, wgrad dy and x again, and
-  wgrad's operands get a transposed copy (1 + 1 bytes per element of dy and x);
+  forward quantizes x, dgrad the output gradient dy, wgrad dy and x again, and wgrad's operands
+  get a transposed copy (1 + 1 bytes per element of dy and x); the weight is cast once per
+  optimizer step (fp8_gemm.py's WeightCache), with one transposed copy for dgrad: its
+  (33 + 2) bytes per element are spread over the step's micro-batches (charged to forward).
+  With --fp8-param-gather under FSDP2 the gathered weight is not cached: the shard is cast
+  before each all-gather, as before (forward and dgrad, per micro-batch);
 - tensorwise scaling: an all-reduce of one fp32 amax over TP per split operand per GEMM (W
   always; dy of a column-parallel, x of a row-parallel linear), at the latency of the group.
 
-Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales [3]; and the
+Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales [3]; per FP8
+linear its cached FP8 weight (1 byte per element of W, held through the step; its transposed
+copy appears in backward, as activations are freed, and is not counted); and the
 quantization working set of the rank's largest FP8 linear, taken as held on top of the
 activation peak (backward runs it while the activations are held): the largest of forward's
 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's 2G + 5X or
@@ -86,6 +92,7 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
     check_fp8_plan(workload, cluster)
     e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
     bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
+    per_step = 1 / layout.num_microbatches(workload.global_batch_size)
     gemm_f = gemm_b = cast_f = cast_b = 0.0
     for tokens, k, n, mode in linears:
         # fprop [T,k]x[k,n]; dgrad [T,n]x[n,k]; wgrad [k,T]x[T,n]: the same FLOPs and operand sizes
@@ -93,8 +100,13 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
         gemm_f += delta
         gemm_b += delta * (2 if recipe.wgrad else 1)
         x, g, w = tokens * k, tokens * n, k * n
-        cast_f += QUANTIZE_BYTES * (x + w) / bw
-        cast_b += QUANTIZE_BYTES * (g + w) / bw
+        cast_f += QUANTIZE_BYTES * x / bw
+        cast_b += QUANTIZE_BYTES * g / bw
+        if recipe.param_gather and layout.fsdp2:  # cast before each all-gather: forward and dgrad
+            cast_f += QUANTIZE_BYTES * w / bw
+            cast_b += QUANTIZE_BYTES * w / bw
+        else:  # once per step, and its transposed copy for dgrad
+            cast_f += (QUANTIZE_BYTES + TRANSPOSE_BYTES) * w * per_step / bw
         if recipe.wgrad:
             cast_b += (QUANTIZE_BYTES + TRANSPOSE_BYTES) * (g + x) / bw
         if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
@@ -106,15 +118,16 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
 
 
 def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> float:
-    """Bytes an FP8 rank holding decoder `layers` adds: delayed-scaling states and the largest
-    FP8 linear's quantization working set (module docstring)."""
+    """Bytes an FP8 rank holding decoder `layers` adds: delayed-scaling states, the cached FP8
+    weights and the largest FP8 linear's quantization working set (module docstring)."""
     linears = [linear for layer in layers for linear in fp8_linears(workload, layout, layer)]
     if not linears:
         return 0.0
     state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
         if workload.fp8.scaling == "delayed" else 0
+    cached = 0.0 if workload.fp8.param_gather and layout.fsdp2 else sum(k * n for _, k, n, _ in linears)
     working = 0.0
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n
         working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
-    return state + working
+    return state + cached + working

@@ -152,8 +152,8 @@ def _record_fp8_gathers(seen: dict) -> None:
         seen["fp8_inputs"] += [(t.dtype, t.numel()) for t in inputs]
         return inputs, metadata
 
-    def recording_weight(self, weight, record):
-        wq, scale = gemm_weight(self, weight, record)
+    def recording_weight(self, weight, record, **kwargs):
+        wq, scale = gemm_weight(self, weight, record, **kwargs)
         seen["gemm_weights"].append((type(weight).__name__, wq.dtype))
         return wq, scale
 

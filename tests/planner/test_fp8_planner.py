@@ -90,8 +90,10 @@ def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth():
     shapes = [(h, 3 * h), (h, h), (h, 2 * f), (f, h)]  # QKV, projection, FC1 (SwiGLU), FC2
     gemm = 4 * sum(6 * tokens * k * n for k, n in shapes) / cluster.matmul_flops
     saved = gemm * (1 - cluster.peak_flops / cluster.fp8_peak_flops)  # the FP8 peak is twice bf16's: half
-    casts = 4 * sum(QUANTIZE_BYTES * (2 * tokens * k + tokens * n + 2 * k * n + tokens * n)
-                    + TRANSPOSE_BYTES * (tokens * n + tokens * k) for k, n in shapes) / cluster.memory_bandwidth
+    # x twice, dy twice, the transposes of dy and x for wgrad; the weight once per step (one
+    # micro-batch here) with its transposed copy for dgrad
+    casts = 4 * sum(QUANTIZE_BYTES * (2 * tokens * k + 2 * tokens * n + k * n)
+                    + TRANSPOSE_BYTES * (tokens * n + tokens * k + k * n) for k, n in shapes) / cluster.memory_bandwidth
     assert fp8.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved, rel=1e-9)
     assert no_wgrad.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved * 2 / 3, rel=1e-9)
     assert fp8.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts, rel=1e-9)
@@ -114,8 +116,10 @@ def test_fp8_plans_the_planner_cannot_model_are_refused():
 
 def test_wide_fp8_plan_faster_by_the_gemm_share():
     """At hidden 16384 (FFN 53248) and 8 x 4096 tokens per micro-batch the GEMMs outgrow the
-    casts (the weights' are paid per micro-batch): the FP8 step is faster, by the GEMM share
-    the FP8 rate halves less the casts; with 2 x 4096 tokens it is not."""
+    casts: the FP8 step is faster, by the GEMM share the FP8 rate halves less the casts; with
+    2 x 4096 tokens too, now that the weights are cast once per step (with their cast paid
+    twice per micro-batch, as before the weight cache, it was slower: 4.60 s bf16, 3.95 s FP8
+    at 8 x 4096 then)."""
     bf16, fp8 = _h100_predictions(16384, 53248, micro_batch_size=8)
     saved = bf16.breakdown["matmul"] - fp8.breakdown["matmul"]
     assert 0.3 * bf16.breakdown["matmul"] < saved < 0.5 * bf16.breakdown["matmul"]
@@ -123,4 +127,4 @@ def test_wide_fp8_plan_faster_by_the_gemm_share():
     assert bf16.step_time - fp8.step_time == pytest.approx(
         saved - (fp8.breakdown["memory-bound"] - bf16.breakdown["memory-bound"]), rel=1e-9)
     bf16, fp8 = _h100_predictions(16384, 53248, micro_batch_size=2)
-    assert fp8.step_time > bf16.step_time
+    assert fp8.step_time < bf16.step_time

@@ -12,15 +12,28 @@ rather than kept in FP8 from forward (the saved tensors are the 16-bit ones the 
 keeps): with delayed scaling the scales cannot change within a step, and with tensorwise
 scaling the same tensor gives the same amax, so backward quantizes exactly as forward did.
 
+The weight is the exception (Transformer Engine's is_first_microbatch cache): its FP8 copy, and
+the column-major copy dgrad needs, are cast once and reused by every later micro-batch, the
+backward and a recomputed forward, until the weight changes. WeightCache says when: the same
+weight (or a detached alias of it) at the same version counter (an optimizer step or a
+checkpoint load writes it in place) and, with delayed scaling, the same scales version (their
+update after each step and a checkpoint load write them in place); Fp8StepUpdate
+(model/fp8.py) also drops every cache after the optimizer step, freeing it. Not while a CUDA
+graph is captured (_capturing_cuda_graph). The numbers are the ones an uncached cast gives: the
+same weight with the same scale casts to the same bytes.
+
 Which operands are split over the tensor-parallel group decides whose amax a tensorwise scale
 needs reduced: the weight always; a column-parallel layer's output gradient (its columns); a
 row-parallel layer's input (its features). The other operands are whole on every rank.
 """
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from megalite.parallel.tensor.fp8_param import Fp8GatheredWeight
-from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, Fp8Recipe, quantize
+from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, DelayedScaling, Fp8Recipe, quantize
 from megalite.parallel.tensor.gemm import Gemm
 
 
@@ -28,11 +41,45 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _capturing_cuda_graph() -> bool:
+    """Whether a CUDA graph is being captured (--cuda-graph-impl local): a captured layer must
+    cast its weight inside the graph, not read a cast made before the capture (its replays come
+    after optimizer steps that no Python code sees), so the weight cache is bypassed then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k] and `b` [k, n], accumulated in fp32."""
     return torch._scaled_mm(a.contiguous(), _column_major(b), scale_a=a_scale.reciprocal(),
                             scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+
+
+@dataclass
+class WeightCache:
+    """A weight's FP8 cast (`data` = fp8(weight * scale)) and, once dgrad asked, its column-major
+    copy; valid while the weight is `weight` (or an alias of it) at `version` and the scales at
+`scales_version`.
+    `recorded`: whether the weight's amax went into the delayed history (not when the cast was
+    made by an evaluation forward)."""
+
+    weight: weakref.ref
+    version: int
+    scales_version: int | None
+    data: torch.Tensor
+    scale: torch.Tensor
+    recorded: bool
+    column_major: torch.Tensor | None = None
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the cached weight or an alias of it (a recomputed forward's and a
+        checkpointed backward's weight is a detached alias: same storage, same version counter),
+        unchanged since the cast."""
+        cached = self.weight()
+        return (cached is not None and weight._version == self.version
+                and weight.untyped_storage()._cdata == cached.untyped_storage()._cdata
+                and weight.storage_offset() == cached.storage_offset()
+                and weight.shape == cached.shape and weight.stride() == cached.stride())
 
 
 class Fp8Gemm(Gemm):
@@ -51,17 +98,44 @@ class Fp8Gemm(Gemm):
         # --fp8-param-gather under FSDP2, tensorwise: (the weight shard's version, the scale it is
         # cast with before the all-gather), set by fp8_param.py
         self.gathered_weight_scale = (None, None)
+        self.weight_cache: WeightCache | None = None
+
+    def drop_weight_cache(self) -> None:
+        self.weight_cache = None
+
+    def _scales_version(self):
+        return self.scaling.scales._version if isinstance(self.scaling, DelayedScaling) else None
+
+    def _cached_weight(self, weight, record: bool) -> WeightCache:
+        cache = self.weight_cache
+        if cache is None or not cache.holds(weight) or cache.scales_version != self._scales_version():
+            data, scale = self._quantized(WEIGHT, weight, record)
+            cache = WeightCache(weakref.ref(weight), weight._version, self._scales_version(), data, scale,
+                                recorded=record or not isinstance(self.scaling, DelayedScaling))
+            self.weight_cache = cache
+        elif record and not cache.recorded:  # cast by an evaluation forward: record its amax now
+            self.scaling.scale(WEIGHT, weight, self.split[WEIGHT], record=True)
+            cache.recorded = True
+        return cache
 
     def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
         return quantize(tensor, scale, self.recipe.dtype(operand)), scale
 
-    def _weight(self, weight, record: bool):
-        """The FP8 weight and its scale: as all-gathered (--fp8-param-gather under FSDP2, cast
-        and recorded before the gather: fp8_param.py), or quantized here."""
+    def _weight(self, weight, record: bool, column_major: bool = False):
+        """The FP8 weight (column-major if asked) and its scale: as all-gathered
+        (--fp8-param-gather under FSDP2, cast and recorded before the gather: fp8_param.py; not
+        cached), or this step's cached cast."""
         if isinstance(weight, Fp8GatheredWeight):
             return weight.fp8_data, weight.fp8_scale
-        return self._quantized(WEIGHT, weight, record)
+        if _capturing_cuda_graph():  # the graph must hold the cast: its replays follow weight updates
+            return self._quantized(WEIGHT, weight, record)
+        cache = self._cached_weight(weight, record)
+        if not column_major:
+            return cache.data, cache.scale
+        if cache.column_major is None:
+            cache.column_major = _column_major(cache.data)
+        return cache.column_major, cache.scale
 
     def fprop(self, x, weight, bias):
         """Records the input's and weight's amaxes when `record_forward` (not in evaluation)."""
@@ -76,7 +150,7 @@ class Fp8Gemm(Gemm):
     def dgrad(self, grad, weight):
         grad2d = grad.reshape(-1, grad.shape[-1])
         gq, g_scale = self._quantized(GRAD, grad2d, record=True)
-        wq, w_scale = self._weight(weight, record=False)  # as in forward
+        wq, w_scale = self._weight(weight, record=False, column_major=True)  # as in forward
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def _fp8_wgrad(self, grad2d, x2d, out_dtype):
