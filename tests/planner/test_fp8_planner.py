@@ -4,9 +4,6 @@ FP8 memory against the dry run of the same flags, and its FP8 step faster than t
 by half the FP8 linears' GEMM time (the FP8 peak is twice bf16's) less the casts."""
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +16,7 @@ from megalite.planner.search import plan
 from megalite.planner.step import predict
 from megalite.planner.workload import from_flags
 from tests.parallel.mla_harness import mla_config
+from tests.planner.fsdp2_dry_runs import measure
 
 SMALL = ("--bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 4 --hidden-size 256 "
          "--num-attention-heads 4 --ffn-hidden-size 1024 --swiglu --normalization RMSNorm "
@@ -35,15 +33,7 @@ RUNS = [(SMALL, Layout(1, 1, 1, micro_batch_size=2)), (SMALL + DELAYED, Layout(1
 @pytest.fixture(scope="module")
 def measured():
     """The dry run of every run's flags, in one process."""
-    argv = []
-    for flags, layout in RUNS:
-        argv += flags + ["--seq-length", str(SEQ), "--global-batch-size", str(BATCH)] + layout.flags()
-        argv += ["--dry-run", "--dry-run-world-size", str(layout.world_size), "--mock-data", "--lr", "1e-4",
-                 "--train-iters", "1", "--next"]
-    proc = subprocess.run([sys.executable, "-m", "tests.planner.fsdp2_dry_runs", *argv[:-1]], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return measure([(flags, layout, BATCH) for flags, layout in RUNS], SEQ)
 
 
 def test_dry_run_holds_fp8_state_and_quantized_copies(measured):

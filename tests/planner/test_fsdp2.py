@@ -3,10 +3,6 @@ dry run of the same flags on three layouts, the Llama-3.1-8B on 8 H100s case tha
 layout before, the layouts enumerated and their flags, the exposed all-gather time, and the one
 line naming the nearest preset of a card without one."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from megalite.planner.cli import main
@@ -16,6 +12,7 @@ from megalite.planner.memory import rank_memory
 from megalite.planner.search import plan
 from megalite.planner.step import _fsdp2_exposed
 from megalite.planner.workload import from_flags
+from tests.planner.fsdp2_dry_runs import measure
 from tests.planner.models import MOE, workload
 
 SMALL = ("--bf16 --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size 256 "
@@ -39,15 +36,7 @@ LLAMA31_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --gro
 @pytest.fixture(scope="module")
 def measured():
     """The dry run of every layout's launch flags, in one process."""
-    argv = []
-    for layout, batch in LAYOUTS:
-        argv += SMALL + ["--seq-length", str(SEQ), "--global-batch-size", str(batch)] + layout.flags()
-        argv += ["--dry-run", "--dry-run-world-size", str(layout.world_size), "--mock-data", "--lr", "1e-4",
-                 "--train-iters", "1", "--next"]
-    proc = subprocess.run([sys.executable, "-m", "tests.planner.fsdp2_dry_runs", *argv[:-1]], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return measure([(SMALL, layout, batch) for layout, batch in LAYOUTS], SEQ)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
