@@ -163,6 +163,29 @@ def tp_logits(model, tp: int) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)[..., :VOCAB]
 
 
+def megalite_logits(source, load_dir, from_megatron: bool, pstate, tp: int) -> torch.Tensor:
+    """megalite's full logits on tokens() for a checkpoint: a Megatron one given to --load
+    (--finetune), a converted one read by load_checkpoint; the vocabulary shards gathered over TP."""
+    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
+    from megalite.checkpoint.run_load import load_for_run
+    from megalite.config.arguments import parse_args
+    from megalite.config.run_config import CheckpointConfig
+    from megalite.model.pipeline_chunks import build_model_chunks
+
+    [model] = build_model_chunks(source.config, pstate, init_seed=5)
+    if from_megatron:
+        args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
+        load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
+    else:
+        load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
+    model.eval()
+    with torch.no_grad():
+        local = model(tokens())
+    pieces = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(pieces, local.contiguous(), group=pstate.tp_group)
+    return torch.cat(pieces, dim=-1)[..., :VOCAB]
+
+
 def _save_torch(model, root: Path, family: str, te_names: bool) -> None:
     from megatron.core import parallel_state
 

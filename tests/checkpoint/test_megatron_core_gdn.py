@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megalite.checkpoint.megatron.reader import MegatronCheckpoint
-from tests.checkpoint.megatron_core_fixture import tokens
-from tests.checkpoint.megatron_core_gdn_fixture import ITERATION, VOCAB, write_gdn_checkpoints
+from tests.checkpoint.megatron_core_fixture import megalite_logits
+from tests.checkpoint.megatron_core_gdn_fixture import ITERATION, write_gdn_checkpoints
 from tests.distributed import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -48,12 +48,7 @@ def converted(megatron_dir, tmp_path_factory):
 def _megalite_logits(rank, world, load_dirs, megatron_dir):
     """Full logits of each converted checkpoint at TP=world (those converted for TP=world), then
     of the Megatron checkpoint itself given to --load (--finetune)."""
-    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-    from megalite.checkpoint.run_load import load_for_run
-    from megalite.config.arguments import parse_args
-    from megalite.config.run_config import CheckpointConfig
-    from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.state import ParallelLayout, ParallelState
 
     out = []
@@ -61,18 +56,7 @@ def _megalite_logits(rank, world, load_dirs, megatron_dir):
     for load_dir in [*load_dirs, megatron_dir]:
         from_megatron = load_dir == megatron_dir
         source = MegatronCheckpoint(load_dir) if from_megatron else MegaliteCheckpoint(load_dir)
-        [model] = build_model_chunks(source.config, pstate, init_seed=5)
-        if from_megatron:
-            args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
-            load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
-        else:
-            load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
-        model.eval()
-        with torch.no_grad():
-            local = model(tokens())
-        pieces = [torch.empty_like(local) for _ in range(world)]
-        torch.distributed.all_gather(pieces, local.contiguous(), group=pstate.tp_group)
-        out.append(torch.cat(pieces, dim=-1)[..., :VOCAB])
+        out.append(megalite_logits(source, load_dir, from_megatron, pstate, world))
     return out
 
 

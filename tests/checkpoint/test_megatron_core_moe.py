@@ -11,8 +11,8 @@ import torch
 
 from megalite.checkpoint.megatron.reader import MegatronCheckpoint
 from megalite.checkpoint.publish import ConversionError
-from tests.checkpoint.megatron_core_fixture import tokens
-from tests.checkpoint.megatron_core_moe_fixture import ITERATION, KINDS, VOCAB, megatron_args, write_moe_checkpoints
+from tests.checkpoint.megatron_core_fixture import megalite_logits
+from tests.checkpoint.megatron_core_moe_fixture import ITERATION, KINDS, megatron_args, write_moe_checkpoints
 from tests.distributed import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -45,12 +45,7 @@ def converted(megatron_dir, tmp_path_factory):
 def _megalite_logits(rank, world, load_dirs, megatron_dir):
     """Full logits of each converted checkpoint, at the layout it was converted for, then of
     the Megatron checkpoint itself given to --load (--finetune) at TP2 EP2 ETP1."""
-    from megalite.checkpoint.dcp.checkpoint import load_checkpoint
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
-    from megalite.checkpoint.run_load import load_for_run
-    from megalite.config.arguments import parse_args
-    from megalite.config.run_config import CheckpointConfig
-    from megalite.model.pipeline_chunks import build_model_chunks
     from megalite.parallel.expert.groups import ExpertState
     from megalite.parallel.state import ParallelLayout, ParallelState
 
@@ -62,18 +57,7 @@ def _megalite_logits(rank, world, load_dirs, megatron_dir):
         pstate = ParallelState.create(ParallelLayout(world, tensor=2))
         pstate.expert = ExpertState.create(pstate, layout.get("ep", 1), source.config.moe.num_experts, None,
                                            layout.get("etp", 2))
-        [model] = build_model_chunks(source.config, pstate, init_seed=5)
-        if from_megatron:
-            args = parse_args(["--load", load_dir, "--finetune", "--auto-detect-ckpt-format"])
-            load_for_run(CheckpointConfig.from_args(args), [model], pstate, None)
-        else:
-            load_checkpoint(load_dir, chunks=[model], pstate=pstate, load_rng=False)
-        model.eval()
-        with torch.no_grad():
-            local = model(tokens())
-        pieces = [torch.empty_like(local) for _ in range(2)]
-        torch.distributed.all_gather(pieces, local.contiguous(), group=pstate.tp_group)
-        out.append(torch.cat(pieces, dim=-1)[..., :VOCAB])
+        out.append(megalite_logits(source, load_dir, from_megatron, pstate, 2))
     return out
 
 
