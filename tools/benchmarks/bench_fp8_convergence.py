@@ -26,6 +26,7 @@ output), 1 when a training failed, 2 for bad options (a --from-metrics run short
 """
 
 import argparse
+import importlib.util
 import csv
 import datetime
 import json
@@ -88,6 +89,8 @@ def parse_args(argv):
             p.error(f"--from-metrics {args.from_metrics}: no metrics-{missing[0]}.jsonl")
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         p.error(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters ({args.train_iters})")
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("the PNG needs matplotlib (pip install -e '.[plot]'), or pass --no-plot")
     return args
 
 

@@ -87,6 +87,16 @@ def test_convergence_bad_options(argv, message, capsys):
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_convergence_without_matplotlib_stops_before_training(monkeypatch, capsys):
+    real_find_spec = convergence.importlib.util.find_spec
+    monkeypatch.setattr(convergence.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as stop:
+        convergence.parse_args([])
+    assert stop.value.code == 2 and "--no-plot" in capsys.readouterr().err
+    assert convergence.parse_args(["--no-plot"]).no_plot
+
+
 def _metrics(path: Path, tokens_per_s: list[float], losses: list[float]) -> Path:
     path.write_text("\n".join(json.dumps({"iteration": i, "tokens_per_second_per_gpu": t, "lm_loss": loss})
                               for i, (t, loss) in enumerate(zip(tokens_per_s, losses), 1)))
