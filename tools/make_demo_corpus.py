@@ -80,17 +80,19 @@ def demo_documents(stdlib_dir: str):
                 yield piece
 
 
-def write_demo_corpus(output: str, max_bytes: int, stdlib_dir: str | None = None) -> tuple[int, int]:
-    """Write the corpus to `output`; return (documents, bytes) written."""
+def write_demo_corpus(output: str, max_bytes: int, stdlib_dir: str | None = None) -> tuple[int, int, bool]:
+    """Write the corpus to `output`; return (documents, bytes written, whether the library ran out first)."""
     stdlib_dir = stdlib_dir or sysconfig.get_paths()["stdlib"]
     tmp = f"{output}.tmp-{os.getpid()}"
     docs = written = 0
+    ran_out = True
     try:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             for doc in demo_documents(stdlib_dir):
                 line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
                 size = len(line.encode("utf-8"))
                 if written + size > max_bytes and docs:
+                    ran_out = False
                     break
                 f.write(line)
                 docs += 1
@@ -99,7 +101,7 @@ def write_demo_corpus(output: str, max_bytes: int, stdlib_dir: str | None = None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return docs, written
+    return docs, written, ran_out
 
 
 def main(argv=None):
@@ -113,8 +115,12 @@ def main(argv=None):
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         parser.error(f"--output {args.output}: directory {out_dir} does not exist")
-    docs, written = write_demo_corpus(args.output, int(args.max_mb * 1e6))
+    max_bytes = int(args.max_mb * 1e6)
+    docs, written, ran_out = write_demo_corpus(args.output, max_bytes)
     print(f"wrote {docs} documents, {written / 1e6:.2f} MB to {args.output}", file=sys.stderr)
+    if ran_out:
+        print(f"make_demo_corpus: this Python's standard library gives only {written / 1e6:.2f} MB, "
+              f"less than --max-mb {args.max_mb:g}", file=sys.stderr)
 
 
 if __name__ == "__main__":

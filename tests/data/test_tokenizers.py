@@ -193,3 +193,17 @@ def test_demo_corpus_is_deterministic_and_sized(tmp_path):
     docs = [json.loads(line)["text"] for line in a.read_text(encoding="utf-8").splitlines()]
     assert len(docs) > 10 and all(d.strip() for d in docs)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]
+
+
+def test_demo_corpus_says_when_the_standard_library_runs_out(tmp_path, monkeypatch, capsys):
+    tool = load_tool("make_demo_corpus")
+    library = tmp_path / "lib"
+    library.mkdir()
+    (library / "one.py").write_text('"""One module."""\nx = 1\n')
+    (library / "two.py").write_text('"""Two module."""\ny = 2\n')
+    assert tool.write_demo_corpus(str(tmp_path / "all.jsonl"), 10**6, str(library))[2]
+    docs, written, ran_out = tool.write_demo_corpus(str(tmp_path / "some.jsonl"), 60, str(library))
+    assert docs == 1 and not ran_out
+    monkeypatch.setattr(tool, "write_demo_corpus", lambda output, max_bytes: (3, 11_800_000, True))
+    tool.main(["--output", str(tmp_path / "big.jsonl"), "--max-mb", "20"])
+    assert "gives only 11.80 MB, less than --max-mb 20" in capsys.readouterr().err
