@@ -275,6 +275,7 @@ class MixedPrecisionOptimizer(ShardedOptimizerState):
         if states:
             self.inner.state[main] = {**states, **self._step_state(main)}
 
+    @torch.no_grad()
     def state_dict(self) -> dict:
         """Per parameter name, the fp32 main value and optimizer states as CPU tensors of this
         rank's TP-shard shape (gathered over DP x CP one parameter at a time under the distributed

@@ -66,8 +66,7 @@ def _worker(rank, world_size):
                              sum(0 < t.hi - t.lo < math.prod(t.shape) for main, t in schedule if main is not None))
     for k in RESUMED:
         _, optimizer = _train(pstate, CASES[k], RESUME_AT)
-        with torch.no_grad():  # FSDP2: full_tensor() of a parameter outside no_grad is not a leaf
-            state = optimizer.state_dict()
+        state = optimizer.state_dict()
         chunk, _ = _train(pstate, CASES[k], STEPS, RESUME_AT, state=state)
         out[("resumed", k)] = full_params(chunk.module, pstate.tp_group)
     return out
