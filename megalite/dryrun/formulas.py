@@ -51,6 +51,8 @@ def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_element
             shard += s1 - s0
             params += sum(max(0, min(end, s1) - max(start, s0)) for start, end in bucket.param_ranges.values())
     steps = 4 * sum(len(g["params"]) for g in optimizer.inner.param_groups) if args.optimizer == "adam" else 0
+    if args.optimizer == "muon":  # per tensor: Muon's momentum or the scalar optimizer's states
+        moments, steps = 0, muon_state_bytes(args, optimizer)
     model_buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
     model_buffers += fp8_delayed_linears * delayed_state_bytes(args.fp8_amax_history_len or 1)
     if fsdp_shard_elements:
@@ -58,6 +60,19 @@ def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_element
                 "optimizer": moments * fsdp_shard_elements + steps}
     return {"parameters": weight * elements + model_buffers, "gradients": grad * elements,
             "optimizer": copies * shard + moments * params + steps}
+
+
+def muon_state_bytes(args, optimizer) -> int:
+    """Under --optimizer muon: a 4-byte momentum per element of each Muon weight's main shard;
+    the scalar optimizer's (--muon-scalar-optimizer) states for the rest, as Megatron splits them:
+    Adam's two moments and its 4-byte step per tensor, or Lion's one moment."""
+    scalar = 8 if args.muon_scalar_optimizer == "adam" else 4
+    total = 0
+    for entry in optimizer.mains:
+        main = entry.main.to_local() if hasattr(entry.main, "to_local") else entry.main
+        muon = optimizer.is_muon(entry.main)
+        total += (4 if muon else scalar) * main.numel() + (4 if not muon and scalar == 8 else 0)
+    return total
 
 
 def layers_in_flight(schedule: str, pipeline_size: int, pp_rank: int, num_microbatches: int,

@@ -86,6 +86,19 @@ def test_held_bytes_equal_formula_on_the_rank_holding_bucket_padding(tp, dp):
     assert r.resident == r.formula
 
 
+@pytest.mark.parametrize("scalar, rank", [("adam", 7), ("lion", 0)])
+def test_held_bytes_equal_formula_under_muon(scalar, rank):
+    """Muon keeps one fp32 momentum per weight element; the embedding, output layer and norms go
+    to the scalar optimizer (Adam: two moments and a step; Lion: one moment). Rank 0 holds the
+    embedding, rank 7 the output layer and the padded last bucket."""
+    args = parse_args(list(SMALL) + ["--optimizer", "muon", "--muon-scalar-optimizer", scalar,
+                                     "--dry-run-device", "cpu"])
+    world = args.dry_run_world_size
+    validate_args(args, world)
+    vocab = build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size).vocab_size
+    r = runner.run_rank(args, vocab, rank, world, torch.device("cpu"))
+    assert r.resident == r.formula
+
 def test_fp16_gradient_copies_are_optimizer_state_at_the_peak():
     # fp16 gradients (Megatron's fp16 default) step from an fp32 copy the optimizer holds for
     # the whole run: at the peak it is optimizer state, not activations first touched in the step
