@@ -14,11 +14,13 @@ formulas.md's 18 (or 6 + 12/d) bytes per parameter exactly.
 context-parallel rank's share), micro-batch, hidden size, heads, TP size, sequence parallelism
 and recompute, without the 5·a·s/h term of the s x s scores: a dry run attends with flash or memory-efficient attention as an sm80+ GPU would (the explicit
 math backends, --attention-backend unfused/local, store the scores and keep the term), with
-multi-latent attention's terms (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP").
-Times the layers this rank holds in flight at the worst moment of its pipeline schedule (the last stage's
-last chunk counting each MTP depth as a layer plus its own inputs): each forward of
-a chunk adds the chunk's layers, each backward frees them (1F1B: p - r micro-batches on stage
-r; interleaved 1F1B: formulas.md's 1 + (p-1)/(p·v) on stage 0). The formula is for 16-bit
+multi-latent attention's terms (megalite/dryrun/README.md, "FLOPs and memory of MLA and MTP"),
+Gated DeltaNet layers by their own (megalite.training.flops.gdn_activation_bytes_per_layer),
+summed over the layers of each chunk. Times the micro-batches this rank holds in flight at the
+worst moment of its pipeline schedule (the last stage's last chunk counting each MTP depth as a
+layer plus its own inputs): each forward of a chunk adds the chunk's layers, each backward frees
+them (1F1B: p - r micro-batches on stage r; interleaved 1F1B: formulas.md's 1 + (p-1)/(p·v) on
+stage 0). The formula is for 16-bit
 activations and counts transformer layers only: the embedding, the final norm and the logits of
 the last stage are not in it.
 """
@@ -27,7 +29,7 @@ from megalite.model.attention_backends import EXPLICIT_BACKENDS
 from megalite.parallel.pipeline.actions import B, F, W
 from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
-from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
+from megalite.training.flops import activation_bytes_of_layer, mtp_activation_bytes
 
 
 def expected_bytes(args, buffers: list, optimizer, models=(), fsdp_shard_elements: int = 0,
@@ -76,9 +78,10 @@ def muon_state_bytes(args, optimizer) -> int:
 
 
 def layers_in_flight(schedule: str, pipeline_size: int, pp_rank: int, num_microbatches: int,
-                     chunk_layers: list[int]) -> int:
+                     chunk_layers: list) -> float:
     """The most (layer, micro-batch) activations pipeline rank `pp_rank` holds at once: chunk c
-    has chunk_layers[c] layers. A split backward frees them at its weight-gradient half (W)."""
+    has chunk_layers[c] layers (or, given bytes per chunk, the most bytes). A split backward
+    frees them at its weight-gradient half (W)."""
     actions = schedule_actions(schedule, pipeline_size, pp_rank, num_microbatches, len(chunk_layers))
     split = {(a.chunk, a.microbatch) for a in actions if a.kind == W}
     held = most = 0
@@ -92,27 +95,29 @@ def layers_in_flight(schedule: str, pipeline_size: int, pp_rank: int, num_microb
 
 
 def korthikanti_activation_bytes(args, config, tp_size: int, cp_size: int, pp_rank: int,
-                                 chunk_layers: list[int]) -> int | None:
-    """formulas.md's activation bytes for this rank (None for fp32 activations: the formula
-    counts 16-bit ones; None for --recompute-modules other than core_attn alone)."""
+                                 chunk_layers: list) -> int | None:
+    """formulas.md's activation bytes for this rank, whose chunk c holds the global layers
+    chunk_layers[c] (None for fp32 activations: the formula counts 16-bit ones; None for
+    --recompute-modules other than core_attn alone)."""
     if not (args.bf16 or args.fp16):
         return None
     if config.recompute_granularity == "selective" and config.recompute_modules != ("core_attn",):
         return None  # the formula knows selective recompute of core attention alone (--recompute-modules)
     s = args.seq_length // cp_size
-    per_layer = activation_bytes_per_layer(
-        s, args.micro_batch_size, config.hidden_size, config.num_attention_heads,
-        tp_size, config.sequence_parallel, config.recompute_granularity,
-        flash_attention=config.attention_backend not in EXPLICIT_BACKENDS, mla=config.mla,
-        latent_norms=config.qk_layernorm)
-    chunk_layers = list(chunk_layers)
+
+    def layer_bytes(layer: int) -> float:  # Gated DeltaNet layers by their own terms
+        return activation_bytes_of_layer(config, layer, s, args.micro_batch_size, tp_size, config.sequence_parallel,
+                                         config.recompute_granularity,
+                                         flash_attention=config.attention_backend not in EXPLICIT_BACKENDS)
+    chunk_bytes = [sum(layer_bytes(layer) for layer in layers) for layers in chunk_layers]
     if config.mtp_num_layers and pp_rank == args.pipeline_model_parallel_size - 1:
+        per_layer = layer_bytes(-1)  # an MTP depth's layer: an attention layer
         if config.recompute_granularity == "full":  # a recomputed depth keeps its two inputs
-            chunk_layers[-1] += 2 * config.mtp_num_layers
+            chunk_bytes[-1] += 2 * config.mtp_num_layers * per_layer
         else:
             extra = mtp_activation_bytes(s, args.micro_batch_size, config.hidden_size, tp_size,
                                          config.sequence_parallel)
-            chunk_layers[-1] += config.mtp_num_layers * (1 + extra / per_layer)
-    layers = layers_in_flight(args.pipeline_schedule, args.pipeline_model_parallel_size, pp_rank,
-                              args.num_micro_batches, chunk_layers)
-    return round(per_layer * layers)
+            chunk_bytes[-1] += config.mtp_num_layers * (per_layer + extra)
+    held = layers_in_flight(args.pipeline_schedule, args.pipeline_model_parallel_size, pp_rank,
+                            args.num_micro_batches, chunk_bytes)
+    return round(held)

@@ -271,7 +271,8 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                                         models, shards, len(fp8_scaling.states) if fp8_scaling is not None else 0)
         report.checks = comm_checks(args, config, pstate, models, report.comm)
         report.korthikanti = korthikanti_activation_bytes(args, config, pstate.tp_size, pstate.cp_size,
-                                                          layout.coords(rank)[2], [len(m.layers) for m in models])
+                                                          layout.coords(rank)[2],
+                                                          [[int(n) for n in m.layers] for m in models])
         return report
     finally:
         if not real:

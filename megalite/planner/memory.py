@@ -1,8 +1,9 @@
 """Predicted peak device memory of one rank: parameters, gradients and optimizer state by the
 bytes-per-parameter formulas (megalite.optimizer.memory_report, formulas.md), activations by
 Korthikanti et al. 2022 (megalite.training.flops.activation_bytes_per_layer, formulas.md's
-table) times the layers this rank holds for every micro-batch in flight, as the schedule's own
-action lists keep them (megalite.parallel.pipeline.simulator.held_activations).
+table; Gated DeltaNet layers by gdn_activation_bytes_per_layer) summed over the layers this
+rank holds for every micro-batch in flight, as the schedule's own action lists keep them
+(megalite.parallel.pipeline.simulator.held_activations).
 
 Beyond formulas.md's table, and labelled so:
 - context parallelism splits the sequence: each rank keeps s / CP of it;
@@ -40,7 +41,7 @@ from megalite.planner.layouts import Layout
 from megalite.parallel.pipeline.stage_layout import stage_layers
 from megalite.planner.parameters import layer_parameters, rank_parameters
 from megalite.planner.workload import Workload
-from megalite.training.flops import activation_bytes_per_layer, mtp_activation_bytes
+from megalite.training.flops import activation_bytes_of_layer, mtp_activation_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 
@@ -87,17 +88,30 @@ def state_bytes(precision: str, num_params: int, distributed: bool, shards: int)
     return weight * num_params, grad * num_params, total - (weight + grad) * num_params
 
 
-def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None) -> float:
-    """Bytes one transformer layer keeps for one micro-batch on one rank."""
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None,
+                           layer: int = -1) -> float:
+    """Bytes transformer layer `layer` (global, from 0; -1 an attention layer) keeps for one
+    micro-batch on one rank: a Gated DeltaNet layer's own (--linear-attention-freq)."""
     config = workload.config
     recompute = layout.recompute if recompute is None else recompute
     s, b, t = workload.seq_length // layout.cp, layout.micro_batch_size, layout.tp
-    per_layer = activation_bytes_per_layer(s, b, config.hidden_size, config.num_attention_heads, t,
-                                           layout.sequence_parallel, None if recompute == "none" else recompute,
-                                           workload.flash_attention, mla=config.mla, latent_norms=config.qk_layernorm)
+    per_layer = activation_bytes_of_layer(config, layer, s, b, t, layout.sequence_parallel,
+                                          None if recompute == "none" else recompute, workload.flash_attention)
     if recompute == "full" and layout.sequence_parallel:
         per_layer /= t
     return per_layer * workload.activation_bytes / 2
+
+
+def layer_kinds(workload: Workload, layers: list[int]) -> dict[int, int]:
+    """{a layer of each kind among `layers`: how many}: -1 for the attention layers, the first
+    Gated DeltaNet one for those (all of a kind keep the same activations)."""
+    gdn, num_layers = workload.config.gdn, workload.config.num_layers
+    pattern = gdn.layer_pattern(num_layers) if gdn is not None else ()
+    linear = [layer for layer in layers if layer < len(pattern) and pattern[layer]]
+    kinds = {linear[0]: len(linear)} if linear else {}
+    if len(linear) < len(layers):
+        kinds[-1] = len(layers) - len(linear)
+    return kinds
 
 
 def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
@@ -114,10 +128,14 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
         w, g, o = 4 * dense / shards, 0.0, 8 * dense / shards
     m = layout.num_microbatches(workload.global_batch_size)
     held = held_chunk_activations(layout.schedule, p, rank, m, v)
-    # the rank's layers over its chunks (--account-for-*-in-pipeline-split: fewer on the first / last)
-    layers_per_chunk = sum(len(stage_layers(config.num_layers, p, rank, c, v, **split)) for c in range(v)) / v
-    activations = held * layers_per_chunk * layer_activation_bytes(workload, layout)
-    recompute = layer_activation_bytes(workload, layout, "none") if layout.recompute == "full" else 0.0
+    # the rank's layers over its chunks (--account-for-*-in-pipeline-split: fewer on the first / last),
+    # each by its kind (attention or Gated DeltaNet)
+    layers = [layer for c in range(v) for layer in stage_layers(config.num_layers, p, rank, c, v, **split)]
+    kinds = layer_kinds(workload, layers)
+    activations = held * sum(count * layer_activation_bytes(workload, layout, layer=kind)
+                             for kind, count in kinds.items()) / v
+    recompute = max(layer_activation_bytes(workload, layout, "none", kind) for kind in kinds or [-1]) \
+        if layout.recompute == "full" else 0.0
     logits = 0.0
     if rank == p - 1:
         tokens = workload.seq_length // layout.cp * layout.micro_batch_size
@@ -131,8 +149,7 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
     if layout.fsdp2:
         root, accumulated, logits, recompute = fsdp2_extras(workload, layout, dense, m, recompute)
         w, g = w + root, g + accumulated
-    fp8 = fp8_memory_bytes(workload, layout, [layer for c in range(v)
-                                              for layer in stage_layers(config.num_layers, p, rank, c, v, **split)])
+    fp8 = fp8_memory_bytes(workload, layout, layers)
     return RankMemory(rank, w, g, o, activations, recompute, logits, dense + expert, held / v, fp8)
 
 

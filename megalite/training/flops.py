@@ -21,6 +21,8 @@ place of 12*s*h they cost, per token, 6*K*(2*n_k*d_k + n_v*d_v) (the depthwise c
 6*n_v*(3*d_k*d_v + C*(3*d_k + 2*d_v)) (the chunked delta rule's matrix products with chunks of C
 tokens: q and beta-weighted k against the chunk's initial state and the state update, q k^T and
 k k^T, the scores and the triangular inverse times the values) -- linear in s.
+Their activation bytes per layer: gdn_activation_bytes_per_layer (megalite/dryrun/README.md,
+"Activation memory of Gated DeltaNet layers").
 
 Attention is counted non-causally and recompute is not counted (Megatron 2022, PaLM). Bytes
 of parameters, gradients and optimizer state per parameter are in megalite.optimizer.memory_report.
@@ -168,6 +170,67 @@ def activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_si
     if sequence_parallel:
         return s * b * h * ((26.0 + attention + latents) / t + scores)
     return s * b * h * (10.0 + latents + (16.0 + attention) / t + scores)
+
+
+def gdn_mixer_bytes_per_token(gdn, seq_length: int, tensor_parallel: int = 1) -> float:
+    """Bytes one Gated DeltaNet mixer (megalite.model.gated_delta_net with the torch chunked rule of
+    megalite.kernels.gated_delta) keeps for backward per token of a 16-bit run, on one of
+    `tensor_parallel` ranks (n_k / t key and n_v / t value heads over the whole sequence; d_k, d_v
+    the head widths, C the chunk, K the convolution taps, c = 2 n_k d_k + n_v d_v the convolved
+    channels). Each term is a tensor autograd saves (megalite/dryrun/README.md, "Activation memory
+    of Gated DeltaNet layers")."""
+    t, s, c_chunk = tensor_parallel, seq_length, gdn.chunk_size
+    nk, nv = gdn.linear_num_key_heads / t, gdn.linear_num_value_heads / t
+    dk, dv, taps = gdn.linear_key_head_dim, gdn.linear_value_head_dim, gdn.linear_conv_kernel_dim
+    qk, vd = nk * dk, nv * dv
+    conv = 2 * qk + vd
+    chunks = -(-s // c_chunk)
+    padded = chunks * c_chunk / s  # a ragged last chunk is padded with inert tokens
+    front = (2 * (2 * qk + 2 * vd + 2 * nv)  # in_proj's output (q, k, v, z, beta, alpha views keep it)
+             + 2 * conv * (1 + (taps - 1) / s)  # the convolution's zero-padded input, read by every tap
+             + 4 * conv  # the activation's input and output (l2norm reads q and k, v is a view of it)
+             + 4 * nk + 2 * nv + 8 * nv)  # l2norm's 1/rms of q and k; sigmoid(beta); softplus in and out (fp32)
+    # fp32 per value head: 8 C x C tensors (decay, its strict part, k k^T, beta * strict, I + A,
+    # the triangular solve, q k^T, the scores); q, k, beta exp(gamma) k, its solve, q exp(gamma),
+    # k exp(gamma_C - gamma) (6 d_k); v, beta v, U (3 d_v); beta, exp(gamma) twice,
+    # exp(gamma_C - gamma), beta exp(gamma) (5); a state per chunk. Unpadded, q and k keep the
+    # [b, s, h, d] layout of their heads-first view, which the batched products q k^T and k k^T
+    # cannot fold into one batch dimension: they save copies of q, k and k^T twice (4 d_k more).
+    copies = 16 * dk if s % c_chunk == 0 else 0
+    rule = (32 * c_chunk + 24 * dk + copies + 12 * dv + 20) * padded + 4 * dk * dv * chunks / s
+    back = 18 * vd + 4 * nv  # out_norm's fp32 input, 1/rms, output (16-bit) and scaled output; z in
+    # fp32 and act(z) (fp32); out_proj's input
+    return front + nv * rule + back
+
+
+def gdn_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int, gdn,
+                                   tensor_parallel: int = 1, sequence_parallel: bool = False,
+                                   recompute: str | None = None) -> float:
+    """activation_bytes_per_layer for a Gated DeltaNet layer (`gdn`, a GDNConfig): the norms,
+    residual and MLP terms shared with attention layers, and the mixer's bytes
+    (gdn_mixer_bytes_per_token) in place of the 8h of Q, K, V, the projection's input and the
+    scores. Selective recompute (core_attn) leaves a GDN layer as it is: its mixer recomputes nothing."""
+    s, b, h, t = seq_length, micro_batch_size, hidden_size, tensor_parallel
+    if recompute == "full":
+        return 2.0 * s * b * h
+    mixer = s * b * gdn_mixer_bytes_per_token(gdn, s, t)
+    if sequence_parallel:
+        return s * b * h * 26.0 / t + mixer
+    return s * b * h * (10.0 + 16.0 / t) + mixer
+
+
+def activation_bytes_of_layer(config: GPTConfig, layer: int, seq_length: int, micro_batch_size: int,
+                              tensor_parallel: int = 1, sequence_parallel: bool = False,
+                              recompute: str | None = None, flash_attention: bool = False) -> float:
+    """Layer `layer`'s (global, from 0; -1 an attention layer) activation bytes:
+    gdn_activation_bytes_per_layer on a Gated DeltaNet layer (--linear-attention-freq),
+    activation_bytes_per_layer on the others."""
+    if layer >= 0 and _is_linear(config, layer):
+        return gdn_activation_bytes_per_layer(seq_length, micro_batch_size, config.hidden_size, config.gdn,
+                                              tensor_parallel, sequence_parallel, recompute)
+    return activation_bytes_per_layer(seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads,
+                                      tensor_parallel, sequence_parallel, recompute, flash_attention,
+                                      mla=config.mla, latent_norms=config.qk_layernorm)
 
 
 def mtp_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, tensor_parallel: int = 1,

@@ -165,7 +165,7 @@ def test_dry_run_formula_is_not_given_for_other_modules():
     def formula(modules):
         args = parsed("--bf16 --recompute-granularity selective" + (f" --recompute-modules {modules}" if modules else ""),
                       1)
-        return korthikanti_activation_bytes(args, model_config_from_args(args, 100), 1, 1, 0, [4])
+        return korthikanti_activation_bytes(args, model_config_from_args(args, 100), 1, 1, 0, [range(4)])
 
     assert formula(None) == formula("core_attn") > 0
     assert formula("core_attn mlp") is None

@@ -1,6 +1,7 @@
 """`python -m tests.planner.fsdp2_dry_runs FLAGS [--next FLAGS ...]`: one dry run per group of
 pretrain_gpt flags, all in this one process (under the fake CUDA shim), a JSON line each:
-{'peak_total', 'peak', 'resident', 'formula'} of the first stage. `measure` runs it from a test."""
+{'peak_total', 'peak', 'resident', 'formula', 'activation_peak', 'korthikanti'} of the first
+stage. `measure` runs it from a test."""
 
 import json
 import subprocess
@@ -24,7 +25,8 @@ def main(argv: list[str]) -> int:
     for flags in groups:
         report = reports(flags)[0]
         print(json.dumps({"peak_total": report.peak_total, "peak": report.peak, "resident": report.resident,
-                          "formula": report.formula}),
+                          "formula": report.formula, "activation_peak": report.activation_peak,
+                          "korthikanti": report.korthikanti}),
               flush=True)
     return 0
 
