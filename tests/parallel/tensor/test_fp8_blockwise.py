@@ -159,7 +159,8 @@ def test_scales_handed_to_the_kernel_in_its_layouts(monkeypatch):
     monkeypatch.setattr(fp8_blockwise, "_kernel_serves", lambda a, b, block: a.shape[1] % 128 == 0)
     monkeypatch.setattr(F, "scaled_mm", _kernel_stand_in(calls))
     g = torch.Generator().manual_seed(1)
-    x, w, dy = torch.randn(256, 384, generator=g), torch.randn(256, 384, generator=g), torch.randn(256, 256, generator=g)
+    x, w = torch.randn(256, 384, generator=g), torch.randn(256, 384, generator=g)
+    dy = torch.randn(256, 256, generator=g)
     w[128:, :128] *= 30
     bias = torch.zeros(256)
     recipe = Fp8Recipe(scaling="blockwise")
