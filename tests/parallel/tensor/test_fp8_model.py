@@ -9,9 +9,9 @@ for every split tensor), so every rank quantizes with the one-process run's scal
 scales are per block of each rank's own shard, the one-process run's blocks at that size. Those
 scales agree to 1e-6 (relative: the amaxes come from GEMMs summed in another order); losses and
 weights to TOL = 2e-4 (relative), the size of an occasional FP8 rounding flip of an element that
-the other summation order moves across a rounding boundary. The FP8 run's weights differ from the fp32 run's by more than
-100 x TOL (measured 0.30 delayed hybrid, 0.11 tensorwise e4m3, 0.13 blockwise hybrid, relative;
-blockwise TP2 within 2.2e-7 of one process), its losses by < 1%.
+the other summation order moves across a rounding boundary. The FP8 run's weights differ from
+the fp32 run's by more than 100 x TOL (measured 0.30 delayed hybrid, 0.11 tensorwise e4m3, 0.13
+blockwise hybrid, relative; blockwise TP2 within 2.2e-7 of one process), its losses by < 1%.
 """
 
 import pytest
