@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
-from megalite.parallel.tensor.fp8_scaling import FP8_MAX, GRAD, INPUT, WEIGHT, Fp8Recipe, quantize
+from megalite.parallel.tensor.fp8_scaling import FP8_MAX, GRAD, INPUT, WEIGHT, Fp8Recipe
 
 BLOCK = 128
 _EXPONENT_BITS = -8388608  # 0xFF800000 as int32: sign and exponent, mantissa cleared
@@ -52,14 +52,21 @@ def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return t if (m, k) == (rows, cols) else F.pad(t, (0, cols - k, 0, rows - m))
 
 
+def _saturating_cast(tiles: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8(clamp(tiles * scale)) (fp8_scaling.quantize's arithmetic) through one fp32 copy,
+    scaled and clamped in place: 5 bytes per element at most, not 9."""
+    limit = FP8_MAX[dtype]
+    return tiles.to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
+
+
 def quantize_1x128(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`t` [m, k] quantized per 1x128 tile along k: (fp8 data [m, k], inverse scales
     [m, ceil(k / 128)])."""
     m, k = t.shape
     blocks = -(-k // BLOCK)
-    tiles = _padded(t.detach().float(), m, blocks * BLOCK).reshape(m, blocks, BLOCK)
+    tiles = _padded(t.detach(), m, blocks * BLOCK).reshape(m, blocks, BLOCK)
     scale = block_scales(tiles.abs().amax(-1), FP8_MAX[dtype])
-    data = quantize(tiles, scale.unsqueeze(-1), dtype).reshape(m, blocks * BLOCK)[:, :k].contiguous()
+    data = _saturating_cast(tiles, scale.unsqueeze(-1), dtype).reshape(m, blocks * BLOCK)[:, :k].contiguous()
     return data, scale.reciprocal()
 
 
@@ -68,10 +75,10 @@ def quantize_128x128(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     [ceil(n / 128), ceil(k / 128)])."""
     n, k = t.shape
     rows, cols = -(-n // BLOCK), -(-k // BLOCK)
-    tiles = _padded(t.detach().float(), rows * BLOCK, cols * BLOCK).reshape(rows, BLOCK, cols, BLOCK)
+    tiles = _padded(t.detach(), rows * BLOCK, cols * BLOCK).reshape(rows, BLOCK, cols, BLOCK)
     scale = block_scales(tiles.abs().amax(dim=(1, 3)), FP8_MAX[dtype])
-    data = quantize(tiles, scale[:, None, :, None], dtype).reshape(rows * BLOCK, cols * BLOCK)[:n, :k].contiguous()
-    return data, scale.reciprocal()
+    data = _saturating_cast(tiles, scale[:, None, :, None], dtype).reshape(rows * BLOCK, cols * BLOCK)
+    return data[:n, :k].contiguous(), scale.reciprocal()
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
