@@ -15,8 +15,6 @@ RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
 REFUSED_RECIPES = {
     "mxfp8": "MXFP8 (a scale per 32 elements) needs Blackwell (sm_100) tensor cores; on Hopper use "
              "--fp8-recipe delayed or tensorwise",
-    "blockwise": "blockwise scaling (1x128 / 128x128 blocks) needs a block-scaled FP8 GEMM "
-                 "(Transformer Engine's), which megalite does not have; use delayed or tensorwise",
     "custom": "a custom recipe needs --fp8-quantizer-factory (a Transformer Engine quantizer), "
               "which megalite does not load; use delayed or tensorwise",
 }
@@ -33,7 +31,8 @@ class Fp8Args:
         "inputs and weights, e5m2 gradients).", choices=("e4m3", "hybrid"))
     fp8_recipe: str | None = arg(
         None, "FP8 scaling (default delayed): delayed (scales from an amax history, updated after "
-        "each step) or tensorwise (each tensor's own amax); mxfp8, blockwise, custom are refused.",
+        "each step), tensorwise (each tensor's own amax) or blockwise (a power-of-2 scale per 1x128 tile "
+        "of activations and gradients and per 128x128 block of weights, Hopper); mxfp8, custom are refused.",
         choices=RECIPES)
     fp8_margin: int | None = arg(None, "Delayed scaling: scale = fp8_max / amax / 2**margin (default 0).")
     fp8_interval: int | None = arg(
@@ -97,6 +96,9 @@ def check_fp8_args(args, fail) -> None:
                                      "tp_only_amax_red"))
         if delayed_only:
             fail(f"{delayed_only[0]} applies to --fp8-recipe delayed only (got {recipe})")
+    if recipe == "blockwise" and args.fp8_param_gather and args.use_torch_fsdp2:
+        fail("--fp8-param-gather with --fp8-recipe blockwise under --use-torch-fsdp2: megalite's FP8 all-gather "
+             "casts a weight shard with one scale (delayed or tensorwise), not in 128x128 blocks; drop one of them")
     if args.fp8_param_gather and args.use_torch_fsdp2 and args.tp_only_amax_red:
         fail("--tp-only-amax-red with --fp8-param-gather under --use-torch-fsdp2: a weight's FSDP2 shards are cast "
              "to FP8 with one scale, which needs its amax reduced over DP x CP too; drop --tp-only-amax-red")
@@ -126,6 +128,9 @@ def _check_fp8_device(args, fail) -> None:
     import torch
 
     capability = torch.cuda.get_device_capability()
+    if args.fp8_recipe == "blockwise" and capability < (9, 0):
+        fail(f"--fp8-recipe blockwise: block-scaled FP8 GEMMs need Hopper (compute capability 9.0, as Transformer "
+             f"Engine's); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}")
     if capability < (8, 9):
         fail(f"--fp8-format {args.fp8_format}: FP8 GEMMs need a GPU of compute capability 8.9 or later "
              f"(Ada, Hopper, Blackwell); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}")
@@ -168,6 +173,8 @@ def fp8_notes(args) -> list[str]:
         notes.append("--fp8-param-gather: the parameters stay 16-bit and are all-gathered in 16-bit (twice the "
                      "bytes of an FP8 gather: FP8 all-gathers are served under --use-torch-fsdp2 only), each "
                      "GEMM quantizing the weight with its scale; the GEMMs run in FP8 either way")
+    if args.fp8_recipe == "blockwise":
+        notes.append(_blockwise_note(args))
     if args.num_experts:
         notes.append("--fp8-format with --num-experts: the routed experts' grouped GEMMs and the router stay "
                      "16-bit (no FP8 grouped GEMM); attention, dense and shared-expert linears run in FP8")
@@ -175,3 +182,17 @@ def fp8_notes(args) -> list[str]:
         notes.append("--first-last-layers-bf16 with delayed scaling: Megatron refuses the pair (Transformer "
                      "Engine's global amax buffers); megalite keeps per-linear histories, so it runs")
     return notes
+
+
+def _blockwise_note(args) -> str:
+    """Where --fp8-recipe blockwise's GEMMs run (parallel/tensor/fp8_blockwise.py)."""
+    where = "emulated (the operands dequantized with their block scales, multiplied in fp32)"
+    if on_cpu(args):
+        return f"--fp8-recipe blockwise on CPU: the block-scaled GEMMs are {where}"
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return (f"--fp8-recipe blockwise: torch's block-scaled FP8 GEMM runs on Hopper (9.0) only; on this GPU "
+                f"the GEMMs are {where}")
+    return ("--fp8-recipe blockwise: GEMMs whose reduction dimension (the hidden size, the FFN size and the attention "
+            f"width per tensor-parallel rank, the tokens of a micro-batch) is not a multiple of 128 are {where}")

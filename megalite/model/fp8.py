@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megalite.model.transformer import TransformerLayer
+from megalite.parallel.tensor.fp8_blockwise import BlockwiseFp8Gemm
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
 from megalite.parallel.tensor.fp8_param import Fp8ShardedWeight, GatheredWeightScales
 from megalite.parallel.tensor.fp8_scaling import DelayedScaling, DelayedScalingStates, Fp8Recipe, TensorwiseScaling
@@ -18,7 +19,8 @@ from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLin
 
 def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict[str, DelayedScaling]:
     """Give each FP8 linear of `model` (one model chunk, unwrapped) an Fp8Gemm; returns the
-    delayed-scaling states by parameter-path name (empty for tensorwise scaling). Layers are
+    delayed-scaling states by parameter-path name (empty for tensorwise and blockwise scaling,
+    which keep no state: fp8_blockwise.py's BlockwiseFp8Gemm for the latter). Layers are
     numbered globally, so the names are the same on every pipeline layout."""
     states = {}
     for layer_name, layer in model.named_modules():
@@ -27,12 +29,14 @@ def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict
         for linear_name, linear in layer.named_modules():
             if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            if recipe.scaling == "delayed":
-                scaling = DelayedScaling(recipe, device=linear.weight.device)
-                states[f"{layer_name}.{linear_name}"] = scaling
+            mode = "column" if isinstance(linear, ColumnParallelLinear) else "row"
+            if recipe.scaling == "blockwise":
+                linear.gemm = BlockwiseFp8Gemm(recipe, mode)
+            elif recipe.scaling == "delayed":
+                states[f"{layer_name}.{linear_name}"] = DelayedScaling(recipe, device=linear.weight.device)
+                linear.gemm = Fp8Gemm(recipe, states[f"{layer_name}.{linear_name}"], mode)
             else:
-                scaling = TensorwiseScaling(recipe, tp_group)
-            linear.gemm = Fp8Gemm(recipe, scaling, "column" if isinstance(linear, ColumnParallelLinear) else "row")
+                linear.gemm = Fp8Gemm(recipe, TensorwiseScaling(recipe, tp_group), mode)
             linear.register_forward_pre_hook(_record_when_training)
             if recipe.param_gather:
                 _gather_in_fp8(linear)

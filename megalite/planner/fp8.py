@@ -27,8 +27,10 @@ activation peak (backward runs it while the activations are held): the largest o
 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's 2G + 5X or
 2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into main_grad),
 with X = T k, G = T n, W = k n elements (T the micro-batch's tokens: a sequence-parallel
-column linear gathers its input, a row linear reduce-scatters its output). Checked against the
-dry run (tests/planner/test_fp8_planner.py).
+column linear gathers its input, a row linear reduce-scatters its output). --fp8-recipe
+blockwise (parallel/tensor/fp8_blockwise.py) adds its fp32 scales, one per 128x128 block of W
+and at most one per 128 elements of the working set; its casts move the same 33 bytes per
+element and it reduces no amax. Checked against the dry run (tests/planner/test_fp8_planner.py).
 """
 
 from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
@@ -130,4 +132,6 @@ def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> f
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n
         working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
+    if workload.fp8.scaling == "blockwise":  # fp32 scales: one per 128x128 block of W, at most one per 128 elements
+        cached, working = cached * (1 + 4 / 128 ** 2), working * (1 + 4 / 128)
     return state + cached + working

@@ -1,7 +1,7 @@
 """Megatron's FP8 / FP4 flags (megalite/config/fp8.py): the served ones reach the run's
 Fp8Recipe with Megatron's defaults and meaning; the others stop in one line naming the flag and
-what it needs (mxfp8 / NVFP4: Blackwell; blockwise: a block-scaled GEMM; FP8 attention: an FP8
-attention kernel), never accepted and ignored; --fp8-param-gather is served with one line (FP8
+what it needs (mxfp8 / NVFP4: Blackwell; blockwise: Hopper, and not with FP8 all-gathers under
+FSDP2; FP8 attention: an FP8 attention kernel), never accepted and ignored; --fp8-param-gather is served with one line (FP8
 all-gathers under FSDP2: tests/parallel/test_fp8_layouts.py)."""
 
 import pytest
@@ -21,6 +21,8 @@ def test_megatron_defaults():
 @pytest.mark.parametrize("extra, field, value", [
     ("--fp8-format hybrid", "format", "hybrid"),
     ("--fp8-format e4m3 --fp8-recipe tensorwise", "scaling", "tensorwise"),
+    ("--fp8-format hybrid --fp8-recipe blockwise", "scaling", "blockwise"),
+    ("--fp8-format hybrid --fp8-recipe blockwise --no-fp8-wgrad", "wgrad", False),
     ("--fp8-format e4m3 --fp8-recipe delayed", "scaling", "delayed"),
     ("--fp8-format e4m3 --fp8-margin 2", "margin", 2),
     ("--fp8-format e4m3 --fp8-amax-history-len 1024", "amax_history_len", 1024),
@@ -71,7 +73,9 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
 
 @pytest.mark.parametrize("extra, words", [
     ("--fp8-format e4m3 --fp8-recipe mxfp8", ["--fp8-recipe mxfp8", "Blackwell", "Hopper"]),
-    ("--fp8-format e4m3 --fp8-recipe blockwise", ["--fp8-recipe blockwise", "block-scaled"]),
+    ("--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather --use-torch-fsdp2",
+     ["--fp8-param-gather with --fp8-recipe blockwise under --use-torch-fsdp2", "128x128"]),
+    ("--fp8-format e4m3 --fp8-recipe blockwise --fp8-margin 0", ["--fp8-margin", "delayed only"]),
     ("--fp8-format e4m3 --fp8-recipe custom", ["--fp8-recipe custom", "--fp8-quantizer-factory"]),
     ("--fp4-format e2m1", ["--fp4-format", "Blackwell", "Hopper"]),
     ("--fp4-recipe nvfp4", ["--fp4-recipe", "Blackwell"]),
@@ -101,6 +105,29 @@ def test_moe_runs_say_which_gemms_stay_16_bit():
 def test_refused_in_one_line_naming_the_flag(extra, words):
     message = refused(extra)
     assert all(w in message for w in words), message
+
+
+def test_blockwise_says_where_its_gemms_run(monkeypatch):
+    """CPU: emulated; Hopper: torch's kernel, emulated where a reduction dimension is not a
+    multiple of 128; another GPU: emulated. Below Hopper: refused."""
+    import torch
+
+    from megalite.config import fp8
+
+    def note(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+        return [n for n in fp8_notes(parsed("--fp8-format hybrid --fp8-recipe blockwise", 1)) if "blockwise" in n]
+
+    assert note((9, 0)) == ["--fp8-recipe blockwise on CPU: the block-scaled GEMMs are emulated (the operands "
+                            "dequantized with their block scales, multiplied in fp32)"]
+    monkeypatch.setattr(fp8, "on_cpu", lambda args: False)
+    assert len(note((9, 0))) == 1 and "not a multiple of 128 are emulated" in note((9, 0))[0]
+    assert len(note((10, 0))) == 1 and "Hopper (9.0) only; on this GPU the GEMMs are emulated" in note((10, 0))[0]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40S")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    message = refused("--fp8-format hybrid --fp8-recipe blockwise")
+    assert message.startswith("--fp8-recipe blockwise: block-scaled FP8 GEMMs need Hopper") and "8.9" in message
+    assert fp8.fp8_recipe_from_args(parsed("--fp8-format hybrid --fp8-recipe tensorwise", 1)).scaling == "tensorwise"
 
 
 def test_tp_comm_overlap_with_fp8_runs_without_the_overlap_and_says_so():

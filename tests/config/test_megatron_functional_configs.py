@@ -69,16 +69,15 @@ MOE_ACCEPTED = 54  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
 OFFLOADING = (r"^--fine-grained-activation-offloading: not implemented in megalite",
               "moving saved activations to CPU memory and back is not in megalite (past their mla_up_proj recompute)")
-BLOCKWISE_FP8 = (r"^--fp8-recipe blockwise: blockwise scaling .* needs a block-scaled FP8 GEMM",
-                 "blockwise FP8 needs a block-scaled FP8 GEMM (Transformer Engine's; past their global_aux_loss)")
+TE_CUDA_GRAPHS = (r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
+                  "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local); the two "
+                  "scoped_cudagraph configs get past their --fp8-recipe blockwise (served) to this")
 MOE_REFUSED = {
-    "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph": (
-        r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
-        "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local)"),
+    **dict.fromkeys(["gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph",
+                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
+                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], TE_CUDA_GRAPHS),
     **dict.fromkeys(["gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
                      "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], OFFLOADING),
-    **dict.fromkeys(["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
-                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], BLOCKWISE_FP8),
 }
 FLASH_ATTN_CASES = (  # --use-flash-attn, served by scaled_dot_product_attention without flash_attn or CUDA
     "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
@@ -137,3 +136,25 @@ def test_command_lines_as_megatrons_run_training_script():
                               "--cfg": "(a)"}) == ["--bf16", "--lr", "1e-4", "--sizes", "2", "2", "--schedule",
                                                    "0:8 100:16", "--cfg", "(a)"]
     assert tool.envsubst("${DATA_PATH}/x $UNSET ${REPEAT}") == "/mnt/artifacts/x $UNSET 1"
+
+
+def test_blockwise_fp8_configs_stop_only_at_transformer_engines_cuda_graphs():
+    """The two scoped_cudagraph configs (--fp8-format hybrid --fp8-recipe blockwise
+    --first-last-layers-bf16) validate once their Transformer Engine CUDA-graph flags are taken
+    out: blockwise FP8 is served, the CUDA graphs are what still stops them."""
+    from megalite.config.arguments import parse_args
+    from megalite.config.fp8 import fp8_recipe_from_args
+
+    tool = _tool()
+    configs = tool.load(tool.SETS["moe"][2])
+    cases = [case for case in MOE_REFUSED if "scoped_cudagraph" in case]
+    assert len(cases) == 2
+    for case in cases:
+        (_, worlds, argv), = configs[case]
+        start = argv.index("--cuda-graph-impl")
+        assert argv[start:start + 3] == ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules"]
+        end = next(i for i in range(start + 3, len(argv)) if argv[i].startswith("--"))
+        without_graphs = argv[:start] + argv[end:]
+        assert tool.check(without_graphs, worlds[0]) is None, case
+        recipe = fp8_recipe_from_args(parse_args(without_graphs))
+        assert (recipe.scaling, recipe.format, recipe.bf16_layers_at_start) == ("blockwise", "hybrid", 1)

@@ -1,5 +1,5 @@
 """--fp8-format in the dry run and the planner: the dry run runs the FP8 GEMMs (torch._scaled_mm
-on fake tensors) and holds their delayed-scaling state and quantization copies; the planner's
+on fake tensors; blockwise: torch.nn.functional.scaled_mm's block-scaled GEMM, its meta checks) and holds their delayed-scaling state and quantization copies; the planner's
 FP8 memory against the dry run of the same flags, and its FP8 step faster than the 16-bit one
 by half the FP8 linears' GEMM time (the FP8 peak is twice bf16's) less the casts."""
 
@@ -25,9 +25,11 @@ SMALL = ("--bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 4
 SEQ, BATCH = 256, 2
 DELAYED = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4"]
 TENSORWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+BLOCKWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"]  # on fake CUDA: torch's block-scaled GEMM
 # (model flags, layout): 16-bit and FP8 on one rank, FP8 with TP 2 + SP
 RUNS = [(SMALL, Layout(1, 1, 1, micro_batch_size=2)), (SMALL + DELAYED, Layout(1, 1, 1, micro_batch_size=2)),
-        (SMALL + TENSORWISE, Layout(2, 1, 1, micro_batch_size=2, sequence_parallel=True))]
+        (SMALL + TENSORWISE, Layout(2, 1, 1, micro_batch_size=2, sequence_parallel=True)),
+        (SMALL + BLOCKWISE, Layout(2, 1, 1, micro_batch_size=2, sequence_parallel=True))]
 
 
 @pytest.fixture(scope="module")

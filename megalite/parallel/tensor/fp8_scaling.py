@@ -42,7 +42,7 @@ class Fp8Recipe:
     --fp8-param-gather (under FSDP2) ask."""
 
     format: str = "e4m3"  # e4m3 | hybrid
-    scaling: str = "delayed"  # delayed | tensorwise
+    scaling: str = "delayed"  # delayed | tensorwise | blockwise (fp8_blockwise.py)
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"  # most_recent | max

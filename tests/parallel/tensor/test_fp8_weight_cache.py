@@ -1,7 +1,7 @@
 """The per-step FP8 weight cache (fp8_gemm.py's WeightCache): each FP8 weight is cast once per
 optimizer step (not once per micro-batch, nor again in dgrad or a recomputed forward), and the
 run's numbers are bit-identical to recasting the weight at every use: one process, fp32, SGD,
-3 steps of 2 micro-batches, delayed (hybrid, history 2, max) and tensorwise (e4m3), full
+3 steps of 2 micro-batches, delayed (hybrid, history 2, max), tensorwise (e4m3) and blockwise, full
 recompute of every layer, and an evaluation (no_grad) forward before the second step (the cast
 it makes records no amax; the training forward that reuses it must record the weight's)."""
 
@@ -13,7 +13,7 @@ from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel.data.ddp import DistributedDataParallel
 from megalite.parallel.state import ParallelLayout, ParallelState
-from megalite.parallel.tensor import fp8_gemm
+from megalite.parallel.tensor import fp8_blockwise, fp8_gemm
 from megalite.parallel.tensor.fp8_gemm import Fp8Gemm
 from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
 from tests.parallel.pipeline.pipeline_cases import INIT_SEED, make_config, microbatches
@@ -21,7 +21,8 @@ from tests.parallel.train_step import train_step
 
 STEPS, M = 3, 2
 RECIPES = {"delayed-hybrid": Fp8Recipe(format="hybrid", amax_history_len=2, amax_compute_algo="max"),
-           "tensorwise-e4m3": Fp8Recipe(format="e4m3", scaling="tensorwise")}
+           "tensorwise-e4m3": Fp8Recipe(format="e4m3", scaling="tensorwise"),
+           "blockwise-hybrid": Fp8Recipe(format="hybrid", scaling="blockwise")}
 OPTIM = dict(optimizer="sgd", lr=0.5, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
 
 
@@ -42,7 +43,13 @@ def _run(recipe: Fp8Recipe, monkeypatch, cached: bool) -> dict:
         gemm.drop_weight_cache()
         return real_lookup(gemm, weight, record)
 
+    def counting_block_cast(tensor, dtype):  # blockwise: only weights are cast in 128x128 blocks
+        casts[0] += 1
+        return real_block_cast(tensor, dtype)
+
+    real_block_cast = fp8_blockwise.quantize_128x128
     monkeypatch.setattr(fp8_gemm, "quantize", counting_quantize)
+    monkeypatch.setattr(fp8_blockwise, "quantize_128x128", counting_block_cast)
     monkeypatch.setattr(Fp8Gemm, "_cached_weight", real_lookup if cached else uncached_lookup)
     chunks = [DistributedDataParallel(m, pstate) for m in models]
     optimizer = build_optimizer(chunks, pstate, **OPTIM)
@@ -90,6 +97,12 @@ def test_a_cuda_graph_capture_casts_the_weight_at_every_use(monkeypatch):
         casts.append(tuple(tensor.shape) == tuple(w.shape))
         return real(tensor, scale, dtype)
 
+    def counting_block_cast(tensor, dtype):  # blockwise: only weights are cast in 128x128 blocks
+        casts[0] += 1
+        return real_block_cast(tensor, dtype)
+
+    real_block_cast = fp8_blockwise.quantize_128x128
     monkeypatch.setattr(fp8_gemm, "quantize", counting_quantize)
+    monkeypatch.setattr(fp8_blockwise, "quantize_128x128", counting_block_cast)
     _fp8_linear(Fp8Recipe(format="hybrid", scaling="tensorwise"), x, w, b, dy)
     assert sum(casts) == 2  # fprop and dgrad, as without the cache
