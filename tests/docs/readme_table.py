@@ -61,6 +61,7 @@ README = {
     "pip install -e .": PIP,
     'pip install -e ".[tensorboard]"': PIP,
     'pip install -e ".[data]"': PIP,
+    'pip install -e ".[plot]"': PIP,
     "python -m megalite.pretrain_gpt": Prose("names the driver; its runs are the commands below"),
     "python -m megalite.pretrain_gpt --dry-run": Prose("names the dry-run mode; run:readme-dry-run-405b runs it"),
     "srun": Prose("names Slurm's launcher"),
