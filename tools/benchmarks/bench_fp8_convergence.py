@@ -90,7 +90,7 @@ def parse_args(argv):
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         p.error(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters ({args.train_iters})")
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("the PNG needs matplotlib (pip install -e ".[plot]"), or pass --no-plot")
+        p.error("the PNG needs matplotlib (pip install -e '.[plot]'), or pass --no-plot")
     return args
 
 
