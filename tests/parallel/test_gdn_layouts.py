@@ -9,10 +9,10 @@ are sharded), the final parameters and eval logits within 1e-5 relative. In the 
 model is saved as a DCP checkpoint, which one process loads at TP1 (in_proj's and conv1d's
 unequal blocks reassembled).
 
-One four-process spawn: TP2 SP x CP2 (the full layers' a2a attention) trained the same way, and
-one Gated DeltaNet layer on packed documents (a --reset-attention-mask mask, each CP rank its
-rows) at CP2 (x DP2) and TP2 x CP2: output, input gradient and parameter gradients (summed over
-CP) equal the layer's on one process."""
+One four-process spawn: TP2 SP x CP2 (the full layers' a2a attention) trained
+the same way, and one Gated DeltaNet layer on packed documents (a --reset-attention-mask mask,
+each CP rank its rows) at CP2 (x DP2) and TP2 x CP2: output, input gradient and parameter
+gradients (summed over CP) equal the layer's on one process."""
 
 import pytest
 
