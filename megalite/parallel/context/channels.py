@@ -9,6 +9,8 @@ split into N equal parts on its own: CP rank r receives part r of every block, c
 in block order (Megatron's a2a_cp_to_hp head permutation). Layouts [s, b, channels].
 """
 
+from itertools import accumulate
+
 import torch
 
 from megalite.parallel import comm
@@ -22,9 +24,8 @@ def _parts_first(sections: tuple, n: int, device) -> torch.Tensor:
     if any(size % n for size in sections):
         raise ValueError(f"context-parallel channel split: blocks {tuple(sections)} are not each divisible by the "
                          f"context-parallel size {n}")
-    offsets = torch.tensor((0, *sections), device=device).cumsum(0)
-    blocks = [torch.arange(int(start), int(start) + size, device=device).view(n, -1)
-              for start, size in zip(offsets, sections)]
+    starts = accumulate(sections[:-1], initial=0)
+    blocks = [torch.arange(start, start + size, device=device).view(n, -1) for start, size in zip(starts, sections)]
     return torch.cat(blocks, dim=1).flatten()
 
 
