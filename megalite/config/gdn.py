@@ -125,9 +125,11 @@ def check_gdn_args(args, fail) -> None:
         if getattr(args, name) % tp:
             fail(f"{flag_of(defaults[name])} {getattr(args, name)} must be divisible by --tensor-model-parallel-size "
                  f"{tp}")
-    if args.context_parallel_size > 1:
-        fail("--experimental-attention-variant gdn with --context-parallel-size > 1 is not implemented in megalite "
-             "(Megatron splits the linear-attention heads over the CP ranks with an all-to-all)")
+    cp = args.context_parallel_size
+    if cp > 1 and args.linear_num_key_heads % (tp * cp):  # (the value heads are a multiple of the key heads)
+        fail(f"--linear-num-key-heads {args.linear_num_key_heads} must be divisible by --tensor-model-parallel-size "
+             f"{tp} x --context-parallel-size {cp} = {tp * cp} (each CP rank runs whole heads of the linear-attention "
+             "layers over the whole sequence)")
 
 
 def gdn_notes(args) -> list[str]:

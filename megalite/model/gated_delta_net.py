@@ -14,8 +14,17 @@ dt_bias are split over the TP ranks on their own (column-parallel in_proj, row-p
 out_proj), so a rank holds whole key heads and their value heads. out_norm is one norm shared by
 every head: its gradient is partial per rank and summed over the TP group.
 
+Under context parallelism (as Megatron-Core's GatedDeltaNet) the whole of in_proj's output
+goes through one all-to-all after the projection (megalite.parallel.context.channels): each CP
+rank then holds the whole sequence, in order, for 1/cp of the heads of every block (q, k, v,
+z, beta, alpha), convolves and runs the recurrence with its slices of conv1d, A_log and dt_bias,
+normalises and gates, and a second all-to-all returns its load-balanced chunks of every head
+before out_proj. The parameters stay whole on every CP rank; each receives the gradient of its
+slices, summed over the CP group with the others'. Key heads must divide by TP x CP.
+
 Documents packed in a row (an `attention_mask` from --reset-attention-mask) reset the
-convolution and the state at each document start, as Megatron does with packed sequences.
+convolution and the state at each document start, as Megatron does with packed sequences
+(under CP the document starts of the whole sequence are gathered from every rank's mask rows).
 Generation carries the convolution's last inputs and the state in a
 megalite.inference.kv_cache.LinearAttentionState.
 """
@@ -29,6 +38,8 @@ from torch import nn
 from megalite.kernels.gated_delta import chunk_gated_delta_rule, document_cu_seqlens, l2norm, recurrent_gated_delta_rule
 from megalite.model.norms import build_norm
 from megalite.parallel import comm
+from megalite.parallel.context import gather_sequence, local_positions
+from megalite.parallel.context.channels import channels_to_sequence, sequence_to_channels
 from megalite.parallel.sharding import mark_sharded, shard_of_full
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -42,17 +53,23 @@ def activation_function(name: str):
             "squared_relu": lambda x: F.relu(x).square()}[name]
 
 
-def document_starts(attention_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
-    """bool [b, s], True where a token cannot see the token before it (a document start) under
-    a Megatron mask [b or 1, 1, s, s] (True = not allowed); None when no token after the first
-    starts one."""
+def document_starts(attention_mask: torch.Tensor | None, batch: int, seq_len: int,
+                    cp_group=None) -> torch.Tensor | None:
+    """bool [b, seq_len], True where a token cannot see the token before it (a document start)
+    under a Megatron mask [b or 1, 1, rows, seq_len] (True = not allowed); None when no token
+    after the first starts one. Under context parallelism the rows are this CP rank's tokens
+    (split.split_attention_mask) and the starts of the whole sequence are gathered."""
     if attention_mask is None or seq_len < 2:
         return None
-    idx = torch.arange(1, seq_len, device=attention_mask.device)
-    starts = attention_mask[:, 0, idx, idx - 1].expand(batch, -1)
-    if not bool(starts.any()):
+    cp, device = comm.group_size(cp_group), attention_mask.device
+    rows = torch.arange(attention_mask.shape[2], device=device)
+    positions = local_positions(seq_len, cp, comm.group_rank(cp_group), device) if cp > 1 else rows
+    starts = attention_mask[:, 0, rows, (positions - 1).clamp(min=0)].expand(batch, -1) | (positions == 0)
+    if cp > 1:  # (gloo gathers no bool)
+        starts = gather_sequence(starts.to(torch.uint8), 1, cp_group).bool()
+    if not bool(starts[:, 1:].any()):
         return None
-    return torch.cat((torch.ones_like(starts[:, :1]), starts), dim=1)
+    return starts
 
 
 def _tp_param(shape, dim_sections, tp, dtype, device):
@@ -69,12 +86,15 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"Gated DeltaNet: --linear-num-key-heads {gdn.linear_num_key_heads} and "
                              f"--linear-num-value-heads {gdn.linear_num_value_heads} must be divisible by the "
                              f"tensor-parallel size {tp}")
-        if comm.group_size(cp_group) > 1:
-            raise ValueError("Gated DeltaNet layers do not run under context parallelism in megalite "
-                             "(--context-parallel-size must be 1)")
-        self.config, self.gdn, self.tp, self.tp_group = config, gdn, tp, tp_group
+        cp = comm.group_size(cp_group)
+        if gdn.linear_num_key_heads % (tp * cp):
+            raise ValueError(f"Gated DeltaNet: --linear-num-key-heads {gdn.linear_num_key_heads} must be divisible by "
+                             f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
+        self.config, self.gdn, self.tp, self.tp_group, self.cp, self.cp_group = config, gdn, tp, tp_group, cp, cp_group
         self.act = activation_function(config.activation)
-        self.key_heads, self.value_heads = gdn.linear_num_key_heads // tp, gdn.linear_num_value_heads // tp
+        # the heads this rank computes: its TP share, split again over the CP ranks
+        self.key_heads = gdn.linear_num_key_heads // (tp * cp)
+        self.value_heads = gdn.linear_num_value_heads // (tp * cp)
         dtype = getattr(torch, config.params_dtype)
         sp = config.sequence_parallel
         sections = gdn.in_proj_sections()
@@ -115,7 +135,7 @@ class GatedDeltaNet(nn.Module):
         an earlier document (starts) read zeros. `state` (generation) supplies the inputs before
         this call's first token and keeps the last kernel-1."""
         b, s, c = qkv.shape
-        weight = self.conv1d.weight[:, 0]  # [c, kernel]
+        weight = self._cp_slice(self.conv1d.weight, [size // self.tp for size in self.conv_sections])[:, 0]
         kernel = weight.shape[1]
         history = qkv.new_zeros(b, kernel - 1, c)
         if state is not None:
@@ -135,14 +155,25 @@ class GatedDeltaNet(nn.Module):
             out = out + tap
         return self.act(out)
 
+    def _cp_slice(self, param, sections):
+        """This CP rank's part of each block of `param` (whole on every CP rank) along dim 0: the
+        weights of the heads it computes (Megatron's get_parameter_local_cp)."""
+        if self.cp == 1:
+            return param
+        return shard_of_full(param, 0, tuple(sections), comm.group_rank(self.cp_group), self.cp)
+
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
         """`kv_cache` (generation): this layer's LinearAttentionState, read and updated."""
         gdn = self.gdn
-        projected = self.in_proj(x).transpose(0, 1)  # [b, s, in_proj_dim / tp]
+        if kv_cache is not None and self.cp > 1:
+            raise ValueError("Gated DeltaNet generation (a state cache) does not run under context parallelism")
+        projected = self.in_proj(x)  # [s / cp, b, in_proj_dim / tp]
+        tp_sections = tuple(size // self.tp for size in gdn.in_proj_sections())
+        projected = sequence_to_channels(projected, tp_sections, self.cp_group).transpose(0, 1)  # [b, s, . / cp]
         b, s = projected.shape[:2]
-        local = [size // self.tp for size in gdn.in_proj_sections()]
+        local = [size // self.cp for size in tp_sections]
         qkv, z, beta, alpha = projected.split([sum(local[:3]), local[3], local[4], local[5]], dim=-1)
-        starts = document_starts(attention_mask, b, s) if kv_cache is None else None
+        starts = document_starts(attention_mask, b, s, self.cp_group) if kv_cache is None else None
         qkv = self._convolve(qkv, starts, kv_cache)
         q, k, v = qkv.split(local[:3], dim=-1)
         q = l2norm(q.reshape(b, s, self.key_heads, gdn.linear_key_head_dim))
@@ -151,7 +182,8 @@ class GatedDeltaNet(nn.Module):
         if self.value_heads != self.key_heads:
             q = q.repeat_interleave(self.value_heads // self.key_heads, dim=2)
             k = k.repeat_interleave(self.value_heads // self.key_heads, dim=2)
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+        a_log, dt_bias = (self._cp_slice(p, [p.shape[0]]) for p in (self.A_log, self.dt_bias))
+        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
         if kv_cache is not None:
             o, kv_cache.recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=kv_cache.recurrent)
@@ -162,4 +194,5 @@ class GatedDeltaNet(nn.Module):
         else:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=gdn.chunk_size)
         normed = self.out_norm(o) * self.act(z.reshape(b, s, self.value_heads, -1).float())
-        return self.out_proj(normed.to(x.dtype).reshape(b, s, -1).transpose(0, 1))
+        normed = normed.to(x.dtype).reshape(b, s, -1).transpose(0, 1)
+        return self.out_proj(channels_to_sequence(normed, (gdn.v_dim // self.tp,), self.cp_group))

@@ -20,7 +20,8 @@ Communication per layer and micro-batch, as megalite's layers issue it: tensor p
 all-reduces forward and 2 backward of the b x s x h activation (with sequence parallelism an
 all-gather and a reduce-scatter for each, formulas.md); the embedding's and output layer's
 and the vocab-parallel loss's collectives; a context-parallel ring passing K and V blocks
-(dK, dV as well in the backward), hidden behind the attention core it overlaps; the expert
+(dK, dV as well in the backward), hidden behind the attention core it overlaps (a Gated
+DeltaNet layer instead: two all-to-alls forward and two backward, not overlapped); the expert
 all-to-all dispatch and combine (the planner's launch lines choose the all-to-all dispatcher),
 with tokens spread evenly over the experts.
 """
@@ -228,7 +229,14 @@ def layer_times(cluster: Cluster, workload: Workload, layout: Layout, layer: int
         # backward, overlapped with their input-gradient matmuls (about the forward's GEMMs)
         regather = max(0.0, 2 * cluster.collective_time("all_gather", activation, groups["tp"]) - dense)
     times.add("tensor-parallel", tp, tp * (2 if layout.recompute == "full" else 1) + regather)
-    if layout.cp > 1:
+    if layout.cp > 1 and config.gdn is not None and config.gdn.is_linear_layer(layer, config.num_layers):
+        # a Gated DeltaNet layer: in_proj's output to whole sequences (all-to-all), out_proj's
+        # input back; their gradients the same way in backward; nothing overlaps them
+        gdn = config.gdn
+        a2a = sum(cluster.collective_time("all_to_all", tokens * channels / layout.tp * e, groups["cp"])
+                  for channels in (sum(gdn.in_proj_sections()), gdn.v_dim))
+        times.add("context-parallel", a2a, a2a * (2 if layout.recompute == "full" else 1))
+    elif layout.cp > 1:
         kv_block = 2 * tokens * config.num_query_groups * config.kv_channels / layout.tp * e
         neighbours = groups["cp"][:2] if len({cluster.node_of(r) for r in groups["cp"]}) == 1 else \
             [groups["cp"][0], next(r for r in groups["cp"] if cluster.node_of(r) != cluster.node_of(groups["cp"][0]))]

@@ -134,7 +134,8 @@ def enumerate_layouts(workload: Workload, world_size: int, space: Space):
         if not space.allows("tp", tp):
             continue
         for cp in _divisors(world_size // tp):
-            shardable = _model_ok(config.num_attention_heads, config.num_query_groups, workload.seq_length, tp, cp)
+            shardable = _model_ok(config.num_attention_heads, config.num_query_groups, workload.seq_length, tp, cp) \
+                and (config.gdn is None or config.gdn.linear_num_key_heads % (tp * cp) == 0)  # whole heads per rank
             if not space.allows("cp", cp) or not shardable or (cp > 1 and moe is not None):
                 continue
             for pp in _divisors(world_size // (tp * cp)):

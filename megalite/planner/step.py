@@ -72,7 +72,8 @@ def chunk_times(cluster: Cluster, workload: Workload, layout: Layout) -> list[li
             times = ChunkTimes()
             for layer in stage_layers(config.num_layers, layout.pp, rank, chunk, layout.vp, **split):
                 kind = (config.moe is not None and config.moe.is_moe_layer(layer, config.num_layers),
-                        is_fp8_layer(workload, layer))
+                        is_fp8_layer(workload, layer),
+                        config.gdn is not None and config.gdn.is_linear_layer(layer, config.num_layers))
                 if kind not in per_layer:
                     per_layer[kind] = layer_times(cluster, workload, layout, layer, ops[0])
                 times += per_layer[kind]

@@ -1,7 +1,8 @@
 """The Gated DeltaNet and gated-attention flags: Megatron-LM's defaults, each flag reaching the
 model's GDNConfig / GPTConfig, --linear-attention-freq as Megatron parses it, the conversion
 hints rebuilding the model, the deprecated alias's start-up line, and every refusal in one line
-naming the flag; --apply-wd-to-qk-layernorm reaching the optimizer's groups."""
+naming the flag (context parallelism accepted where the key heads divide by TP x CP);
+--apply-wd-to-qk-layernorm reaching the optimizer's groups."""
 
 import pytest
 import torch
@@ -56,11 +57,17 @@ def test_linear_attention_freq_as_megatron_parses_it():
     ("--experimental-attention-variant gdn --linear-attention-freq [1,0,1]", "3 entries for 4 layers"),
     (GDN + " --linear-num-key-heads 3 --linear-num-value-heads 3 --tensor-model-parallel-size 2",
      "--linear-num-key-heads 3 must be divisible by --tensor-model-parallel-size 2"),
-    (GDN + " --context-parallel-size 2", "with --context-parallel-size > 1 is not implemented"),
+    (GDN + " --linear-num-key-heads 3 --linear-num-value-heads 3 --context-parallel-size 2",
+     "--linear-num-key-heads 3 must be divisible by --tensor-model-parallel-size 1 x --context-parallel-size 2 = 2"),
 ])
 def test_refusals(extra, message):
     world = 2 if "size 2" in extra else 1
     assert message in refused(extra, world)
+
+
+def test_context_parallelism_accepted_when_the_key_heads_divide():
+    args = parsed(GDN + " --linear-num-key-heads 2 --linear-num-value-heads 4 --context-parallel-size 2", 2)
+    assert args.context_parallel_size == 2 and model_config_from_args(args, 100).gdn.linear_num_key_heads == 2
 
 
 def test_apply_wd_to_qk_layernorm_decays_the_qk_norms_only():

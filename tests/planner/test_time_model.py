@@ -180,3 +180,27 @@ def test_output_layer_is_counted_on_the_last_stage_only():
     table = chunk_times(H100.replace(num_gpus=2), w, layout(pp=2, mbs=2))
     head = output_times(H100, w, layout(pp=2, mbs=2))
     assert table[1][0].forward - table[0][0].forward == pytest.approx(head.forward, rel=0.05)
+
+
+def test_gated_delta_net_layers_under_context_parallelism():
+    """A Gated DeltaNet hybrid: context-parallel layouts only where the key heads divide TP x
+    CP; a linear layer at CP2 pays its two all-to-alls (in_proj's output, out_proj's input)
+    forward and backward, the full-attention layer the ring; a chunk sums both kinds."""
+    from megalite.model.gdn_config import GDNConfig
+    from megalite.planner.layouts import Space, enumerate_layouts
+    gdn = GDNConfig(linear_attention_freq=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4)
+    w, ops = workload(LLAMA.replace(gdn=gdn), seq=128, batch=16), (0, 0)
+    space = Space(cp=[1, 2, 4, 8])
+    assert {(lay.tp, lay.cp) for lay in enumerate_layouts(w, 8, space) if lay.cp > 1} == {(1, 2)}
+    assert (2, 2) in {(lay.tp, lay.cp) for lay in enumerate_layouts(workload(LLAMA, 128, 16), 8, space)}
+    lay = layout(cp=2, mbs=2)
+    linear, full = (layer_times(H100, w, lay, layer, ops) for layer in (0, 1))
+    tokens, group = 2 * 128 / 2, [0, 1]
+    a2a = sum(H100.collective_time("all_to_all", tokens * channels * 2, group)
+              for channels in (sum(gdn.in_proj_sections()), gdn.v_dim))
+    assert linear.parts["context-parallel"] == pytest.approx(2 * a2a)
+    ring = layer_times(H100, workload(LLAMA, seq=128, batch=16), lay, 1, ops).parts["context-parallel"]
+    assert full.parts["context-parallel"] == pytest.approx(ring) != pytest.approx(2 * a2a)
+    whole = chunk_times(H100, w, lay)[0][0].parts["context-parallel"]
+    assert whole == pytest.approx(2 * linear.parts["context-parallel"] + 2 * full.parts["context-parallel"])

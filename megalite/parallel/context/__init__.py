@@ -9,6 +9,8 @@ partial results merged by their log-sum-exp, the backward pass a ring too), `all
 document masks (--reset-attention-mask: each rank's query rows of the whole sequence's mask)
 and attention dropout (dropout.py: masks hashed from positions, the same at every CP size).
 The block attention is plain torch (blocks.py) or flash_attn's kernels (flash_blocks.py).
+channels.py serves layers that need the whole sequence (Gated DeltaNet): an all-to-all to whole
+sequences and split channel blocks, and back.
 
 Imports: torch and megalite.parallel's shared modules (comm, state) only; never
 megalite.model, megalite.training or megalite.optimizer.

@@ -91,14 +91,17 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _seq_to_heads(x, group):
+def seq_to_heads(x, group):
+    """[s, b, h, d], this rank's part of the sequence -> [n * s, b, h / n, d]: every rank's
+    part (rank order) of this rank's 1/n of the heads (the Ulysses all-to-all)."""
     n = comm.group_size(group)
     s, b, h, d = x.shape
     parts = x.reshape(s, b, n, h // n, d).permute(2, 0, 1, 3, 4)  # [n, s, b, h/n, d]
     return _all_to_all(parts, group).reshape(n * s, b, h // n, d)
 
 
-def _heads_to_seq(x, group):
+def heads_to_seq(x, group):
+    """The inverse of seq_to_heads (and its gradient)."""
     n = comm.group_size(group)
     ns, b, hn, d = x.shape
     parts = _all_to_all(x.reshape(n, ns // n, b, hn, d), group)  # [n (heads), s, b, h/n, d]
@@ -119,7 +122,7 @@ def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None, blocks=
     if k.shape[2] % n:  # too few key/value heads to split: give every query head its own copy
         k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
     order = natural_order(s, n, q.device)
-    q, k, v = (comm.paired(t, _seq_to_heads, _heads_to_seq, group).index_select(0, order).permute(1, 2, 0, 3)
+    q, k, v = (comm.paired(t, seq_to_heads, heads_to_seq, group).index_select(0, order).permute(1, 2, 0, 3)
                for t in (q, k, v))
     allowed = None
     if mask is not None:  # every rank attends over the whole sequence: it needs every row
@@ -134,4 +137,4 @@ def a2a_attention(q, k, v, group, scale: float, mask=None, dropout=None, blocks=
         keep = block_keep(dropout, q, 0, 0, n * s, head_offset=comm.group_rank(group) * q.shape[1])
         out = block_forward(q, k, v, scale, True, None if allowed is None else ~allowed, keep)[0].to(q.dtype)
     out = out.permute(2, 0, 1, 3).index_select(0, torch.argsort(order))
-    return comm.paired(out, _heads_to_seq, _seq_to_heads, group).permute(1, 2, 0, 3)  # [b, hq, s, d]
+    return comm.paired(out, heads_to_seq, seq_to_heads, group).permute(1, 2, 0, 3)  # [b, hq, s, d]
