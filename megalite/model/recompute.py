@@ -61,11 +61,15 @@ class RecomputedOutput:
     view of one) is stored as its shape and offsets, and rebuilt by running fn again on the same
     inputs when backward needs it (Megatron's output-discarding checkpoint of --recompute-modules
     layernorm, moe_act and mla_up_proj). fn must be deterministic (no dropout); its own backward
-    keeps what it saved."""
+    keeps what it saved. `store` (an offload region: megalite.model.offload) keeps the inputs
+    through its pack and unpack, so that they are offloaded with what fn saves."""
 
-    def __init__(self, fn, *inputs):
-        self.fn, self.inputs = fn, inputs
+    def __init__(self, fn, *inputs, store=None):
+        self.fn = fn
         self.output = fn(*inputs)
+        self.store, self._is_tensor = store, tuple(isinstance(x, torch.Tensor) for x in inputs)
+        self.inputs = inputs if store is None else tuple(
+            store.pack(x) if is_tensor else x for x, is_tensor in zip(inputs, self._is_tensor))
         outputs = self.output if isinstance(self.output, tuple) else (self.output,)
         # A fresh contiguous result can be rebuilt with the same layout; anything else is kept.
         self._discardable = {out.untyped_storage().data_ptr(): (i, out.dtype) for i, out in enumerate(outputs)
@@ -84,8 +88,10 @@ class RecomputedOutput:
             return packed
         self, index, size, stride, offset = packed
         if self._rebuilt is None:
+            inputs = self.inputs if self.store is None else tuple(
+                self.store.unpack(x) if is_tensor else x for x, is_tensor in zip(self.inputs, self._is_tensor))
             with torch.no_grad():
-                rebuilt = self.fn(*(x.detach() if isinstance(x, torch.Tensor) else x for x in self.inputs))
+                rebuilt = self.fn(*(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs))
             self._rebuilt = rebuilt if isinstance(rebuilt, tuple) else (rebuilt,)
         return self._rebuilt[index].as_strided(size, stride, offset)
 
