@@ -73,7 +73,7 @@ def _prefetcher(previous):
     def prefetch(grad):
         group = previous()
         if group is not None:
-            group.reload()
+            group.reload(prefetch=True)
     return prefetch
 
 
@@ -138,11 +138,12 @@ class OffloadGroup:
             self.offloader.count(self.name, slot.host)
             slot.device_tensor = None
 
-    def reload(self) -> None:
+    def reload(self, prefetch: bool = False) -> None:
         """Start copying the group back to its device (on the side stream on CUDA)."""
         if self._reload_started or not self._slots:
             return
         self._reload_started = True
+        self.offloader.reloads["prefetched" if prefetch else "on_demand"] += 1
         real_cuda = [s for s in self._slots if s.device.type == "cuda" and s.host.is_pinned()]
         if real_cuda:
             _, h2d = self.offloader.streams()
@@ -195,6 +196,7 @@ class ActivationOffloader:
         self._previous = lambda: None  # a weak reference to the last group
         self.offloaded_bytes: dict[str, int] = {}
         self.offloaded_tensors: dict[str, int] = {}
+        self.reloads = {"prefetched": 0, "on_demand": 0}  # groups reloaded ahead of their backward, or at it
 
     def offloads(self, name: str) -> bool:
         return name in self.modules
@@ -228,6 +230,7 @@ class ActivationOffloader:
         self._previous = weakref.ref(group)
         with saved_tensors_hooks(group.pack, group.unpack):
             yield group
+        group.input = None  # the group outlives the block (autograd holds it): not its input
         group.commit()
 
 
