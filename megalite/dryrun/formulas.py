@@ -84,6 +84,8 @@ def korthikanti_activation_bytes(args, config, tp_size: int, cp_size: int, pp_ra
         return None
     if config.recompute_granularity == "selective" and config.recompute_modules != ("core_attn",):
         return None  # the formula knows selective recompute of core attention alone (--recompute-modules)
+    if config.offload_modules:
+        return None  # nor what --fine-grained-activation-offloading moves off the device (the dry run measures it)
     s = args.seq_length // cp_size
     per_layer = activation_bytes_per_layer(
         s, args.micro_batch_size, config.hidden_size, config.num_attention_heads,
