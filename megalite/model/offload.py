@@ -236,4 +236,4 @@ class ActivationOffloader:
 
 def parameters_of(*modules) -> list:
     """The tensors a region keeps: its modules' parameters (under FSDP2 the unsharded ones)."""
-    return [p for m in modules if m is not None for p in m.parameters()]
+    return [p.to_local() if hasattr(p, "to_local") else p for m in modules if m is not None for p in m.parameters()]
