@@ -8,7 +8,8 @@ embedding on the last stage; also tied to the output layer, with a learned posit
 repeats), PP2 interleaved (two chunks per rank), CP2 with each --cp-comm-type that supports unequal
 query and value head widths, EP2 (over DP2, also with the distributed optimizer), with
 --calculate-per-token-loss at DP2 and CP2 (MTP's shifted mean times the unshifted tokens, counted
-over the CP group), and PP2 (plain and interleaved) offloading every --offload-modules name; and
+over the CP group), and PP2 (plain and interleaved) and TP2 SP (with mla_up_proj recomputed) offloading
+every --offload-modules name; and
 one eight-process mix: TP2 SP x CP2 x PP2 with EP2."""
 
 import pytest
@@ -37,6 +38,9 @@ TWO = {
     "pp2-offload": dict(pp=2, model=dict(offload_modules=OFFLOAD_MODULES, min_offloaded_tensor_size=0)),
     "pp2-interleaved-offload": dict(pp=2, vp=2, model=dict(offload_modules=OFFLOAD_MODULES,
                                                            min_offloaded_tensor_size=0)),
+    "tp2-sp-offload": dict(tp=2, sp=True, model=dict(recompute_granularity="selective",
+                                                     recompute_modules=("mla_up_proj",), offload_modules=OFFLOAD_MODULES,
+                                                     min_offloaded_tensor_size=0)),
 }
 NOT_IN_REFERENCE = ("offload_modules", "min_offloaded_tensor_size")  # the same numbers as without
 EIGHT = {"tp2-sp-cp2-pp2-ep2": dict(tp=2, sp=True, cp=2, pp=2, ep=2)}
