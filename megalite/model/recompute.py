@@ -72,12 +72,13 @@ class RecomputedOutput:
             store.pack(x) if is_tensor else x for x, is_tensor in zip(inputs, self._is_tensor))
         outputs = self.output if isinstance(self.output, tuple) else (self.output,)
         # A fresh contiguous result can be rebuilt with the same layout; anything else is kept.
-        self._discardable = {out.untyped_storage().data_ptr(): (i, out.dtype) for i, out in enumerate(outputs)
+        # Keyed by the StorageImpl, not the data pointer: every fake tensor's (the dry run's) is 0.
+        self._discardable = {out.untyped_storage()._cdata: (i, out.dtype) for i, out in enumerate(outputs)
                              if out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0}
         self._rebuilt = None
 
     def _pack(self, saved):
-        index, dtype = self._discardable.get(saved.untyped_storage().data_ptr(), (None, None))
+        index, dtype = self._discardable.get(saved.untyped_storage()._cdata, (None, None))
         if index is not None and saved.dtype == dtype:
             return (self, index, saved.size(), saved.stride(), saved.storage_offset())
         return saved
