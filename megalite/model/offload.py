@@ -4,7 +4,8 @@ forward and comes back before their backward.
 
 Each call of a named submodule is one group (Megatron's OffloadTensorGroup). While it runs, a
 saved_tensors_hooks pair records the tensors autograd saves (not the module's parameters, not
-tensors under --min-offloaded-tensor-size elements, each storage view once); when it returns they
+tensors under --min-offloaded-tensor-size elements; each view once, and a strided slice that
+covers half its storage or more as that whole storage, once, as Megatron does); when it returns they
 are copied to pinned CPU memory on a side CUDA stream (after that stream waits for the compute
 stream, so the copies overlap the next modules' compute) and the device copies are dropped, their
 memory reused once the copy is done (record_stream). In backward, once a group's backward is done
@@ -38,12 +39,32 @@ def _is_real_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and not isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its storage span without gaps or overlaps (a permuted layout)."""
+    return all(st > 0 for st in t.stride()) and 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) == t.numel()
+
+
 def _empty_like_layout(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised tensor with t's shape, dtype and strides (contiguous where the strides
-    overlap), so that a reloaded tensor runs the backward kernels the original would have."""
-    if t.is_contiguous() or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    """An uninitialised tensor with t's shape, dtype and strides where those are dense, so that a
+    reloaded tensor runs the backward kernels the original would have; contiguous otherwise (a
+    slice of a wider tensor is copied alone, not with the span it strides over)."""
+    if t.is_contiguous() or t.numel() == 0 or not _dense(t):
         return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin_memory)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
+def _spans_most_of_its_storage(t: torch.Tensor) -> bool:
+    """A view with gaps that covers at least half its storage (Megatron's rule for offloading the
+    storage rather than a contiguous copy)."""
+    if t.is_contiguous() or t.numel() == 0 or _dense(t):
+        return False
+    nbytes = t.untyped_storage().nbytes()
+    return nbytes % t.element_size() == 0 and 2 * t.numel() * t.element_size() >= nbytes
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor of t's dtype over all of t's storage."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
 
 class _Slot:
@@ -102,11 +123,19 @@ class OffloadGroup:
         if (t.numel() < self.offloader.min_tensor_size or t.device.type not in ("cuda", "cpu")
                 or _storage_key(t) in self._kept):
             return t
-        key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        view = None
+        if _spans_most_of_its_storage(t):
+            # a strided slice (SwiGLU's halves of one matmul output): the whole storage is copied,
+            # once for all its views, and the slice rebuilt with its own strides (a contiguous copy
+            # could take other kernels in backward, other roundings)
+            view, t = (tuple(t.shape), t.stride(), t.storage_offset()), _whole_storage(t)
+            key = (_storage_key(t), t.dtype)
+        else:
+            key = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if key not in self._index:
             self._index[key] = len(self._slots)
             self._slots.append(_Slot(t))
-        return self, self._index[key]
+        return self, self._index[key], view
 
     @staticmethod
     def unpack(packed):
@@ -114,8 +143,9 @@ class OffloadGroup:
             return packed
         if isinstance(packed, _Outer):
             return packed.unpack(packed.packed)
-        group, index = packed
-        return group.fetch(index)
+        group, index, view = packed
+        t = group.fetch(index)
+        return t if view is None else t.as_strided(*view)
 
     def commit(self) -> None:
         """Copy the recorded tensors to the host and drop the device copies (the module returned)."""
