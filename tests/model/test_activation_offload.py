@@ -142,3 +142,31 @@ def test_saved_tensors_leave_the_device_before_backward(monkeypatch, name):
     *_, floored, _ = run(offloading(config(None), modules, min_size=10 ** 9), watch)
     assert kept and not any(kept) and not any(floored)
     assert all(freed), freed
+
+
+def test_zero_bubble_split_backward():
+    """ZB-H1's split backward (B, then the weight-gradient half W from the retained graph, which
+    unpacks the saved tensors a second time) on a middle pipeline stage: bit for bit the split
+    backward without offloading."""
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel.data.ddp import DistributedDataParallel, main_grad_of
+    from megalite.parallel.pipeline.split_backward import SplitBackward
+    from megalite.parallel.state import ParallelState
+
+    def split_backward(cfg):
+        model = GPTModel(cfg, ParallelState.single(), layer_numbers=[0, 1], pre_process=False, post_process=False,
+                         init_seed=3).train()
+        wrapped, split = DistributedDataParallel(model, ParallelState.single()), SplitBackward(model)
+        g = torch.Generator().manual_seed(5)
+        hidden = torch.randn(SEQ, BATCH, 16, generator=g).requires_grad_()
+        with split.record() as record:
+            out = wrapped(hidden_states=hidden)
+        input_grad = split.input_backward(record, out, torch.randn(out.shape, generator=g), hidden)
+        split.weight_backward(record)
+        return input_grad, {n: main_grad_of(p).clone() for n, p in model.named_parameters()}, model.offloader
+
+    want_input, want, _ = split_backward(config(None))
+    got_input, got, offloader = split_backward(offloading(config(None), OFFLOAD_MODULES))
+    assert torch.equal(got_input, want_input)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+    assert set(offloader.offloaded_bytes) == set(OFFLOAD_MODULES)
