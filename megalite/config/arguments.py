@@ -28,7 +28,7 @@ from megalite.config.flash_attn import uses_flash_attn_package
 from megalite.config.fp8 import Fp8Args
 from megalite.config.megatron.data import MegatronDataArgs
 from megalite.config.megatron.fim import MegatronFimArgs
-from megalite.config.megatron.engine import MegatronEngineArgs
+from megalite.config.megatron.engine import MegatronEngineArgs, offload_model_fields
 from megalite.config.megatron.logs import MegatronLoggingArgs
 from megalite.config.megatron.model import MegatronModelArgs, megatron_model_fields, mlp_activation
 from megalite.config.megatron.training import MegatronTrainingArgs
@@ -320,4 +320,5 @@ def model_config_from_args(args, vocab_size: int) -> GPTConfig:
         cp_a2a_size=cp_a2a_size_of(args),
         **mla_model_fields(args),
         **gdn_model_fields(args),
+        **offload_model_fields(args),
     )

@@ -103,6 +103,8 @@ def korthikanti_activation_bytes(args, config, tp_size: int, cp_size: int, pp_ra
         return None
     if config.recompute_granularity == "selective" and config.recompute_modules != ("core_attn",):
         return None  # the formula knows selective recompute of core attention alone (--recompute-modules)
+    if config.offload_modules:
+        return None  # nor what --fine-grained-activation-offloading moves off the device (the dry run measures it)
     s = args.seq_length // cp_size
 
     def layer_bytes(layer: int) -> float:  # Gated DeltaNet layers by their own terms

@@ -11,6 +11,7 @@ from torch import nn
 from megalite import kernels
 from megalite.model.attention_backends import core_attention, pad_values
 from megalite.model.norms import build_norm
+from megalite.model.offload import ActivationOffloader, parameters_of
 from megalite.model.recompute import checkpointed
 from megalite.model.rope import apply_rotary_interleaved
 from megalite.parallel import comm
@@ -87,6 +88,7 @@ class SelfAttention(nn.Module):
             # its heads, so the weights' gradients are summed over the TP group.
             self.q_layernorm = build_norm(config, size=self.head_dim, partial_grad=True, device=device)
             self.k_layernorm = build_norm(config, size=self.head_dim, partial_grad=True, device=device)
+        self.offloader = ActivationOffloader()  # its TransformerLayer's (--offload-modules)
 
     def core_attention(self, q, k, v, attention_mask):
         """q, k [s, b, nq or ng, d], v [s, b, ng, dv] -> context [s, b, nq*dv] (dv: d, or MLA's
@@ -127,6 +129,26 @@ class SelfAttention(nn.Module):
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
         """`kv_cache` (inference only): one layer's megalite.inference.KVCache; the new keys
         and values are appended to it and the queries attend to every cached position."""
+        with self.offloader.region("qkv_linear", x, keep=parameters_of(self)) as region:
+            qkv, q, k, v, gate = self._query_key_value(region.input)
+        if rotary is not None:
+            q, k = self._rotate(q, *rotary), self._rotate(k, *rotary)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+            context = self.core_attention(q, k, v, kv_cache.attention_mask(q.shape[0], q.device))
+            return self.linear_proj(self._gated(context, gate))
+        q, k, v = _without_partial_views(qkv, q, k, v)
+        if self.config.recomputes("core_attn"):
+            # The tracker matters only when attention dropout draws from it (core_attention).
+            forks = self.training and self.config.attention_dropout > 0
+            context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
+        else:
+            context = offloaded_core_attention(self, q, k, v, attention_mask)
+        return offloaded_projection(self, self._gated(context, gate))
+
+    def _query_key_value(self, x):
+        """The fused projection's output and q, k, v (q and k normed with --qk-layernorm) and the
+        output gate (None without --attention-output-gate), before rotation."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         gate = None
@@ -141,22 +163,23 @@ class SelfAttention(nn.Module):
             q, k, v = SplitGroupedQKV.apply(qkv, self.q_per_group)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = self._rotate(q, *rotary), self._rotate(k, *rotary)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-            context = self.core_attention(q, k, v, kv_cache.attention_mask(s, q.device))
-            return self.linear_proj(self._gated(context, gate))
-        q, k, v = _without_partial_views(qkv, q, k, v)
-        if self.config.recomputes("core_attn"):
-            # The tracker matters only when attention dropout draws from it (core_attention).
-            forks = self.training and self.config.attention_dropout > 0
-            context = checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(self._gated(context, gate))
+        return qkv, q, k, v, gate
 
     @staticmethod
     def _gated(context, gate):
         """context * sigmoid(gate) (fp32 sigmoid) with --attention-output-gate."""
         return context if gate is None else (context * torch.sigmoid(gate.float())).to(context.dtype)
+
+
+def offloaded_core_attention(attention, q, k, v, attention_mask):
+    """attention.core_attention with --offload-modules core_attn: what it saves (q, k, v, and the
+    probabilities or softmax statistics of its backend) offloaded."""
+    with attention.offloader.region("core_attn", q) as region:
+        return attention.core_attention(region.input, k, v, attention_mask)
+
+
+def offloaded_projection(attention, context):
+    """attention.linear_proj with --offload-modules attn_proj: its saved input (the attention's
+    output) offloaded."""
+    with attention.offloader.region("attn_proj", context, keep=parameters_of(attention.linear_proj)) as region:
+        return attention.linear_proj(region.input)

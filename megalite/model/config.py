@@ -150,6 +150,11 @@ class GPTConfig:
     attention_output_gate: bool = False
     """Full attention's output times sigmoid(a gate projected with q, k, v), per head
     (--attention-output-gate; Qwen3-Next's gated attention)."""
+    offload_modules: tuple = ()
+    """Submodules whose saved activations go to CPU memory between their forward and backward
+    (--fine-grained-activation-offloading with --offload-modules; megalite.model.offload)."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """Saved tensors of fewer elements stay on the device (--min-offloaded-tensor-size)."""
     mtp_num_layers: int | None = None
     """Multi-token prediction depths after the last layer (--mtp-num-layers); None: none."""
     mtp_loss_scaling_factor: float = 0.1
@@ -201,6 +206,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.unfused_kernels: unknown ops {sorted(unknown)} (known: {UNFUSABLE_OPS})")
         self.unfused_kernels = tuple(op for op in UNFUSABLE_OPS if op in self.unfused_kernels)  # one order
         self.recompute_modules = tuple(self.recompute_modules)  # a list from a config file
+        self.offload_modules = tuple(self.offload_modules)
         if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
             raise ValueError(f"GPTConfig.recompute_modules: unknown modules {sorted(unknown)} (known: {RECOMPUTE_MODULES})")
         for name, allowed in choices.items():

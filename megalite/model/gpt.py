@@ -20,6 +20,7 @@ from megalite.model.mla_config import mla_cos_sin
 from megalite.model.moe_router import TopKRouter
 from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
+from megalite.model.offload import ActivationOffloader
 from megalite.model.recompute import checkpointed, prepare_for_compile
 from megalite.model.rope import rotary_cos_sin_for
 from megalite.model.transformer import TransformerLayer
@@ -138,6 +139,10 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True
             if config.mtp_num_layers and self.embedding.position_embeddings is not None:
                 self.embedding.position_embeddings.weight.shared_embedding = True
+        # --fine-grained-activation-offloading: one offloader per model chunk, shared by its layers
+        self.offloader = ActivationOffloader(config.offload_modules, config.min_offloaded_tensor_size)
+        for layer in (m for m in self.modules() if isinstance(m, TransformerLayer)):
+            layer.share_offloader(self.offloader)
         self.init_seed, self.init_on_shard = init_seed, init_on_shard
         self._compiled_head = None  # compile_regions' compiled output_head
         # Layer number -> its CUDA-graphed call (megalite.training.cuda_graphs), used in training
@@ -187,6 +192,7 @@ class GPTModel(nn.Module):
         return self._rotary_cache
 
     def _run_layers(self, x, rotary, attention_mask, inference_cache=None):
+        self.offloader.new_micro_batch()
         layers = list(self.layers.values())
         cfg = self.config
         if inference_cache is not None:

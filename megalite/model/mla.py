@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from megalite import kernels
-from megalite.model.attention import SelfAttention
+from megalite.model.attention import SelfAttention, offloaded_core_attention, offloaded_projection
 from megalite.model.norms import build_norm
+from megalite.model.offload import ActivationOffloader, parameters_of
 from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel import comm
 from megalite.parallel.sharding import mark_sequence_parallel
@@ -88,6 +89,7 @@ class MLASelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             heads * mla.v_head_dim, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
             sequence_parallel=sp, init_std=config.output_proj_init_std, **common)
+        self.offloader = ActivationOffloader()  # its TransformerLayer's (--offload-modules)
 
     def _rotate(self, t, cos, sin):
         return kernels.apply_rotary(deinterleave(t, cos.shape[-1]), cos, sin,
@@ -136,18 +138,24 @@ class MLASelfAttention(nn.Module):
         if self.config.recomputes("core_attn"):
             forks = self.training and self.config.attention_dropout > 0
             return checkpointed(self.core_attention, self.rng_tracker if forks else None, q, k, v, attention_mask)
-        return self.core_attention(q, k, v, attention_mask)
+        return offloaded_core_attention(self, q, k, v, attention_mask)
 
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None):
-        """As SelfAttention.forward; `rotary` is the MLA rotary part's (mla_config.mla_cos_sin)."""
+        """As SelfAttention.forward; `rotary` is the MLA rotary part's (mla_config.mla_cos_sin).
+        --offload-modules qkv_linear offloads what the down and up projections, latent norms and
+        RoPE save (with mla_up_proj recomputed, the latents they are rebuilt from)."""
+        keep = parameters_of(self) + list(rotary or ())
         if self.config.recomputes("mla_up_proj") and self.training and torch.is_grad_enabled():
             # q, k and v are not kept for the attention's backward but rebuilt from the latents
-            up = RecomputedOutput(self._up_proj_and_rope, *self._latents(x), *(rotary or ()))
+            with self.offloader.region("qkv_linear", x, keep=keep) as region:
+                up = RecomputedOutput(self._up_proj_and_rope, *self._latents(region.input), *(rotary or ()),
+                                      store=region)
             with up.consumers() as (q, k, v):
                 context = self._attention(q, k, v, attention_mask)
-            return self.linear_proj(context)
-        q, k, v = self.query_key_value(x, rotary)
+            return offloaded_projection(self, context)
+        with self.offloader.region("qkv_linear", x, keep=keep) as region:
+            q, k, v = self.query_key_value(region.input, rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
             return self.linear_proj(self.core_attention(q, k, v, kv_cache.attention_mask(q.shape[0], q.device)))
-        return self.linear_proj(self._attention(q, k, v, attention_mask))
+        return offloaded_projection(self, self._attention(q, k, v, attention_mask))

@@ -18,6 +18,7 @@ from torch import nn
 from megalite import kernels
 from megalite.model.mlp import MLP
 from megalite.model.moe_router import TopKRouter
+from megalite.model.offload import ActivationOffloader
 from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel import comm
 from megalite.parallel.expert.collectives import gather_rows, scatter_rows
@@ -68,6 +69,7 @@ class LocalExperts(nn.ModuleDict):
     def __init__(self, config, expert_ids, etp_group, device):
         super().__init__({str(e): Expert(config, config.moe.ffn_hidden_size, etp_group, device) for e in expert_ids})
         self.config = config
+        self.offloader = ActivationOffloader()  # its TransformerLayer's (--offload-modules)
 
     def _stacked(self, which: str) -> torch.Tensor:
         """[local experts, in, out(/etp)] weights of linear_fc1 or linear_fc2."""
@@ -77,10 +79,16 @@ class LocalExperts(nn.ModuleDict):
         """The experts on their rows (counts[i] rows for the i-th local expert): this rank's ETP
         share of each output, summed over the ETP group by the dispatcher's combine."""
         grouped = self.config.moe.grouped_gemm
-        hidden = grouped_mm(rows, self._stacked("linear_fc1"), counts, grouped)
-        if not (self.config.recomputes("moe_act") and self.training and torch.is_grad_enabled()):
-            return grouped_mm(self._activation(hidden), self._stacked("linear_fc2"), counts, grouped)
-        activated = RecomputedOutput(self._activation, hidden)  # --recompute-modules moe_act
+        fc1 = self._stacked("linear_fc1")
+        with self.offloader.region("expert_fc1", rows, keep=[fc1]) as region:  # --offload-modules expert_fc1
+            hidden = grouped_mm(region.input, fc1, counts, grouped)
+        with self.offloader.region("moe_act", hidden) as region:  # --offload-modules moe_act
+            if not (self.config.recomputes("moe_act") and self.training and torch.is_grad_enabled()):
+                activated = self._activation(region.input)
+            else:  # --recompute-modules moe_act: kept is the activation's input, not its output
+                activated = RecomputedOutput(self._activation, region.input, store=region)
+        if not isinstance(activated, RecomputedOutput):
+            return grouped_mm(activated, self._stacked("linear_fc2"), counts, grouped)
         with activated.consumers() as h:
             return grouped_mm(h, self._stacked("linear_fc2"), counts, grouped)
 

@@ -61,19 +61,24 @@ class RecomputedOutput:
     view of one) is stored as its shape and offsets, and rebuilt by running fn again on the same
     inputs when backward needs it (Megatron's output-discarding checkpoint of --recompute-modules
     layernorm, moe_act and mla_up_proj). fn must be deterministic (no dropout); its own backward
-    keeps what it saved."""
+    keeps what it saved. `store` (an offload region: megalite.model.offload) keeps the inputs
+    through its pack and unpack, so that they are offloaded with what fn saves."""
 
-    def __init__(self, fn, *inputs):
-        self.fn, self.inputs = fn, inputs
+    def __init__(self, fn, *inputs, store=None):
+        self.fn = fn
         self.output = fn(*inputs)
+        self.store, self._is_tensor = store, tuple(isinstance(x, torch.Tensor) for x in inputs)
+        self.inputs = inputs if store is None else tuple(
+            store.pack(x) if is_tensor else x for x, is_tensor in zip(inputs, self._is_tensor))
         outputs = self.output if isinstance(self.output, tuple) else (self.output,)
         # A fresh contiguous result can be rebuilt with the same layout; anything else is kept.
-        self._discardable = {out.untyped_storage().data_ptr(): (i, out.dtype) for i, out in enumerate(outputs)
+        # Keyed by the StorageImpl, not the data pointer: every fake tensor's (the dry run's) is 0.
+        self._discardable = {out.untyped_storage()._cdata: (i, out.dtype) for i, out in enumerate(outputs)
                              if out.numel() > 0 and out.is_contiguous() and out.storage_offset() == 0}
         self._rebuilt = None
 
     def _pack(self, saved):
-        index, dtype = self._discardable.get(saved.untyped_storage().data_ptr(), (None, None))
+        index, dtype = self._discardable.get(saved.untyped_storage()._cdata, (None, None))
         if index is not None and saved.dtype == dtype:
             return (self, index, saved.size(), saved.stride(), saved.storage_offset())
         return saved
@@ -84,8 +89,10 @@ class RecomputedOutput:
             return packed
         self, index, size, stride, offset = packed
         if self._rebuilt is None:
+            inputs = self.inputs if self.store is None else tuple(
+                self.store.unpack(x) if is_tensor else x for x, is_tensor in zip(self.inputs, self._is_tensor))
             with torch.no_grad():
-                rebuilt = self.fn(*(x.detach() if isinstance(x, torch.Tensor) else x for x in self.inputs))
+                rebuilt = self.fn(*(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs))
             self._rebuilt = rebuilt if isinstance(rebuilt, tuple) else (rebuilt,)
         return self._rebuilt[index].as_strided(size, stride, offset)
 

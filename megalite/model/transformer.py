@@ -15,6 +15,7 @@ from megalite.model.mla import MLASelfAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import build_norm
+from megalite.model.offload import ActivationOffloader, parameters_of
 from megalite.model.recompute import RecomputedOutput, checkpointed
 from megalite.parallel.random import rng_fork_if
 
@@ -37,6 +38,14 @@ class TransformerLayer(nn.Module):
             self.mlp.linear_fc2.skip_bias_add = True
         if not self.is_linear:  # GatedDeltaNet's out_proj has no bias to hand over
             self.self_attention.linear_proj.skip_bias_add = True
+        self.share_offloader(ActivationOffloader())
+
+    def share_offloader(self, offloader: ActivationOffloader) -> None:
+        """Offload through `offloader` (its model chunk's, --offload-modules) here and in the
+        attention and experts."""
+        self.offloader = self.self_attention.offloader = offloader
+        if isinstance(self.mlp, MoELayer):
+            self.mlp.local_experts.offloader = offloader
 
     def _dropout_add(self, out, residual):
         """residual + dropout(y + bias) of a module's output, (y, bias) or y."""
@@ -53,19 +62,24 @@ class TransformerLayer(nn.Module):
         kv_cache = None
         if inference_cache is not None:
             kv_cache = (inference_cache.linear_layer if self.is_linear else inference_cache.layer)(self.layer_number)
-        x = self._dropout_add(self._after_norm(self.input_layernorm, self.self_attention, x, rotary, attention_mask,
-                                               kv_cache), x)
-        return self._dropout_add(self._after_norm(self.pre_mlp_layernorm, self._mlp, x), x)
+        x = self._dropout_add(self._after_norm("attn_norm", self.input_layernorm, self.self_attention, x, rotary,
+                                               attention_mask, kv_cache), x)
+        return self._dropout_add(self._after_norm("mlp_norm", self.pre_mlp_layernorm, self._mlp, x), x)
 
     def _recomputes(self, module: str) -> bool:
         return self.config.recomputes(module) and self.training and torch.is_grad_enabled()
 
-    def _after_norm(self, norm, module, x, *args):
+    def _after_norm(self, offload_name, norm, module, x, *args):
         """module(norm(x), *args); with --recompute-modules layernorm the norm's output is not kept
-        for backward but recomputed from x (which the norm keeps anyway)."""
+        for backward but recomputed from x (which the norm keeps anyway); with `offload_name` in
+        --offload-modules what the norm keeps (x) is offloaded."""
+        with self.offloader.region(offload_name, x, keep=parameters_of(norm)) as region:
+            if not self._recomputes("layernorm"):
+                h = norm(region.input)
+            else:
+                normed = RecomputedOutput(norm, region.input, store=region)
         if not self._recomputes("layernorm"):
-            return module(norm(x), *args)
-        normed = RecomputedOutput(norm, x)
+            return module(h, *args)
         with normed.consumers() as h:
             return module(h, *args)
 

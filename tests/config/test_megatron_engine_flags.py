@@ -78,9 +78,6 @@ def test_expert_overlap_refused_as_megatron_asserts(extra, world, need):
 def test_refused_by_name():
     assert refused(EP_OVERLAP + " --delay-wgrad-compute", 2) == (
         "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as in Megatron)")
-    assert refused("--fine-grained-activation-offloading --offload-modules core_attn").startswith(
-        "--fine-grained-activation-offloading: not implemented in megalite")
-    assert refused("--offload-modules core_attn").startswith("--offload-modules: not implemented in megalite")
     assert refused("--outer-dp-sharding-strategy optim").startswith(
         "--outer-dp-sharding-strategy optim: Megatron-FSDP's hybrid sharding (HSDP) is not implemented")
     assert refused("--logging-level -1") == "--logging-level must not be negative, got -1"

@@ -64,21 +64,16 @@ def test_accepted_count(counted):
         assert case in counted["accepted"], (case, counted["refused"].get(case))
 
 
-MOE_ACCEPTED = 54  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32, 45 before
-# --use-flash-attn without flash_attn, global_aux_loss and --recompute-modules mla_up_proj)
+MOE_ACCEPTED = 56  # of 59 in-scope MoE and Mixtral configs at Megatron-LM d98e8a6 (8 before issue 32, 45 before
+# --use-flash-attn without flash_attn, global_aux_loss and --recompute-modules mla_up_proj, 54 before
+# --fine-grained-activation-offloading)
 # Every refused MoE config and why: (pattern of megalite's one-line refusal, why)
-OFFLOADING = (r"^--fine-grained-activation-offloading: not implemented in megalite",
-              "moving saved activations to CPU memory and back is not in megalite (past their mla_up_proj recompute)")
 TE_CUDA_GRAPHS = (r"^--cuda-graph-impl transformer_engine .* needs Transformer Engine",
                   "Transformer Engine's CUDA graphs (megalite captures its own: --cuda-graph-impl local); the two "
                   "scoped_cudagraph configs get past their --fp8-recipe blockwise (served) to this")
-MOE_REFUSED = {
-    **dict.fromkeys(["gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph",
-                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
-                     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], TE_CUDA_GRAPHS),
-    **dict.fromkeys(["gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",
-                     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"], OFFLOADING),
-}
+MOE_REFUSED = dict.fromkeys(["gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph",
+                             "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
+                             "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node"], TE_CUDA_GRAPHS)
 FLASH_ATTN_CASES = (  # --use-flash-attn, served by scaled_dot_product_attention without flash_attn or CUDA
     "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release", "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release_sm",
     "deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release",
@@ -108,6 +103,8 @@ def test_moe_configs_accepted_and_refused(counted_moe):
                  "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon",  # Muon with experts
                  "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap",  # --save-interval without --save
                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental",  # mla_up_proj
+                 "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading",  # --offload-modules
+                 "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading",
                  *FLASH_ATTN_CASES):
         assert case in counted_moe["accepted"], (case, counted_moe["refused"].get(case))
 

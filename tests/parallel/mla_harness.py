@@ -82,6 +82,7 @@ def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt
         optimizer.step()
         update_expert_bias(models, pstate.dp_cp_group)
     out["params"] = full_state(chunks, pstate)
+    out["offloaded_bytes"] = sum(sum(m.offloader.offloaded_bytes.values()) for m in models)  # --offload-modules
     if pstate.pp_size == 1:
         out["logits"] = eval_logits(chunks[0].module.eval(), pstate)
     return out

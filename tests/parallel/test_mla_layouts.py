@@ -6,12 +6,15 @@ parameters and expert biases, and eval logits within 1e-5 relative. Two-process 
 sequence parallelism (and selective recompute of MLA's up projections), PP2 (MTP and a copy of the
 embedding on the last stage; also tied to the output layer, with a learned position table the copy
 repeats), PP2 interleaved (two chunks per rank), CP2 with each --cp-comm-type that supports unequal
-query and value head widths, EP2 (over DP2, also with the distributed optimizer), and with
+query and value head widths, EP2 (over DP2, also with the distributed optimizer), with
 --calculate-per-token-loss at DP2 and CP2 (MTP's shifted mean times the unshifted tokens, counted
-over the CP group); and one eight-process mix: TP2 SP x CP2 x PP2 with EP2."""
+over the CP group), and PP2 (plain and interleaved) and TP2 SP (with mla_up_proj recomputed) offloading
+every --offload-modules name; and
+one eight-process mix: TP2 SP x CP2 x PP2 with EP2."""
 
 import pytest
 
+from megalite.model.offload import OFFLOAD_MODULES
 from tests.distributed import run_distributed
 from tests.parallel.mla_harness import check, layout_state, mla_config, reference, train
 
@@ -30,7 +33,16 @@ TWO = {
                                                         position_embedding_type="learned_absolute")),
     "dp2-ep2-per-token": dict(ep=2, per_token=True),
     "cp2-per-token": dict(cp=2, per_token=True),
+    # --fine-grained-activation-offloading of every module (the 1F1B and interleaved schedules
+    # interleave micro-batches' offloads and reloads): the run without offloading's numbers
+    "pp2-offload": dict(pp=2, model=dict(offload_modules=OFFLOAD_MODULES, min_offloaded_tensor_size=0)),
+    "pp2-interleaved-offload": dict(pp=2, vp=2, model=dict(offload_modules=OFFLOAD_MODULES,
+                                                           min_offloaded_tensor_size=0)),
+    "tp2-sp-offload": dict(tp=2, sp=True, model=dict(recompute_granularity="selective",
+                                                     recompute_modules=("mla_up_proj",), offload_modules=OFFLOAD_MODULES,
+                                                     min_offloaded_tensor_size=0)),
 }
+NOT_IN_REFERENCE = ("offload_modules", "min_offloaded_tensor_size")  # the same numbers as without
 EIGHT = {"tp2-sp-cp2-pp2-ep2": dict(tp=2, sp=True, cp=2, pp=2, ep=2)}
 GRID = ("tp", "pp", "vp", "cp", "ep")
 STEPS = 3
@@ -74,6 +86,8 @@ def test_reference_trains_every_parameter(single):
 @pytest.mark.parametrize("layout", list(TWO))
 def test_two_process_layout_equals_one_process(two_process, reference_runs, layout):
     model, per_token = TWO[layout].get("model", {}), TWO[layout].get("per_token", False)
+    assert all((r[layout]["offloaded_bytes"] > 0) == ("offload_modules" in model) for r in two_process)
+    model = {k: v for k, v in model.items() if k not in NOT_IN_REFERENCE}
     ref = reference_runs.get(reference, mla_config(**model), per_token=per_token, steps=STEPS)
     # Per-token runs' parameters equal the reference's as closely (1e-6 here) but land where the
     # logits amplify that 10x (1.4e-5 measured at CP2): their logits are held to 5e-5.

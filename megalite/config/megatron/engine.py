@@ -9,10 +9,14 @@ from dataclasses import dataclass
 
 from megalite.config.field import arg
 from megalite.config.megatron.training import _check_cuda_graphs, cuda_graph_impl_of
+from megalite.model.offload import OFFLOAD_MODULES
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
-                   "fused_group_mlp", "gdp_qkv")
+# Megatron's --offload-modules megalite's layers do not have, and why
+OFFLOAD_MODULES_NOT_HERE = {
+    "fused_group_mlp": "Transformer Engine's fused grouped MLP (--use-transformer-engine-op-fuser), which megalite "
+                       "does not have",
+    "gdp_qkv": "the GatedDeltaProduct mixer, which megalite does not have"}
 
 
 @dataclass
@@ -51,9 +55,13 @@ class MegatronEngineArgs:
     cuda_graph_modules: list[str] | None = arg(
         None, "Megatron's new name of --cuda-graph-scope (what the CUDA graphs capture): served as that.")
     fine_grained_activation_offloading: bool = arg(
-        False, "Megatron: offload the inputs of --offload-modules to CPU memory: refused (not in megalite).")
+        False, "Move what the --offload-modules save for backward to pinned CPU memory after their forward (on a "
+        "side CUDA stream) and back before their backward (prefetched), as Megatron's.")
     offload_modules: list[str] | None = arg(
-        None, f"Megatron: the modules of --fine-grained-activation-offloading ({', '.join(OFFLOAD_MODULES)}).")
+        None, f"The modules of --fine-grained-activation-offloading: {', '.join(OFFLOAD_MODULES)}.")
+    min_offloaded_tensor_size: int = arg(
+        1024 * 1024, "With --fine-grained-activation-offloading, saved tensors of fewer elements stay on the "
+        "device (Megatron's default, 1M).")
     outer_dp_sharding_strategy: str | None = arg(
         None, "Megatron-FSDP's hybrid sharding (HSDP): the outer data-parallel group's strategy, no_shard "
         "(Megatron's default) or optim. megalite has no HSDP, so only no_shard, which then changes nothing.",
@@ -84,13 +92,68 @@ def check_engine_args(args, fail) -> None:
         _check_expert_overlap(args, fail)
     if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
         fail("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as in Megatron)")
-    if args.fine_grained_activation_offloading or args.offload_modules:
-        flag = "--fine-grained-activation-offloading" if args.fine_grained_activation_offloading else "--offload-modules"
-        fail(f"{flag}: not implemented in megalite (it needs the named modules' saved activations moved to CPU "
-             "memory on a side stream and back before their backward); use --recompute-modules instead")
+    if args.fine_grained_activation_offloading and not args.offload_modules:
+        fail("--fine-grained-activation-offloading needs --offload-modules (as in Megatron; valid: "
+             f"{', '.join(OFFLOAD_MODULES)})")
+    if args.offload_modules:
+        _check_offload_modules(args, fail)
     if args.outer_dp_sharding_strategy == "optim":
         fail("--outer-dp-sharding-strategy optim: Megatron-FSDP's hybrid sharding (HSDP) is not implemented in "
              "megalite (only no_shard, which without HSDP changes nothing)")
+
+
+def _check_offload_modules(args, fail) -> None:
+    """Megatron's refusals of --offload-modules (TransformerConfig.__post_init__), then megalite's."""
+    for name in args.offload_modules:
+        if name in OFFLOAD_MODULES_NOT_HERE:
+            fail(f"--offload-modules {name}: offloads {OFFLOAD_MODULES_NOT_HERE[name]} (valid: "
+                 f"{', '.join(OFFLOAD_MODULES)})")
+        if name not in OFFLOAD_MODULES:
+            fail(f"--offload-modules {name}: unknown module (valid: {', '.join(OFFLOAD_MODULES)})")
+    if not args.fine_grained_activation_offloading:
+        return  # Megatron ignores them then (a start-up line says so)
+    modules, recomputed = set(args.offload_modules), set(args.recompute_modules or [])
+    if "attn_proj" in modules and "core_attn" not in modules:
+        fail("--offload-modules attn_proj needs core_attn too: the input of attn_proj is the output of core_attn, "
+             "which core_attn's backward needs (as in Megatron)")
+    if args.recompute_granularity == "selective" and "moe" in recomputed and modules & {"expert_fc1", "moe_act"}:
+        fail("--offload-modules expert_fc1 / moe_act with --recompute-modules moe: the whole MoE layer is "
+             "recomputed, nothing inside it is kept to offload (as in Megatron)")
+    if args.min_offloaded_tensor_size < 0:
+        fail(f"--min-offloaded-tensor-size must not be negative, got {args.min_offloaded_tensor_size}")
+    if args.recompute_granularity == "full":
+        fail("--fine-grained-activation-offloading with --recompute-granularity full: whole layers are recomputed, "
+             "nothing inside them is kept to offload")
+    if args.torch_compile:
+        fail("--fine-grained-activation-offloading with --torch-compile: the offload hooks on saved tensors "
+             "run in eager mode only")
+    if cuda_graph_impl_of(args) != "none":
+        fail("--fine-grained-activation-offloading with CUDA graphs: megalite's local CUDA graphs capture whole "
+             "layers, with which Megatron does not offload either")
+
+
+def offload_model_fields(args) -> dict:
+    """The GPTConfig fields of --fine-grained-activation-offloading."""
+    if not args.fine_grained_activation_offloading:
+        return {}
+    return dict(offload_modules=tuple(args.offload_modules), min_offloaded_tensor_size=args.min_offloaded_tensor_size)
+
+
+def _offload_notes(args) -> list[str]:
+    if not args.offload_modules and not args.fine_grained_activation_offloading:
+        return []
+    if not args.fine_grained_activation_offloading:
+        return [f"--offload-modules {' '.join(args.offload_modules)}: no effect without "
+                "--fine-grained-activation-offloading (as in Megatron)"]
+    notes = [f"--fine-grained-activation-offloading: what {', '.join(args.offload_modules)} save for backward "
+             f"(tensors of {args.min_offloaded_tensor_size} elements or more) is moved to CPU memory after their "
+             "forward and back before their backward; every group is offloaded (Megatron keeps the last ones of "
+             "each name on the GPU after a warm-up step)"]
+    if "core_attn" in args.offload_modules and args.recompute_granularity == "selective" \
+            and "core_attn" in (args.recompute_modules or ["core_attn"]):
+        notes.append("--offload-modules core_attn: core attention is recomputed (--recompute-modules core_attn), "
+                     "so it keeps nothing to offload (as in Megatron)")
+    return notes
 
 
 def _check_expert_overlap(args, fail) -> None:
@@ -137,7 +200,7 @@ def engine_notes(args) -> list[str]:
         ("no_use_layer_wise_param_layout", "--no-use-layer-wise-param-layout: no effect without Megatron's layer-wise "
          "distributed optimizer (--optimizer dist_muon), which megalite does not have"),
     )
-    notes += [line for name, line in said if getattr(args, name)]
+    notes += [line for name, line in said if getattr(args, name)] + _offload_notes(args)
     if args.logging_level is not None:
         notes.append(f"--logging-level {args.logging_level}: the root Python logger's level (megalite's "
                      f"{logging.getLevelName(args.logging_level)} and above are shown)")
