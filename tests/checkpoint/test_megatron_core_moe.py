@@ -4,8 +4,6 @@ sigmoid routing with the expert bias and a gated shared expert) converted with c
 --loader megatron: megalite at target EP=1 and EP=2 (TP=2, and ETP 1 or 2) gives Megatron-Core's
 logits within 1e-5 (fp32), and so does --load of the Megatron checkpoint itself. One spawn writes both kinds; one spawn per kind reads every target."""
 
-import argparse
-
 import pytest
 import torch
 
@@ -81,16 +79,6 @@ def test_the_checkpoint_reads_as_moe(megatron_dir):
     assert not any(n.startswith("decoder.layers.0.mlp.experts") for n in shared.stored)  # layer 0 is dense
     bias = shared.get("layers.1.mlp.router.expert_bias")
     torch.testing.assert_close(bias, torch.linspace(-0.2, 0.3, 4))
-
-
-def test_expert_parallel_torch_files_are_refused(tmp_path):
-    """Megatron's `torch` files at EP > 1 (mp_rank_TT_EEE) would read as pipeline ranks: refused."""
-    from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
-
-    with pytest.raises(ConversionError, match="expert_model_parallel_size=2"):
-        check_torch_expert_layout(megatron_args("plain"), "x.pt")
-    check_torch_expert_layout(argparse.Namespace(**{**vars(megatron_args("plain")), "expert_model_parallel_size": 1,
-                                                    "expert_tensor_parallel_size": 2}), "x.pt")
 
 
 def test_hf_export_of_a_family_hugging_face_lacks_is_refused_in_one_line(megatron_dir, tmp_path):

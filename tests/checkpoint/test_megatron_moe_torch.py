@@ -1,0 +1,73 @@
+"""Megatron `torch`-format MoE checkpoints (mp_rank_TT[_EEE] folders) at EP > 1 and ETP != TP,
+with SequentialMLP, TEGroupedMLP and legacy GroupedMLP experts, local or Transformer Engine
+layer names, shared experts with their gate, the router's expert bias, --moe-layer-freq [0,1]
+and an MoE MTP layer: every megalite tensor read equals the model's that the files were cut
+from. The files are built by megatron_moe_files.py from the state dicts Megatron-Core would save
+(Megatron-Core's torch_dist MoE checkpoints are checked against its logits in
+test_megatron_core_moe.py; its GroupedMLP needs the grouped_gemm package and a GPU, TEGroupedMLP
+Transformer Engine, neither here)."""
+
+import pytest
+import torch
+
+from megalite.checkpoint.dcp.format import CheckpointError
+from megalite.checkpoint.megatron.reader import MegatronCheckpoint
+from megalite.checkpoint.megatron.torch_files import writers
+from tests.checkpoint.megatron_moe_files import moe_args, write_moe_torch
+
+LAYOUTS = {  # (TP, EP, ETP, world): the folders Megatron writes
+    "tp2_ep2_etp1": ((2, 2, 1, 4), ["mp_rank_00_000", "mp_rank_01_001"]),
+    "tp1_ep2_etp1": ((1, 2, 1, 2), ["mp_rank_00_000", "mp_rank_00_001"]),
+    "tp2_ep2_etp2": ((2, 2, 2, 4), ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"]),
+    "tp2_ep1_etp1": ((2, 1, 1, 2), ["mp_rank_00", "mp_rank_01"]),
+    "tp4_ep2_etp1_dp2": ((4, 2, 1, 8), ["mp_rank_00_000", "mp_rank_01_001", "mp_rank_02_000", "mp_rank_03_001"]),
+}
+CASES = [(layout, "sequential", False) for layout in LAYOUTS] + [
+    ("tp2_ep2_etp1", "te_grouped", True), ("tp2_ep2_etp2", "te_grouped", True),
+    ("tp2_ep2_etp1", "legacy_grouped", False), ("tp2_ep2_etp2", "legacy_grouped", True),
+    ("tp1_ep2_etp1", "legacy_grouped", False)]
+
+
+@pytest.mark.parametrize("layout,style,te_names", CASES)
+def test_every_tensor_reads_as_the_model_it_was_cut_from(tmp_path, layout, style, te_names):
+    (tp, ep, etp, world), folders = LAYOUTS[layout]
+    expected, written = write_moe_torch(tmp_path, tp, ep, etp, world, style, te_names)
+    assert sorted(written) == sorted(folders)
+    checkpoint = MegatronCheckpoint(tmp_path)
+    assert checkpoint.config.moe.num_experts == 4 and checkpoint.config.mtp_num_layers == 1
+    names = checkpoint.names()
+    assert "mtp.layers.0.mtp_model_layer.mlp.local_experts.3.linear_fc2.weight" in names
+    assert set(names) == set(expected)
+    for name in names:
+        got = checkpoint.get(name)
+        assert torch.equal(got, expected[name]), name
+        assert checkpoint.spec(name) == (tuple(expected[name].shape), expected[name].dtype), name
+    checkpoint.check_all_used()
+
+
+def test_the_writer_layout_follows_megatrons_rank_order():
+    """tp-cp-ep-dp-pp and --use-tp-pp-dp-mapping's tp-cp-ep-pp-dp: (TP, PP, EP) file -> ETP ranks."""
+    args = moe_args(2, 2, 1, 4, "sequential")
+    assert writers(args) == {(0, 0, 0): {0}, (1, 0, 1): {0}}
+    args.pipeline_model_parallel_size, args.world_size, args.use_tp_pp_dp_mapping = 2, 8, True
+    assert writers(args) == {(0, 0, 0): {0}, (1, 0, 1): {0}, (0, 1, 0): {0}, (1, 1, 1): {0}}
+
+
+def test_files_two_ranks_race_to_write_are_refused(tmp_path):
+    """ETP > TP: ranks holding different expert slices write one mp_rank file (Megatron keeps
+    whichever wrote last): refused naming the file."""
+    write_moe_torch(tmp_path, 1, 2, 1, 2)
+    for path in (tmp_path / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        saved = torch.load(path, weights_only=False)
+        saved["args"] = moe_args(1, 2, 2, 4, "sequential")
+        torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_000/model_optim_rng.pt: written by ranks holding "
+                                              r"different expert TP slices \[0, 1\]"):
+        MegatronCheckpoint(tmp_path)
+
+
+def test_a_missing_expert_file_is_named(tmp_path):
+    write_moe_torch(tmp_path, 1, 2, 1, 2)
+    (tmp_path / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt").unlink()
+    with pytest.raises(CheckpointError, match="no file holds expert TP slice 0 of EP rank 1"):
+        MegatronCheckpoint(tmp_path)
