@@ -13,6 +13,7 @@ The names (local or Transformer Engine spec: `te_names`) come from the reader's 
 which the Megatron-Core-written checkpoints of test_megatron_core_*.py check."""
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -33,7 +34,35 @@ CONFIG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_si
                                  shared_expert_gate=True))
 
 
-def moe_args(tp: int, ep: int, etp: int, world: int, style: str) -> argparse.Namespace:
+_NO_EXTRAS = dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                  moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, mtp_num_layers=None)
+HF_FAMILIES = {  # Hugging Face family: (Megatron arguments, megalite config) unlike CONFIG's
+    "mixtral": ({**_NO_EXTRAS, "moe_layer_freq": 1, "moe_ffn_hidden_size": 32},  # HF: one intermediate_size
+                dict(mtp_num_layers=None, moe=dict(score_function="softmax", enable_expert_bias=False, layer_freq=1,
+                                                   ffn_hidden_size=32,
+                                                   shared_expert_intermediate_size=None, shared_expert_gate=False))),
+    "qwen2_moe": ({**_NO_EXTRAS, "moe_shared_expert_intermediate_size": 16, "moe_shared_expert_gate": True,
+                   "moe_router_pre_softmax": True, "add_qkv_bias": True},
+                  dict(mtp_num_layers=None, add_qkv_bias=True, moe=dict(score_function="softmax", enable_expert_bias=False,
+                                                     pre_softmax=True))),
+}
+
+
+def family_config(family: str | None) -> GPTConfig:
+    if family is None:
+        return CONFIG
+    changes = dict(HF_FAMILIES[family][1])
+    moe = dataclasses.replace(CONFIG.moe, **changes.pop("moe"))
+    return dataclasses.replace(CONFIG, **changes, moe=moe)
+
+
+def moe_args(tp: int, ep: int, etp: int, world: int, style: str, family: str | None = None) -> argparse.Namespace:
+    args = _moe_args(tp, ep, etp, world, style)
+    vars(args).update(HF_FAMILIES[family][0] if family else {})
+    return args
+
+
+def _moe_args(tp: int, ep: int, etp: int, world: int, style: str) -> argparse.Namespace:
     return megatron_args(num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_layer_freq=[0, 1], moe_router_topk=2,
                          moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                          moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, mtp_num_layers=1,
@@ -42,9 +71,9 @@ def moe_args(tp: int, ep: int, etp: int, world: int, style: str) -> argparse.Nam
                          moe_use_legacy_grouped_gemm=style == "legacy_grouped")
 
 
-def full_megatron_state(seed: int = 0, te_names: bool = False) -> tuple[dict, dict]:
+def full_megatron_state(seed: int = 0, te_names: bool = False, family: str | None = None) -> tuple[dict, dict]:
     """({Megatron global name: full tensor}, {megalite name: full tensor}) of a seeded model."""
-    model = GPTModel(CONFIG, init_seed=seed)
+    model = GPTModel(family_config(family), init_seed=seed)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if "norm" in name or name.endswith("expert_bias"):
@@ -63,7 +92,8 @@ def _slice(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tenso
     """Megatron's TP slice `rank` of `size` of full tensor `name`."""
     if size == 1 or tensor.dim() == 0:
         return tensor
-    if name.endswith(("linear_fc1.weight", "word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+    if name.endswith(("linear_fc1.weight", "word_embeddings.weight", "output_layer.weight", "linear_qkv.weight",
+                          "linear_qkv.bias")):
         if name.endswith("linear_fc1.weight"):  # SwiGLU: [gate rows; up rows], each split
             return torch.cat([half.chunk(size)[rank] for half in tensor.chunk(2)])
         return tensor.chunk(size)[rank]
@@ -100,9 +130,10 @@ def _expert_entries(names: dict, e: int, k: int, etp: int, local: int, style: st
 
 
 def write_moe_torch(root, tp: int, ep: int, etp: int, world: int, style: str = "sequential",
-                    te_names: bool = False, seed: int = 0) -> tuple[dict, list[str]]:
-    """The checkpoint under `root` (iteration 3); ({megalite name: full tensor}, folder names)."""
-    full, megalite = full_megatron_state(seed, te_names)
+                    te_names: bool = False, seed: int = 0, family: str | None = None) -> tuple[dict, list[str]]:
+    """The checkpoint under `root` (iteration 3) of CONFIG, or of CONFIG changed to a Hugging
+    Face `family`; ({megalite name: full tensor}, folder names)."""
+    full, megalite = full_megatron_state(seed, te_names, family)
     local = EXPERTS // ep
     folder = Path(root) / "iter_0000003"
     written = []
@@ -115,7 +146,7 @@ def write_moe_torch(root, tp: int, ep: int, etp: int, world: int, style: str = "
         name = f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "")
         written.append(name)
         (folder / name).mkdir(parents=True, exist_ok=True)
-        torch.save({"args": moe_args(tp, ep, etp, world, style), "checkpoint_version": 3.0, "iteration": 3,
+        torch.save({"args": moe_args(tp, ep, etp, world, style, family), "checkpoint_version": 3.0, "iteration": 3,
                     "model": state}, folder / name / "model_optim_rng.pt")
     (Path(root) / "latest_checkpointed_iteration.txt").write_text("3")
     return megalite, written

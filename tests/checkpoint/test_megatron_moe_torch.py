@@ -71,3 +71,39 @@ def test_a_missing_expert_file_is_named(tmp_path):
     (tmp_path / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointError, match="no file holds expert TP slice 0 of EP rank 1"):
         MegatronCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_convert_to_hugging_face_gives_megalites_logits(tmp_path, family):
+    """convert.py --loader megatron --saver hf of a TP2 EP2 ETP1 `torch` checkpoint (TEGroupedMLP
+    names; Qwen2-MoE's with a gated shared expert and --moe-layer-freq [0,1]): transformers'
+    model gives the logits of megalite's model holding the same tensors, within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    from megalite.convert.cli import main
+    from megalite.model.gpt import GPTModel
+    from tests.checkpoint.megatron_moe_files import family_config
+
+    expected, _ = write_moe_torch(tmp_path / "megatron", 2, 2, 1, 4, "te_grouped", True, family=family)
+    assert main(["--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "megatron"),
+                 "--save-dir", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    assert hf.config.model_type == family
+    model = GPTModel(family_config(family)).eval()
+    missing, unexpected = model.load_state_dict(expected, strict=False)
+    assert not unexpected and all(n.endswith("._extra_state") for n in missing)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(tokens)[..., :64], hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_export_of_a_family_hugging_face_lacks_is_refused_in_one_line(tmp_path):
+    """CONFIG (an MTP depth without MLA; sigmoid routing with the expert bias) is no Hugging Face
+    family megalite writes: refused naming what, nothing written."""
+    from megalite.checkpoint.publish import ConversionError
+    from megalite.convert.megatron_converters import megatron_to_hf
+
+    write_moe_torch(tmp_path / "megatron", 1, 2, 1, 2)
+    with pytest.raises(ConversionError, match="cannot be a Hugging Face model: .*mtp_num_layers=1"):
+        megatron_to_hf(tmp_path / "megatron", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
