@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megalite.checkpoint.megatron.args import config_from_megatron_args
 from megalite.checkpoint.megatron.names import megatron_candidates
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
@@ -45,12 +46,21 @@ HF_FAMILIES = {  # Hugging Face family: (Megatron arguments, megalite config) un
                    "moe_router_pre_softmax": True, "add_qkv_bias": True},
                   dict(mtp_num_layers=None, add_qkv_bias=True, moe=dict(score_function="softmax", enable_expert_bias=False,
                                                      pre_softmax=True))),
+    # MLA (TP 1 here: Transformer Engine duplicates the down projections, the local spec splits them)
+    "deepseek_v3": ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                     "moe_shared_expert_intermediate_size": MOE_FFN, "moe_shared_expert_gate": False,
+                     "moe_router_topk_scaling_factor": 2.5, "multi_latent_attention": True, "qk_layernorm": True,
+                     "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4,
+                     "v_head_dim": 6, "rope_type": "yarn", "rotary_scaling_factor": 4.0, "mscale": 0.9,
+                     "mscale_all_dim": 0.7}, None),
 }
 
 
 def family_config(family: str | None) -> GPTConfig:
     if family is None:
         return CONFIG
+    if HF_FAMILIES[family][1] is None:  # from the arguments, as the reader maps them
+        return config_from_megatron_args(moe_args(1, 1, 1, 1, "sequential", family), CONFIG.vocab_size, family)
     changes = dict(HF_FAMILIES[family][1])
     moe = dataclasses.replace(CONFIG.moe, **changes.pop("moe"))
     return dataclasses.replace(CONFIG, **changes, moe=moe)

@@ -73,17 +73,23 @@ def test_a_missing_expert_file_is_named(tmp_path):
         MegatronCheckpoint(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+HF_CASES = {"mixtral": (2, 2, 1, 4, "te_grouped", True), "qwen2_moe": (2, 2, 1, 4, "te_grouped", True),
+            "deepseek_v3": (1, 2, 1, 2, "sequential", False)}
+
+
+@pytest.mark.parametrize("family", list(HF_CASES))
 def test_convert_to_hugging_face_gives_megalites_logits(tmp_path, family):
-    """convert.py --loader megatron --saver hf of a TP2 EP2 ETP1 `torch` checkpoint (TEGroupedMLP
-    names; Qwen2-MoE's with a gated shared expert and --moe-layer-freq [0,1]): transformers'
-    model gives the logits of megalite's model holding the same tensors, within 1e-4."""
+    """convert.py --loader megatron --saver hf of an EP2 `torch` checkpoint (Mixtral's, Qwen2-MoE's
+    at TP2 ETP1 with TEGroupedMLP names, Qwen2-MoE's with a gated shared expert and
+    --moe-layer-freq [0,1]; DeepSeek-V3's: MLA, sigmoid routing with the expert bias, a shared
+    expert, an MoE MTP depth): transformers' model gives the logits of megalite's model holding
+    the same tensors, within 1e-4."""
     transformers = pytest.importorskip("transformers")
     from megalite.convert.cli import main
     from megalite.model.gpt import GPTModel
     from tests.checkpoint.megatron_moe_files import family_config
 
-    expected, _ = write_moe_torch(tmp_path / "megatron", 2, 2, 1, 4, "te_grouped", True, family=family)
+    expected, _ = write_moe_torch(tmp_path / "megatron", *HF_CASES[family], family=family)
     assert main(["--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "megatron"),
                  "--save-dir", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
