@@ -113,3 +113,20 @@ def test_hf_export_of_a_family_hugging_face_lacks_is_refused_in_one_line(tmp_pat
     with pytest.raises(ConversionError, match="cannot be a Hugging Face model: .*mtp_num_layers=1"):
         megatron_to_hf(tmp_path / "megatron", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("target", [["--target-expert-parallel-size", "1"],
+                                    ["--target-expert-parallel-size", "2", "--target-expert-tensor-parallel-size", "1"]])
+def test_convert_to_megalite_at_another_expert_layout_keeps_every_tensor(tmp_path, target):
+    """convert.py --loader megatron --saver megalite of a TP2 EP2 ETP1 legacy-GroupedMLP `torch`
+    checkpoint at target TP2 EP1 (ETP2) and TP2 EP2 ETP1: megalite's checkpoint holds the model's
+    full tensors (test_megatron_core_moe.py checks the logits of such conversions, slow)."""
+    from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
+    from megalite.convert.cli import main
+
+    expected, _ = write_moe_torch(tmp_path / "megatron", 2, 2, 1, 4, "legacy_grouped")
+    assert main(["--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path / "megatron"),
+                 "--save-dir", str(tmp_path / "out"), "--target-tensor-parallel-size", "2", *target]) == 0
+    converted = MegaliteCheckpoint(tmp_path / "out")
+    for name, tensor in expected.items():
+        assert torch.equal(converted.get_model(name), tensor), name
