@@ -130,3 +130,18 @@ def test_convert_to_megalite_at_another_expert_layout_keeps_every_tensor(tmp_pat
     converted = MegaliteCheckpoint(tmp_path / "out")
     for name, tensor in expected.items():
         assert torch.equal(converted.get_model(name), tensor), name
+
+
+@pytest.mark.parametrize("layout", ["tp2_ep1_etp1", "tp1_ep2_etp1"])
+def test_the_optimizer_state_of_expert_parallel_torch_files_is_refused(tmp_path, layout):
+    from megalite.checkpoint.megatron.optimizer import MegatronOptimizerState
+
+    (tp, ep, etp, world), _ = LAYOUTS[layout]
+    write_moe_torch(tmp_path, tp, ep, etp, world)
+    for path in (tmp_path / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        saved = torch.load(path, weights_only=False)
+        saved["optimizer"] = {"optimizer": {"state": {}, "param_groups": []}}
+        torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=f"optimizer state saved at expert_model_parallel_size={ep}, "
+                                              f"expert_tensor_parallel_size={etp} in `torch` format"):
+        MegatronOptimizerState(MegatronCheckpoint(tmp_path))

@@ -87,7 +87,9 @@ class TorchFiles:
                                     path / "model_optim_rng.pt")
         if not named:
             raise CheckpointError(f"{folder}: no mp_rank_TT[_PPP][_EEE] folders")
-        first = next(path for _, _, path in named.values() if path.is_file())
+        first = next((path for _, _, path in named.values() if path.is_file()), None)
+        if first is None:
+            raise CheckpointError(f"{folder}: no mp_rank_*/model_optim_rng.pt file")
         ns = safe_torch_load(first).get("args")
         self.pp = int(_get(ns, "pipeline_model_parallel_size", 0)) or 1 + max(
             (s[0] for _, s, _ in named.values() if s), default=0)
@@ -130,8 +132,7 @@ class TorchFiles:
     @property
     def expert_parallel(self) -> bool:
         """Whether routed experts live in other files or slices than the dense tensors."""
-        return self.expert_files is not None and any(
-            self.expert_files[key] != (key[2], key[0], 0) for key in self.expert_files)
+        return self.expert_files is not None and (self.ep > 1 or self.etp != self.tp)
 
     def _expert_files(self, ns, folder: Path) -> dict:
         """{(pp rank, ep rank, etp rank): the file key (tp, pp, ep) holding that expert slice}."""
