@@ -25,6 +25,7 @@ what all formats share at the top.
     dcp.target_layout   megalite's DCP format at a target TP x PP     write (resharding plan)
     dcp.integrity       SHA-256 manifests (--verify-integrity)        both
     megatron.reader     Megatron-LM torch / torch_dist model weights  read
+    megatron.torch_files Megatron-LM torch files: which rank holds what read (TP, PP, EP, ETP slices)
     megatron.names      Megatron-Core names in megalite's             read
     megatron.names_mla  ... of multi-latent attention and MTP         read
     megatron.names_gdn  ... of Gated DeltaNet and gated attention      read

@@ -2,14 +2,15 @@
 megatron_core_fixture.py, whose CPU shims it uses): its GPTModel from get_gpt_decoder_block_spec
 (local spec) with --moe-layer-freq [0,1] (layer 0 dense, layer 1 MoE), 4 routed experts
 (SequentialMLP), at TP=2, EP=2 and ETP=1 (expert TP differs from TP) in four gloo processes,
-saved in `torch_dist` by megatron.core.dist_checkpointing.save, with its logits on fixed tokens.
+saved in `torch_dist` by megatron.core.dist_checkpointing.save (and in the legacy `torch` format:
+each writing rank's state_dict_for_save_checkpoint(), <kind>_torch/), with its logits on fixed tokens.
 
 Kinds: "plain" (softmax top-2 router) and "shared" (sigmoid router with the expert bias, a gated
 shared expert). Megatron's grouped-GEMM experts (GroupedMLP needs the grouped_gemm package and
 bf16 on a GPU; TEGroupedMLP needs Transformer Engine) cannot be built here; their `torch_dist`
 sharded state dict is SequentialMLP's by construction (experts.py: "interchangeable with
 SequentialMLP's"), and their `torch` layouts are tested on Megatron's tensors re-laid out
-(test_megatron_moe_names.py)."""
+(test_megatron_moe_torch.py)."""
 
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def write_moe_checkpoints(rank: int, world: int, out: str):
                      "model": model.sharded_state_dict(), "num_floating_point_operations_so_far": 0}
             dist_checkpointing.save(state, str(folder))
             dist.barrier()
+            _save_torch(model, Path(out) / f"{kind}_torch", kind)
             if rank == 0:
                 (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
                 torch.save(logits, root / "logits.pt")
@@ -110,3 +112,23 @@ def write_moe_checkpoints(rank: int, world: int, out: str):
                            root / "rank0_state.pt")
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _save_torch(model, root: Path, kind: str) -> None:
+    """The same model in Megatron's legacy `torch` format: what megatron/training/checkpointing.py
+    writes (not installed with megatron-core): the rank's state_dict_for_save_checkpoint() in
+    mp_rank_TT_EEE (get_checkpoint_name at EP > 1), written by the ranks with DP rank 0 or
+    expert-DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+        args = megatron_args(kind)
+        args.ckpt_format, args.world_size = "torch", dist.get_world_size()
+        folder = (root / f"iter_{ITERATION:07d}" / f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
+                  f"{ps.get_expert_model_parallel_rank():03d}")
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                    "model": model.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))

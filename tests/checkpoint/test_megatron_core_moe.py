@@ -2,9 +2,8 @@
 TP=2, EP=2, ETP=1, --moe-layer-freq [0,1], torch_dist; "plain" softmax routing and "shared":
 sigmoid routing with the expert bias and a gated shared expert) converted with convert.py
 --loader megatron: megalite at target EP=1 and EP=2 (TP=2, and ETP 1 or 2) gives Megatron-Core's
-logits within 1e-5 (fp32), and so does --load of the Megatron checkpoint itself. One spawn writes both kinds; one spawn per kind reads every target."""
-
-import argparse
+logits within 1e-5 (fp32), and so does --load of the Megatron checkpoint itself, in `torch_dist`
+and in the legacy `torch` format (mp_rank_TT_EEE files: Megatron-Core's per-rank state dicts). One spawn writes both kinds; one spawn per kind reads every target."""
 
 import pytest
 import torch
@@ -42,16 +41,17 @@ def converted(megatron_dir, tmp_path_factory):
     return dirs
 
 
-def _megalite_logits(rank, world, load_dirs, megatron_dir):
+def _megalite_logits(rank, world, load_dirs, megatron_dirs):
     """Full logits of each converted checkpoint, at the layout it was converted for, then of
-    the Megatron checkpoint itself given to --load (--finetune) at TP2 EP2 ETP1."""
+    the Megatron checkpoints themselves (torch_dist, torch) given to --load (--finetune) at TP2
+    EP2 ETP1."""
     from megalite.checkpoint.megalite_reader import MegaliteCheckpoint
     from megalite.parallel.expert.groups import ExpertState
     from megalite.parallel.state import ParallelLayout, ParallelState
 
     out = []
-    for load_dir in [*load_dirs, megatron_dir]:
-        from_megatron = load_dir == megatron_dir
+    for load_dir in [*load_dirs, *megatron_dirs]:
+        from_megatron = load_dir in megatron_dirs
         source = MegatronCheckpoint(load_dir) if from_megatron else MegaliteCheckpoint(load_dir)
         layout = {"ep": 2, "etp": 1} if from_megatron else source.common["layout"]
         pstate = ParallelState.create(ParallelLayout(world, tensor=2))
@@ -65,9 +65,10 @@ def _megalite_logits(rank, world, load_dirs, megatron_dir):
 def test_megalite_gives_megatron_core_logits(megatron_dir, converted, kind):
     reference = torch.load(megatron_dir / kind / "logits.pt", weights_only=True)
     dirs = [str(converted[kind, t]) for t in TARGETS]
-    for per_rank in run_distributed(_megalite_logits, 4, dirs, str(megatron_dir / kind)):
-        assert len(per_rank) == len(TARGETS) + 1
-        for target, logits in zip([*TARGETS, "--load"], per_rank):
+    loads = [str(megatron_dir / kind), str(megatron_dir / f"{kind}_torch")]
+    for per_rank in run_distributed(_megalite_logits, 4, dirs, loads):
+        assert len(per_rank) == len(TARGETS) + 2
+        for target, logits in zip([*TARGETS, "--load torch_dist", "--load torch"], per_rank):
             torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{target}: {m}")
 
 
@@ -79,18 +80,13 @@ def test_the_checkpoint_reads_as_moe(megatron_dir):
     shared.check_all_used()  # the router, its expert bias, every expert and the shared expert have a place
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in shared.stored
     assert not any(n.startswith("decoder.layers.0.mlp.experts") for n in shared.stored)  # layer 0 is dense
+    legacy = MegatronCheckpoint(megatron_dir / "shared_torch")
+    assert sorted(p.parent.name for p in legacy.files.all_paths.values()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    legacy.check_all_used()
+    for name in shared.names():
+        torch.testing.assert_close(legacy.get(name), shared.get(name), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     bias = shared.get("layers.1.mlp.router.expert_bias")
     torch.testing.assert_close(bias, torch.linspace(-0.2, 0.3, 4))
-
-
-def test_expert_parallel_torch_files_are_refused(tmp_path):
-    """Megatron's `torch` files at EP > 1 (mp_rank_TT_EEE) would read as pipeline ranks: refused."""
-    from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
-
-    with pytest.raises(ConversionError, match="expert_model_parallel_size=2"):
-        check_torch_expert_layout(megatron_args("plain"), "x.pt")
-    check_torch_expert_layout(argparse.Namespace(**{**vars(megatron_args("plain")), "expert_model_parallel_size": 1,
-                                                    "expert_tensor_parallel_size": 2}), "x.pt")
 
 
 def test_hf_export_of_a_family_hugging_face_lacks_is_refused_in_one_line(megatron_dir, tmp_path):

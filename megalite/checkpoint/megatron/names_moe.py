@@ -5,8 +5,9 @@ Names, per MoE layer (Megatron-Core's local and Transformer Engine specs name th
 pre-MLP norm of an MoE layer is a separate norm in both):
   mlp.router.weight, mlp.router.expert_bias          the same in megalite
   mlp.shared_experts.{linear_fc1,linear_fc2}.weight, mlp.shared_experts.gate_weight   the same
-  mlp.experts.local_experts.<e>.linear_fc{1,2}.weight (SequentialMLP; <e> local to the EP rank
-      in `torch` files; `torch_dist` stores every expert's under
+  mlp.experts.local_experts.<e>.linear_fc{1,2}.weight (SequentialMLP; in `torch` files <e> is
+      local to the EP rank, as TEGroupedMLP's linear_fc{1,2}.weight<e> and the legacy
+      GroupedMLP's weight1/weight2 are: torch_files.py; `torch_dist` stores every expert's under
       decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight, [layer, expert, ...], and the
       grouped-GEMM experts' sharded state dicts are the same by Megatron's construction)
       -> megalite's mlp.local_experts.<e>.linear_fc{1,2}.weight, <e> global.
@@ -33,24 +34,6 @@ def expert_candidates(rest: str) -> list[str] | None:
     expert, inner = match.groups()
     grouped = [f"mlp.experts.{inner}{expert}"] if inner.endswith(".weight") else []  # TEGroupedMLP: weight<e>
     return [f"mlp.experts.local_experts.{expert}.{inner}", *grouped]
-
-
-def check_torch_expert_layout(ns, where: str) -> None:
-    """Megatron's `torch` files of an expert-parallel run are mp_rank_TT[_PPP]_EEE (one per EP
-    rank, the expert's slices over ETP): refuse what this reader would misread as PP ranks."""
-    if not _get(ns, "num_experts"):
-        return
-    ep = int(_get(ns, "expert_model_parallel_size", 1))
-    tp = int(_get(ns, "tensor_model_parallel_size", 1))
-    etp = int(_get(ns, "expert_tensor_parallel_size", tp))
-    if ep > 1 or etp != tp:
-        raise ConversionError(f"{where}: a `torch`-format MoE checkpoint written at expert_model_parallel_size={ep}, "
-                              f"expert_tensor_parallel_size={etp} (TP {tp}) is not read: megalite reads those in "
-                              "`torch_dist` (Megatron's --ckpt-format default; convert with Megatron's "
-                              "--ckpt-convert-format torch_dist)")
-    if _get(ns, "moe_grouped_gemm", False) and _get(ns, "moe_use_legacy_grouped_gemm", False):
-        raise ConversionError(f"{where}: a `torch`-format checkpoint of Megatron's legacy GroupedMLP "
-                              "(--moe-use-legacy-grouped-gemm: weight1/weight2) is not read; its `torch_dist` is")
 
 
 def _get(ns, name, default=None):

@@ -94,6 +94,9 @@ class MegatronOptimizerState:
     # --- torch: one file per TP x PP rank -------------------------------------------------------
     def _open_torch(self, saved: dict):
         files = self.checkpoint.files
+        if files.expert_parallel:
+            refuse(self.where, f"an optimizer state saved at expert_model_parallel_size={files.ep}, "
+                   f"expert_tensor_parallel_size={files.etp} in `torch` format (megalite reads its weights only)")
         if "state" in saved:
             self.param_groups, distributed = saved["param_groups"], False
         elif isinstance(saved.get("optimizer"), dict):

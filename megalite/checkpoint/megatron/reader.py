@@ -2,7 +2,8 @@
 megalite's names, whatever TP x PP (x virtual stages) layout wrote it.
 
     <load>/latest_checkpointed_iteration.txt              the iteration, or 'release'
-    torch:      <load>/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   one torch.save per TP x PP rank
+    torch:      <load>/iter_0000100/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt   one torch.save per writing rank
+                (torch_files.py: which rank writes which slices)
     torch_dist: <load>/iter_0000100/metadata.json, common.pt, .metadata, __R_I.distcp   (DCP)
 
 In `torch` files each rank holds its TP slices of its stage's layers, numbered from 0 within
@@ -21,15 +22,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from megalite.checkpoint.megatron.args import config_from_megatron_args, megatron_args_notes, vocab_size_of
 from megalite.checkpoint.megatron.names import megatron_candidates, model_names, tp_rule
 from megalite.checkpoint.megatron.names_gdn import read_in_parts
-from megalite.checkpoint.megatron.names_moe import check_torch_expert_layout
 from megalite.checkpoint.megatron.safe_pickle import read_dist_metadata, safe_torch_load
+from megalite.checkpoint.megatron.torch_files import RANK_DIR, TorchFiles, merge_tp
 from megalite.checkpoint.publish import ConversionError
 from megalite.checkpoint.dcp.target_layout import sharding_by_pattern
 from megalite.checkpoint.dcp.format import VOCAB_PARAMS, CheckpointError, and_more
 from megalite.checkpoint.dcp.storage import read_record
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _DIST_EXPERT = re.compile(r"\.mlp\.experts\.experts\.")
@@ -52,7 +52,7 @@ def megatron_iteration_dir(root, iteration: int | None = None) -> tuple[Path, in
         return None
     if (folder / "common.json").exists() or not folder.is_dir():
         return None
-    if (folder / "metadata.json").exists() or any(_RANK_DIR.match(p.name) for p in folder.iterdir()):
+    if (folder / "metadata.json").exists() or any(RANK_DIR.match(p.name) for p in folder.iterdir()):
         return folder, iteration
     return None
 
@@ -63,107 +63,6 @@ def megatron_format(root, iteration: int | None = None) -> str | None:
     if found is None:
         return None
     return "torch_dist" if (found[0] / "metadata.json").exists() else "torch"
-
-
-def _merge_tp(pieces: list[torch.Tensor], rule) -> torch.Tensor:
-    if rule is None or len(pieces) == 1:
-        return pieces[0]
-    dim, blocks = rule
-    if isinstance(blocks, tuple):  # unequal blocks (GDN's in_proj, conv1d): their full sizes
-        split = [p.split([b // len(pieces) for b in blocks], dim=dim) for p in pieces]
-    else:
-        split = [p.chunk(blocks, dim=dim) for p in pieces]
-    return torch.cat([torch.cat([s[b] for s in split], dim=dim) for b in range(len(split[0]))], dim=dim)
-
-
-class _TorchFiles:
-    """Legacy `torch` format: one model_optim_rng.pt per (TP rank, PP rank)."""
-
-    def __init__(self, folder: Path):
-        ranks = {}
-        for path in sorted(folder.iterdir()):
-            match = _RANK_DIR.match(path.name)
-            if match:
-                ranks[(int(match.group(1)), int(match.group(2) or 0))] = path / "model_optim_rng.pt"
-        if not ranks:
-            extra = [p.name for p in folder.iterdir() if p.name.startswith("mp_rank_")]
-            raise CheckpointError(f"{folder}: no mp_rank_TT[_PPP] folders" + (f" ({extra[0]}: expert-parallel "
-                                  "checkpoints are not read)" if extra else ""))
-        self.tp = 1 + max(t for t, _ in ranks)
-        self.pp = 1 + max(p for _, p in ranks)
-        for t in range(self.tp):
-            for p in range(self.pp):
-                if (t, p) not in ranks or not ranks[(t, p)].is_file():
-                    raise CheckpointError(f"{folder / f'mp_rank_{t:02d}_{p:03d}' / 'model_optim_rng.pt'}: missing "
-                                          f"(the checkpoint has {self.tp} TP x {self.pp} PP ranks)")
-        self.paths = ranks
-        self.states = {key: safe_torch_load(path) for key, path in ranks.items()}  # memory-mapped
-        self.state = self.states[(0, 0)]
-        self.chunk_keys = sorted((k for k in self.state if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
-        if not self.chunk_keys:
-            raise CheckpointError(f"{self.paths[(0, 0)]}: no 'model' entry")
-        self.layers = []  # global layer -> (pp rank, chunk key, local number)
-        for key in self.chunk_keys:
-            for p in range(self.pp):
-                model = self._model(0, p, key)
-                local = sorted({int(m.group(1)) for m in map(_LOCAL_LAYER.match, model) if m})
-                self.layers += [(p, key, j) for j in local]
-        self.has_optimizer = "optimizer" in self.state or any(
-            (path.parent / "distrib_optim.pt").exists() for path in ranks.values())
-
-    def _model(self, t: int, p: int, key: str) -> dict:
-        model = self.states[(t, p)].get(key)
-        if not isinstance(model, dict):
-            raise CheckpointError(f"{self.paths[(t, p)]}: no {key!r} state dict")
-        return model
-
-    def _where(self, name: str):
-        """(pp rank, chunk key, name within that chunk) of a global Megatron name."""
-        match = _LOCAL_LAYER.match(name)
-        if match:
-            number = int(match.group(1))
-            if number >= len(self.layers):
-                return None
-            p, key, local = self.layers[number]
-            return p, key, f"decoder.layers.{local}.{match.group(2)}"
-        if name.startswith("embedding."):
-            return 0, self.chunk_keys[0], name
-        return self.pp - 1, self.chunk_keys[-1], name
-
-    def names(self) -> list[str]:
-        out = []
-        for number, (p, key, local) in enumerate(self.layers):
-            prefix = f"decoder.layers.{local}."
-            out += [f"decoder.layers.{number}.{n[len(prefix):]}" for n in self._model(0, p, key) if n.startswith(prefix)]
-        for p, key in ((0, self.chunk_keys[0]), (self.pp - 1, self.chunk_keys[-1])):
-            out += [n for n in self._model(0, p, key) if not n.startswith("decoder.layers.") and n not in out]
-        return [n for n in out if not n.endswith("._extra_state")]
-
-    def spec(self, name: str, rule) -> tuple[list, torch.dtype] | None:
-        where = self._where(name)
-        if where is None:
-            return None
-        p, key, local = where
-        piece = self._model(0, p, key).get(local)
-        if not isinstance(piece, torch.Tensor):
-            return None
-        shape = list(piece.shape)
-        if rule is not None:
-            shape[rule[0]] *= self.tp
-        return shape, piece.dtype
-
-    def read(self, name: str, rule, lookup=None) -> torch.Tensor | None:
-        """The full tensor of Megatron's global `name`: the model's, or what `lookup(tp rank, pp
-        rank, chunk key, name in that chunk)` returns for each TP rank (an optimizer state)."""
-        where = self._where(name)
-        if where is None:
-            return None
-        p, key, local = where
-        lookup = lookup or (lambda t, p, key, local: self._model(t, p, key).get(local))
-        pieces = [lookup(t, p, key, local) for t in range(self.tp)]
-        if any(not isinstance(piece, torch.Tensor) for piece in pieces):
-            return None
-        return _merge_tp(pieces, rule)
 
 
 class _DistFiles:
@@ -216,7 +115,7 @@ class _DistFiles:
         or merged from the TP pieces `lookup(name)` returns (an optimizer state kept per rank)."""
         if lookup is not None:
             pieces = lookup(name)
-            return None if pieces is None else _merge_tp(pieces, rule)
+            return None if pieces is None else merge_tp(pieces, rule)
         found = self._find(name, prefix)
         if found is None:
             return None
@@ -309,7 +208,7 @@ class MegatronCheckpoint:
                                   "iter_* folder with mp_rank_* files or metadata.json)")
         self.path, self.iteration = found
         self.format = "torch_dist" if (self.path / "metadata.json").exists() else "torch"
-        self.files = _DistFiles(self.path) if self.format == "torch_dist" else _TorchFiles(self.path)
+        self.files = _DistFiles(self.path) if self.format == "torch_dist" else TorchFiles(self.path)
         self.state = self.files.state
         self.args = self.state.get("args")
         if "iteration" in self.state:
@@ -328,8 +227,6 @@ class MegatronCheckpoint:
             raise  # names the file already
         except (ValueError, TypeError) as e:
             raise ConversionError(f"{where}: {e}") from None
-        if self.format == "torch":
-            check_torch_expert_layout(self.args, str(where))
         self.notes = megatron_args_notes(self.args)
         if vocab > self.padded_vocab:
             raise CheckpointError(f"{where}: the vocabulary has {vocab} tokens but the checkpoint's embedding only "
