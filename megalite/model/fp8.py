@@ -32,7 +32,8 @@ def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict
                 states[f"{layer_name}.{linear_name}"] = scaling
             else:
                 scaling = TensorwiseScaling(recipe, tp_group)
-            linear.gemm = Fp8Gemm(recipe, scaling, "column" if isinstance(linear, ColumnParallelLinear) else "row")
+            linear.gemm = Fp8Gemm(recipe, scaling, "column" if isinstance(linear, ColumnParallelLinear) else "row",
+                                  cast_impl=layer.config.kernel_impl)
             linear.register_forward_pre_hook(_record_when_training)
             if recipe.param_gather:
                 _gather_in_fp8(linear)

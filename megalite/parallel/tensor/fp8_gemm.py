@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.parallel.tensor.fp8_param import Fp8GatheredWeight
+from megalite.parallel.tensor.fp8_fused_cast import fused_quantize
 from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, DelayedScaling, Fp8Recipe, quantize
 from megalite.parallel.tensor.gemm import Gemm
 
@@ -88,8 +89,9 @@ class Fp8Gemm(Gemm):
 
     name = "fp8"
 
-    def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str):
+    def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str, cast_impl: str = "auto"):
         self.recipe, self.scaling = recipe, scaling
+        self.cast_impl = cast_impl  # megalite.kernels impl of the casts (fp8_fused_cast.py)
         # whether forward records amaxes: set before each forward by the layer's pre-hook
         # (model/fp8.py) to the caller's grad mode, so that evaluation (no_grad) does not move
         # training's scales; inside the autograd Function grad mode is always off
@@ -119,8 +121,12 @@ class Fp8Gemm(Gemm):
         return cache
 
     def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
+        dtype = self.recipe.dtype(operand)
+        fused = fused_quantize(self.scaling, operand, tensor, self.split[operand], record, dtype, self.cast_impl)
+        if fused is not None:  # the Triton cast (CUDA): the same bytes, scale and amax as below
+            return fused
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
-        return quantize(tensor, scale, self.recipe.dtype(operand)), scale
+        return quantize(tensor, scale, dtype), scale
 
     def _weight(self, weight, record: bool, column_major: bool = False):
         """The FP8 weight (column-major if asked) and its scale: as all-gathered
