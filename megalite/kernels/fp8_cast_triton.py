@@ -53,12 +53,12 @@ def _fp8_cast_kernel(X, SCALE, Y, AMAX, n, blocks_per_program, limit, CAST: tl.c
         tl.atomic_max(AMAX, amax)
 
 
-def _launch(x, scale, y, amax, cast: bool, record_amax: bool, sms, launcher) -> None:
+def _launch(x, scale, y, amax, cast: bool, record_amax: bool, sms, wrap_triton) -> None:
     n = x.numel()
     blocks = cdiv(n, BLOCK)
     programs = persistent_programs(blocks, NUM_WARPS, sms)
     per_program = cdiv(blocks, programs)
-    launcher(_fp8_cast_kernel)[(cdiv(blocks, per_program),)](
+    wrap_triton(_fp8_cast_kernel)[(cdiv(blocks, per_program),)](
         x, scale, y, amax, n, per_program, FP8_MAX.get(y.dtype, 0.0), CAST=cast, RECORD_AMAX=record_amax,
         BLOCK=BLOCK, num_warps=NUM_WARPS)
 
