@@ -52,9 +52,9 @@ def _two_steps(recipe, impl, device):
     """Two forward/backward passes of one FP8 linear with a scale update between (delayed):
     outputs, gradients and the scaling state."""
     g = torch.Generator().manual_seed(1)
-    x, w, b = (torch.randn(3, 5, 48, generator=g) * 3, torch.randn(32, 48, generator=g) * 0.05,
+    x, w, b = (torch.randn(2, 8, 48, generator=g) * 3, torch.randn(32, 48, generator=g) * 0.05,
                torch.randn(32, generator=g))
-    dy = torch.randn(3, 5, 32, generator=g) * 1e-3
+    dy = torch.randn(2, 8, 32, generator=g) * 1e-3  # 16 tokens: _scaled_mm on CUDA wants multiples of 16
     x, w, b, dy = (t.to(device) for t in (x, w, b, dy))
     scaling = DelayedScaling(recipe, device) if recipe.scaling == "delayed" else TensorwiseScaling(recipe)
     gemm = Fp8Gemm(recipe, scaling, "column", cast_impl=impl)
