@@ -5,6 +5,8 @@ the CPU path).
 
     fp8_cast(x, scale, dtype, amax=None)   fp8(clamp(x * scale, +-fp8_max)); amax (fp32, one
                                            element) := max(amax, max |x|) when given
+    fp8_cast_transposed(x2d, scale, dtype, amax=None)
+                                           the same, written transposed ([cols, rows], contiguous)
     fp8_amax(x)                            max |x|, 0-d fp32
 """
 
@@ -54,6 +56,19 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, amax: 
 
         return fp8_cast_triton.fp8_cast(x, scale, dtype, amax)
     return fp8_cast_reference(x, scale, dtype, amax)
+
+
+def fp8_cast_transposed(x2d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                        amax: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """fp8_cast(x2d, ...) transposed: [cols, rows], contiguous (x2d [rows, cols])."""
+    _check(x2d, dtype)
+    if x2d.dim() != 2:
+        raise ValueError(f"fp8_cast_transposed: x must be 2-D [rows, cols], got {tuple(x2d.shape)}")
+    if fused_cast_applies(x2d, impl) and (amax is None or amax.device == x2d.device) and scale.device == x2d.device:
+        from megalite.kernels import fp8_cast_triton
+
+        return fp8_cast_triton.fp8_cast_transposed(x2d, scale, dtype, amax)
+    return fp8_cast_reference(x2d, scale, dtype, amax).t().contiguous()
 
 
 def fp8_amax(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:

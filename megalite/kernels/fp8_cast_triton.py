@@ -2,7 +2,9 @@
 fp8(clamp(x * scale, -fp8_max, fp8_max)) and/or max |x| into one fp32 (atomic max of each
 program's maximum), registered as the operators megalite_kernels::fp8_cast (cast, optionally
 recording the amax; mutates `amax`) and ::fp8_amax (the amax pass alone), and launched directly
-on the eager path.
+on the eager path. ::fp8_cast_transposed (_fp8_cast_t_kernel, tiles of a 2-D x) writes the FP8
+copy transposed instead: the column-major operands wgrad's _scaled_mm takes, without a separate
+transposing copy (2 bytes an element).
 
 Bytes per element of a 16-bit x: a delayed-scaling cast (scale known in advance) reads x once
 and writes one byte, 3 bytes, amax included; tensorwise scaling needs the amax before the scale,
@@ -23,6 +25,8 @@ from megalite.kernels.triton_common import (cached_sm_count, cdiv, direct, eager
 
 BLOCK = 2048  # elements a program handles per loop step: 16 a thread at 4 warps (16-byte loads of bf16)
 NUM_WARPS = 4
+TILE = 64  # the transposed cast's [TILE rows, TILE columns] tiles, at 8 warps (60 registers a thread
+T_NUM_WARPS = 8  # with the amax, under 64 at sm_90: 32 warps an SM; 96 at 4 warps)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -53,6 +57,45 @@ def _fp8_cast_kernel(X, SCALE, Y, AMAX, n, blocks_per_program, limit, CAST: tl.c
         tl.atomic_max(AMAX, amax)
 
 
+@triton.jit
+def _fp8_cast_t_kernel(X, SCALE, YT, AMAX, n_rows, n_cols, stride_x, row_blocks_per_program, limit,
+                       RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """YT [n_cols, n_rows] = fp8(clamp(X * scale))^T for X [n_rows, n_cols] (row stride stride_x,
+    unit column stride): column block program_id(1), row blocks program_id(0) *
+    row_blocks_per_program ...; RECORD_AMAX as in _fp8_cast_kernel."""
+    scale = tl.load(SCALE)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    # the amax state reduced every tile (a [BLOCK_M, BLOCK_N] one kept over the loop took 186
+    # registers a thread at 4 warps, one per column 160)
+    running = 0.0
+    nan_seen = 0
+    for i in range(row_blocks_per_program):
+        rows = (tl.program_id(0).to(tl.int64) * row_blocks_per_program + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = x * scale
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -limit), limit))
+        # stored as the transposed tile, so that the compiled layout writes along YT's rows
+        tl.store(YT + cols[:, None].to(tl.int64) * n_rows + rows[None, :], tl.trans(to_dtype(y, YT.dtype.element_ty)),
+                 mask=tl.trans(mask))
+        if RECORD_AMAX:
+            running = tl.maximum(running, reduce_max(reduce_max(tl.abs(x), 1), 0))
+            nan_seen = nan_seen | reduce_max(reduce_max((x != x).to(tl.int32), 1), 0)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX, tl.where(nan_seen > 0, float("nan"), running))
+
+
+def _launch_transposed(x2d, scale, yt, amax, record_amax: bool, sms, wrap_triton) -> None:
+    n_rows, n_cols = x2d.shape
+    row_blocks, col_blocks = cdiv(n_rows, TILE), cdiv(n_cols, TILE)
+    groups = max(1, persistent_programs(row_blocks * col_blocks, T_NUM_WARPS, sms) // col_blocks)
+    per_program = cdiv(row_blocks, groups)
+    wrap_triton(_fp8_cast_t_kernel)[(cdiv(row_blocks, per_program), col_blocks)](
+        x2d, scale, yt, amax, n_rows, n_cols, x2d.stride(0), per_program, FP8_MAX[yt.dtype],
+        RECORD_AMAX=record_amax, BLOCK_M=TILE, BLOCK_N=TILE, num_warps=T_NUM_WARPS)
+
+
 def _launch(x, scale, y, amax, cast: bool, record_amax: bool, sms, wrap_triton) -> None:
     n = x.numel()
     blocks = cdiv(n, BLOCK)
@@ -75,6 +118,20 @@ def fp8_cast_op(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, out_dt
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _launch(x, scale, y, amax, True, record_amax, sm_count(x.device), op_wrap_triton)
     return y
+
+
+def _cast_t_fake(x2d, scale, amax, out_dtype, record_amax):
+    return torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device)
+
+
+@kernel_op("fp8_cast_transposed", _cast_t_fake, mutates_args=("amax",))
+def fp8_cast_transposed_op(x2d: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype,
+                           record_amax: bool) -> torch.Tensor:
+    """fp8(clamp(x2d * scale))^T, contiguous [cols, rows] (x2d [rows, cols] with unit column
+    stride): the column-major FP8 copy _scaled_mm takes; record_amax as fp8_cast_op."""
+    yt = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device)
+    _launch_transposed(x2d, scale, yt, amax, record_amax, sm_count(x2d.device), op_wrap_triton)
+    return yt
 
 
 def _amax_fake(x):
@@ -106,3 +163,15 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     _launch(x, amax, x, amax, False, True, cached_sm_count(x.device), direct)
     return amax
+
+
+def fp8_cast_transposed(x2d: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                        amax: torch.Tensor | None) -> torch.Tensor:
+    if eager_path(x2d, scale, amax) is None:
+        if amax is None:
+            return fp8_cast_transposed_op(x2d, scale, scale.new_zeros(()), out_dtype, False)
+        return fp8_cast_transposed_op(x2d, scale, amax, out_dtype, True)
+    yt = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device)
+    _launch_transposed(x2d, scale, yt, scale if amax is None else amax, amax is not None,
+                       cached_sm_count(x2d.device), direct)
+    return yt

@@ -14,7 +14,8 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
   off (--no-fused-kernels) or another recipe, unfused torch operators move QUANTIZE_BYTES
   (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale 4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes);
   forward quantizes x, dgrad the output gradient dy, wgrad dy and x again, and wgrad's operands
-  get a transposed copy (1 + 1 bytes per element of dy and x); the weight is cast once per
+  get a transposed copy (1 + 1 bytes per element of dy and x; none with the fused cast, which
+  writes them transposed); the weight is cast once per
   optimizer step (fp8_gemm.py's WeightCache), with one transposed copy for dgrad: its
   (33 + 2) bytes per element are spread over the step's micro-batches (charged to forward).
   With --fp8-param-gather under FSDP2 the gathered weight is not cached: the shard is cast
@@ -26,10 +27,11 @@ Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales
 linear its cached FP8 weight (1 byte per element of W, held through the step; its transposed
 copy appears in backward, as activations are freed, and is not counted); and the
 quantization working set of the rank's largest FP8 linear, taken as held on top of the
-activation peak (backward runs it while the activations are held): the largest of forward's
-cX (x's FP8 copy, and with the torch ops its fp32 copy: c = 1 fused, 5 unfused) or X + cW,
-dgrad's cG or G + cW, wgrad's 2G + cX or 2G + 2X + 4W (dy's FP8 copy and its transpose, x's,
-and the fp32 result added into main_grad),
+activation peak (backward runs it while the activations are held): with the torch ops the
+largest of forward's 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's
+2G + 5X or 2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into
+main_grad); with the fused cast (no fp32 copies, wgrad's copies written transposed) X + W,
+G + W or G + X + 4W;
 with X = T k, G = T n, W = k n elements (T the micro-batch's tokens: a sequence-parallel
 column linear gathers its input, a row linear reduce-scatters its output). Checked against the
 dry run (tests/planner/test_fp8_planner.py).
@@ -111,7 +113,7 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
     e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
     bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
     per_step = 1 / layout.num_microbatches(workload.global_batch_size)
-    quantize = quantize_bytes(workload)
+    quantize, fused = quantize_bytes(workload), fused_cast(workload)
     gemm_f = gemm_b = cast_f = cast_b = 0.0
     for tokens, k, n, mode in linears:
         # fprop [T,k]x[k,n]; dgrad [T,n]x[n,k]; wgrad [k,T]x[T,n]: the same FLOPs and operand sizes
@@ -126,8 +128,8 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
             cast_b += QUANTIZE_BYTES * w / bw
         else:  # once per step, and its transposed copy for dgrad
             cast_f += (quantize + TRANSPOSE_BYTES) * w * per_step / bw
-        if recipe.wgrad:
-            cast_b += (quantize + TRANSPOSE_BYTES) * (g + x) / bw
+        if recipe.wgrad:  # the fused cast writes wgrad's operands transposed: no separate copy
+            cast_b += (quantize + (0 if fused else TRANSPOSE_BYTES)) * (g + x) / bw
         if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
             reduce = cluster.collective_time("all_reduce", 4, tp_group)
             # fprop: W, and x of a row linear; dgrad: W, and dy of a column linear; wgrad: the split one of dy, x
@@ -145,8 +147,11 @@ def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> f
     state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
         if workload.fp8.scaling == "delayed" else 0
     cached = 0.0 if workload.fp8.param_gather and layout.fsdp2 else sum(k * n for _, k, n, _ in linears)
-    working, c = 0.0, 1 if fused_cast(workload) else 5
+    working, fused = 0.0, fused_cast(workload)
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n
-        working = max(working, c * x, x + c * w, c * g, g + c * w, 2 * g + c * x, 2 * g + 2 * x + 4 * w)
+        if fused:
+            working = max(working, x + w, g + w, g + x + 4 * w)
+        else:
+            working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
     return state + cached + working

@@ -89,6 +89,8 @@ def _record_launches(dtypes):
                     for fp8, record in ((torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False),
                                         (torch.float8_e5m2, True)):
                         fp8_cast_triton.fp8_cast_op(x, scalar, scalar, fp8, record)
+                    for fp8, record in ((torch.float8_e5m2, True), (torch.float8_e4m3fn, False)):  # wgrad's dy, x
+                        fp8_cast_triton.fp8_cast_transposed_op(x, scalar, scalar, fp8, record)
                 for rows, vocab in SHAPES_CE:
                     logits = torch.empty(rows, vocab, dtype=dtype, **meta)
                     target = torch.empty(rows, dtype=torch.int64, **meta)

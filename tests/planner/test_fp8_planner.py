@@ -89,10 +89,11 @@ def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth(base, e
     shapes = [(h, 3 * h), (h, h), (h, 2 * f), (f, h)]  # QKV, projection, FC1 (SwiGLU), FC2
     gemm = 4 * sum(6 * tokens * k * n for k, n in shapes) / cluster.matmul_flops
     saved = gemm * (1 - cluster.peak_flops / cluster.fp8_peak_flops)  # the FP8 peak is twice bf16's: half
-    # x twice, dy twice, the transposes of dy and x for wgrad; the weight once per step (one
-    # micro-batch here) with its transposed copy for dgrad
-    casts = 4 * sum(cast_bytes * (2 * tokens * k + 2 * tokens * n + k * n)
-                    + TRANSPOSE_BYTES * (tokens * n + tokens * k + k * n) for k, n in shapes) / cluster.memory_bandwidth
+    # x twice, dy twice, the transposes of dy and x for wgrad (written by the fused cast itself);
+    # the weight once per step (one micro-batch here) with its transposed copy for dgrad
+    wgrad_transposes = TRANSPOSE_BYTES if cast_bytes == QUANTIZE_BYTES else 0
+    casts = 4 * sum(cast_bytes * (2 * tokens * k + 2 * tokens * n + k * n) + TRANSPOSE_BYTES * k * n
+                    + wgrad_transposes * (tokens * n + tokens * k) for k, n in shapes) / cluster.memory_bandwidth
     assert fp8.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved, rel=1e-9)
     assert no_wgrad.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved * 2 / 3, rel=1e-9)
     assert fp8.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts, rel=1e-9)

@@ -14,13 +14,15 @@ fused_quantize returns None.
 
 import torch
 
-from megalite.kernels.fp8_cast import fp8_amax, fp8_cast, fused_cast_applies
+from megalite.kernels.fp8_cast import fp8_amax, fp8_cast, fp8_cast_transposed, fused_cast_applies
 from megalite.parallel.tensor.fp8_scaling import DelayedScaling, TensorwiseScaling
 
 
 def fused_quantize(scaling, operand: int, tensor: torch.Tensor, split: bool, record: bool, dtype: torch.dtype,
-                   impl: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fp8 copy of `tensor`, its scale) by the fused cast, or None where it does not apply."""
+                   impl: str, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp8 copy of `tensor`, its scale) by the fused cast, or None where it does not apply;
+    `transposed`: the copy of 2-D `tensor` transposed (contiguous), written by the same pass."""
+    cast = fp8_cast_transposed if transposed else fp8_cast
     kind = type(scaling)
     if kind not in (DelayedScaling, TensorwiseScaling) or not fused_cast_applies(tensor, impl):
         return None
@@ -29,6 +31,6 @@ def fused_quantize(scaling, operand: int, tensor: torch.Tensor, split: bool, rec
             return None
         amax = scaling.amax_history[0, operand] if record else None
         scale = scaling.scales[operand]
-        return fp8_cast(tensor, scale, dtype, amax=amax, impl=impl), scale
+        return cast(tensor, scale, dtype, amax=amax, impl=impl), scale
     scale = scaling.scale_for_amax(operand, fp8_amax(tensor, impl=impl), split)
-    return fp8_cast(tensor, scale, dtype, impl=impl), scale
+    return cast(tensor, scale, dtype, impl=impl), scale

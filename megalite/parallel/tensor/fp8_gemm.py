@@ -120,13 +120,16 @@ class Fp8Gemm(Gemm):
             cache.recorded = True
         return cache
 
-    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
+    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool, transposed: bool = False):
+        """The FP8 copy (of 2-D `tensor` transposed, contiguous, if asked) and its scale."""
         dtype = self.recipe.dtype(operand)
-        fused = fused_quantize(self.scaling, operand, tensor, self.split[operand], record, dtype, self.cast_impl)
+        fused = fused_quantize(self.scaling, operand, tensor, self.split[operand], record, dtype, self.cast_impl,
+                               transposed)
         if fused is not None:  # the Triton cast (CUDA): the same bytes, scale and amax as below
             return fused
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
-        return quantize(tensor, scale, dtype), scale
+        data = quantize(tensor, scale, dtype)
+        return (data.t().contiguous() if transposed else data), scale
 
     def _weight(self, weight, record: bool, column_major: bool = False):
         """The FP8 weight (column-major if asked) and its scale: as all-gathered
@@ -160,9 +163,10 @@ class Fp8Gemm(Gemm):
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def _fp8_wgrad(self, grad2d, x2d, out_dtype):
-        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
-        xq, x_scale = self._quantized(INPUT, x2d, record=False)  # as in forward
-        return scaled_mm(gq.t(), g_scale, xq, x_scale, out_dtype)
+        # dy^T row-major and x column-major, as _scaled_mm takes them: cast transposed
+        gq_t, g_scale = self._quantized(GRAD, grad2d, record=True, transposed=True)
+        xq_t, x_scale = self._quantized(INPUT, x2d, record=False, transposed=True)  # as in forward
+        return scaled_mm(gq_t, g_scale, xq_t.t(), x_scale, out_dtype)
 
     def wgrad(self, grad2d, x2d):
         if not self.recipe.wgrad:
