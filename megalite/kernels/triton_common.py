@@ -44,8 +44,35 @@ if INTERPRETED:
             bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
             bits = bits + (((bits >> 16) & 1) + 0x7FFF)
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif dtype == tl.float8e4nv:
+            return _to_fp8(x, 3, 7, 0x7E, 0x7E).to(tl.float8e4nv, bitcast=True)
+        elif dtype == tl.float8e5:
+            return _to_fp8(x, 2, 15, 0x7B, 0x7C).to(tl.float8e5, bitcast=True)
         else:
             return x.to(dtype)
+
+    @triton.jit
+    def _to_fp8(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, OVERFLOW_CODE: tl.constexpr):
+        """The byte of fp32 `x` rounded to nearest even in an FP8 format with MANT mantissa bits
+        and exponent bias BIAS, as torch's conversion: magnitudes past the largest finite code
+        MAX_CODE become OVERFLOW_CODE (e4m3fn saturates at 448, infinities included; e5m2
+        overflows to infinity), NaN becomes 0x7F, the sign is kept. The interpreter's own
+        conversion rounds wrongly where rounding carries into the next binade."""
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        # below the smallest normal 2**(1 - BIAS): a multiple of 2**(1 - BIAS - MANT), rounded to
+        # an integer by fp32 arithmetic itself (adding 2**23 keeps no fraction bits; exact scaling)
+        is_sub = mag < ((128 - BIAS) << 23)
+        scaled = tl.where(is_sub, mag, 0).to(tl.float32, bitcast=True) * (2.0 ** (BIAS - 1 + MANT))
+        sub = ((scaled + 8388608.0) - 8388608.0).to(tl.uint32)
+        # normal: drop 23 - MANT mantissa bits, rounding half to even (a carry moves up a binade),
+        # then rebias the exponent; the codes are contiguous, so subnormals' top code is 1.0 * min normal
+        shift: tl.constexpr = 23 - MANT
+        normal = ((mag + ((1 << (shift - 1)) - 1) + ((mag >> shift) & 1)) >> shift) - ((127 - BIAS) << MANT)
+        code = tl.where(is_sub, sub, normal)
+        code = tl.where(mag > 0x7F800000, 0x7F, tl.where((mag >= 0x7F800000) | (code > MAX_CODE), OVERFLOW_CODE, code))
+        return (sign | code).to(tl.uint8)
 
     # Under the interpreter, reductions are written on Triton builtins only. triton.language's own
     # tl.sum and tl.max are @jit functions decorated when triton.language is first imported: if

@@ -34,9 +34,10 @@ def enable_fp8(model, recipe: Fp8Recipe, num_layers: int, tp_group=None) -> dict
                 linear.gemm = BlockwiseFp8Gemm(recipe, mode)
             elif recipe.scaling == "delayed":
                 states[f"{layer_name}.{linear_name}"] = DelayedScaling(recipe, device=linear.weight.device)
-                linear.gemm = Fp8Gemm(recipe, states[f"{layer_name}.{linear_name}"], mode)
+                linear.gemm = Fp8Gemm(recipe, states[f"{layer_name}.{linear_name}"], mode,
+                                      cast_impl=layer.config.kernel_impl)
             else:
-                linear.gemm = Fp8Gemm(recipe, TensorwiseScaling(recipe, tp_group), mode)
+                linear.gemm = Fp8Gemm(recipe, TensorwiseScaling(recipe, tp_group), mode, cast_impl=layer.config.kernel_impl)
             linear.register_forward_pre_hook(_record_when_training)
             if recipe.param_gather:
                 _gather_in_fp8(linear)

@@ -7,15 +7,19 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
 - each of its GEMMs (fprop, dgrad, and wgrad unless --no-fp8-wgrad) at the card's dense FP8
   peak x the same matmul efficiency as 16-bit (an assumption until a GPU measures it), FP8
   operands (1 byte) and a 16-bit result, in place of the 16-bit GEMM;
-- the casts, at the memory bandwidth: megalite quantizes with unfused torch operators, each
-  quantized element moving QUANTIZE_BYTES (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale
-  4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes; delayed scaling reads the amax of the tensor too);
+- the casts, at the memory bandwidth, quantize_bytes per quantized element: on CUDA the fused
+  Triton cast (megalite/kernels/fp8_cast_triton.py) reads the 16-bit element once and writes
+  its byte with delayed scaling (e + 1 = 3 bytes, the amax from the same read), and reads it
+  twice with tensorwise scaling (the amax pass, then the cast: 2e + 1 = 5); with the kernels
+  off (--no-fused-kernels) or another recipe, unfused torch operators move QUANTIZE_BYTES
+  (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale 4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes);
   forward quantizes x, dgrad the output gradient dy, wgrad dy and x again, and wgrad's operands
-  get a transposed copy (1 + 1 bytes per element of dy and x); the weight is cast once per
+  get a transposed copy (1 + 1 bytes per element of dy and x; none with the fused cast, which
+  writes them transposed); the weight is cast once per
   optimizer step (fp8_gemm.py's WeightCache), with one transposed copy for dgrad: its
   (33 + 2) bytes per element are spread over the step's micro-batches (charged to forward).
   With --fp8-param-gather under FSDP2 the gathered weight is not cached: the shard is cast
-  before each all-gather, as before (forward and dgrad, per micro-batch);
+  before each all-gather, as before (forward and dgrad, per micro-batch, with torch ops);
 - tensorwise scaling: an all-reduce of one fp32 amax over TP per split operand per GEMM (W
   always; dy of a column-parallel, x of a row-parallel linear), at the latency of the group.
 
@@ -23,9 +27,11 @@ Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales
 linear its cached FP8 weight (1 byte per element of W, held through the step; its transposed
 copy appears in backward, as activations are freed, and is not counted); and the
 quantization working set of the rank's largest FP8 linear, taken as held on top of the
-activation peak (backward runs it while the activations are held): the largest of forward's
-5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's 2G + 5X or
-2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into main_grad),
+activation peak (backward runs it while the activations are held): with the torch ops the
+largest of forward's 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's
+2G + 5X or 2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into
+main_grad); with the fused cast (no fp32 copies, wgrad's copies written transposed) X + W,
+G + W or G + X + 4W;
 with X = T k, G = T n, W = k n elements (T the micro-batch's tokens: a sequence-parallel
 column linear gathers its input, a row linear reduce-scatters its output). --fp8-recipe
 blockwise (parallel/tensor/fp8_blockwise.py) adds its fp32 scales, one per 128x128 block of W
@@ -37,8 +43,22 @@ from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
 from megalite.planner.layouts import Layout
 from megalite.planner.workload import Workload
 
-QUANTIZE_BYTES = 33
+QUANTIZE_BYTES = 33  # per element, unfused torch ops
 TRANSPOSE_BYTES = 2
+FUSED_RECIPES = ("delayed", "tensorwise")  # the scalings the fused cast serves (parallel/tensor/fp8_fused_cast.py)
+
+
+def fused_cast(workload: Workload) -> bool:
+    """Whether the run's FP8 casts are the fused Triton kernel (CUDA with the kernels on)."""
+    return workload.config.kernel_impl != "torch" and workload.fp8.scaling in FUSED_RECIPES
+
+
+def quantize_bytes(workload: Workload) -> float:
+    """Bytes one FP8 cast moves per element (module docstring)."""
+    if not fused_cast(workload):
+        return QUANTIZE_BYTES
+    e = workload.activation_bytes
+    return e + 1 if workload.fp8.scaling == "delayed" else 2 * e + 1
 
 
 def check_fp8_plan(workload: Workload, cluster) -> None:
@@ -95,6 +115,7 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
     e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
     bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
     per_step = 1 / layout.num_microbatches(workload.global_batch_size)
+    quantize, fused = quantize_bytes(workload), fused_cast(workload)
     gemm_f = gemm_b = cast_f = cast_b = 0.0
     for tokens, k, n, mode in linears:
         # fprop [T,k]x[k,n]; dgrad [T,n]x[n,k]; wgrad [k,T]x[T,n]: the same FLOPs and operand sizes
@@ -102,15 +123,15 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
         gemm_f += delta
         gemm_b += delta * (2 if recipe.wgrad else 1)
         x, g, w = tokens * k, tokens * n, k * n
-        cast_f += QUANTIZE_BYTES * x / bw
-        cast_b += QUANTIZE_BYTES * g / bw
+        cast_f += quantize * x / bw
+        cast_b += quantize * g / bw
         if recipe.param_gather and layout.fsdp2:  # cast before each all-gather: forward and dgrad
-            cast_f += QUANTIZE_BYTES * w / bw
+            cast_f += QUANTIZE_BYTES * w / bw  # fp8_param.py casts the shard with torch ops
             cast_b += QUANTIZE_BYTES * w / bw
         else:  # once per step, and its transposed copy for dgrad
-            cast_f += (QUANTIZE_BYTES + TRANSPOSE_BYTES) * w * per_step / bw
-        if recipe.wgrad:
-            cast_b += (QUANTIZE_BYTES + TRANSPOSE_BYTES) * (g + x) / bw
+            cast_f += (quantize + TRANSPOSE_BYTES) * w * per_step / bw
+        if recipe.wgrad:  # the fused cast writes wgrad's operands transposed: no separate copy
+            cast_b += (quantize + (0 if fused else TRANSPOSE_BYTES)) * (g + x) / bw
         if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
             reduce = cluster.collective_time("all_reduce", 4, tp_group)
             # fprop: W, and x of a row linear; dgrad: W, and dy of a column linear; wgrad: the split one of dy, x
@@ -128,10 +149,13 @@ def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> f
     state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
         if workload.fp8.scaling == "delayed" else 0
     cached = 0.0 if workload.fp8.param_gather and layout.fsdp2 else sum(k * n for _, k, n, _ in linears)
-    working = 0.0
+    working, fused = 0.0, fused_cast(workload)
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n
-        working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
+        if fused:
+            working = max(working, x + w, g + w, g + x + 4 * w)
+        else:
+            working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
     if workload.fp8.scaling == "blockwise":  # fp32 scales: one per 128x128 block of W, at most one per 128 elements
         cached, working = cached * (1 + 4 / 128 ** 2), working * (1 + 4 / 128)
     return state + cached + working

@@ -32,6 +32,7 @@ SHAPES_ACT = [(16384, 3072), (16384, 5504), (16384, 14336)]
 SHAPES_ROTARY = [((2048, 4, 32, 128), 128, 1), ((1024, 8, 12, 64), 32, 8)]
 SHAPES_CE = [(16384, 50304), (8192, 64128)]
 SHAPES_BDA = [(8192, 2048)]  # one column-block width (1024) from h = 768 up
+SHAPES_FP8 = [(16384, 4096)]  # flat: one tile whatever the shape
 
 
 def _record_launches(dtypes):
@@ -39,8 +40,8 @@ def _record_launches(dtypes):
     from torch._library.triton import set_wrap_triton_enabled
     from triton.runtime.jit import JITFunction
 
-    from megalite.kernels import (activations_triton, bias_dropout_add_triton, cross_entropy_triton, norms_triton,
-                                  rotary_triton)
+    from megalite.kernels import (activations_triton, bias_dropout_add_triton, cross_entropy_triton, fp8_cast_triton,
+                                  norms_triton, rotary_triton)
 
     launches = []
     original = JITFunction.run
@@ -81,6 +82,15 @@ def _record_launches(dtypes):
                         bias_dropout_add_triton.bias_dropout_add_forward(x, bias, x, seed if p else None, p)
                         if p:
                             bias_dropout_add_triton.bias_dropout_add_backward(x, seed, p, bias is not None)
+                for rows, h in SHAPES_FP8:
+                    x = torch.empty(rows, h, dtype=dtype, **meta)
+                    scalar = torch.empty((), dtype=torch.float32, **meta)
+                    fp8_cast_triton.fp8_amax_op(x)
+                    for fp8, record in ((torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False),
+                                        (torch.float8_e5m2, True)):
+                        fp8_cast_triton.fp8_cast_op(x, scalar, scalar, fp8, record)
+                    for fp8, record in ((torch.float8_e5m2, True), (torch.float8_e4m3fn, False)):  # wgrad's dy, x
+                        fp8_cast_triton.fp8_cast_transposed_op(x, scalar, scalar, fp8, record)
                 for rows, vocab in SHAPES_CE:
                     logits = torch.empty(rows, vocab, dtype=dtype, **meta)
                     target = torch.empty(rows, dtype=torch.int64, **meta)
@@ -100,7 +110,8 @@ def _signature(kernel, args, kwargs):
     multiples of 16 marked divisible by 16 (tt.divisibility), which lets Triton vectorise loads."""
     names = kernel.arg_names
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64",
+               torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(names):
         value = values[name]

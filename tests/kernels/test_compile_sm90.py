@@ -21,14 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
            "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
-           "_bda_fwd_kernel", "_bda_bwd_kernel"}
+           "_bda_fwd_kernel", "_bda_bwd_kernel", "_fp8_cast_kernel",
+           "_fp8_cast_t_kernel"}
 PERSISTENT = {"_norm_bwd_kernel"}  # grids sized by triton_common.persistent_programs
 OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_norm_bwd_kernel"],
               "swiglu_forward": ["_swiglu_fwd_kernel"], "swiglu_backward": ["_swiglu_bwd_kernel"],
               "bias_gelu_forward": ["_bias_gelu_fwd_kernel"], "bias_gelu_backward": ["_bias_gelu_bwd_kernel"],
               "rotary": ["_rotary_kernel"], "ce_local_stats": ["_ce_stats_kernel"],
               "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
-              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"]}
+              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"],
+              "fp8_cast": ["_fp8_cast_kernel"], "fp8_amax": ["_fp8_cast_kernel"],
+              "fp8_cast_transposed": ["_fp8_cast_t_kernel"]}
 
 
 def _allowed_to_spill(entry) -> bool:
@@ -134,3 +137,19 @@ def test_bias_dropout_add_is_bandwidth_shaped(compiled):
     for e in bda:
         assert e["stack"] == 0 and e["vector_loads"], e
         assert e["registers"] * 32 * e["num_warps"] * 4 <= 65536, e
+
+
+def test_fp8_cast_is_bandwidth_shaped(compiled):
+    """The fused FP8 cast, each pass (amax alone, cast with and without the amax, e4m3 and e5m2,
+    and the transposed cast):
+    16-byte loads, no spills, and 32 warps an SM (its persistent grid's assumption)."""
+    _, entries, _ = compiled
+    fp8 = [e for e in entries if e["kernel"] == "_fp8_cast_kernel"]
+    assert {(e["constexprs"]["CAST"], e["constexprs"]["RECORD_AMAX"]) for e in fp8} == {
+        (False, True), (True, True), (True, False)}
+    assert {"*fp8e4nv", "*fp8e5"} <= {p for e in fp8 for p in e["pointers"]}
+    transposed = [e for e in entries if e["kernel"] == "_fp8_cast_t_kernel"]  # wgrad's column-major copies
+    assert {e["constexprs"]["RECORD_AMAX"] for e in transposed} == {True, False}
+    for e in fp8 + transposed:
+        assert e["stack"] == 0 and e["vector_loads"], e
+        assert e["registers"] * 32 * 32 <= 65536, e

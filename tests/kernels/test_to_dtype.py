@@ -30,3 +30,39 @@ def test_fp32_to_bf16_rounds_to_nearest_even(device):
     expected = x.to(torch.bfloat16)
     mismatch = (y.view(torch.int16) != expected.view(torch.int16)).nonzero().flatten()
     assert mismatch.numel() == 0, f"{mismatch.numel()} values rounded differently, e.g. {x[mismatch[:5]].tolist()}"
+
+
+def _fp8_edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every fp8 value, the midpoints between neighbours (ties: both parities), the midpoints'
+    fp32 neighbours on each side, random values across the range, and the saturation region the
+    FP8 casts clamp to (finite max, halfway past it), zeros, the subnormals' edge and NaN."""
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = finite[torch.isfinite(finite)].unique()  # sorted, -max .. max, one zero
+    mids = (finite[:-1].double() + finite[1:].double()) / 2  # exact in fp32 (fp8 has <= 4 significant bits)
+    mids = mids.float()
+    below = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+    above = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    g = torch.Generator().manual_seed(0)
+    top = float(finite.max())
+    random = torch.randn(4000, generator=g) * torch.logspace(-12, 0, 4000) * top
+    tiny = float(finite[finite > 0].min())
+    special = torch.tensor([0.0, -0.0, tiny / 2, tiny / 4, tiny * 0.75, top, -top, float("nan"), 1e-45, -1e-45])
+    return torch.cat([finite, mids, below, above, random, special])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp32_to_fp8_rounds_to_nearest_even_like_torch(device, dtype):
+    """Bit for bit against torch's conversion (with e4m3fn, also past the largest finite value and
+    at infinity: torch saturates to 448 like the hardware's satfinite conversion). The
+    interpreter's own conversion turned [124.8, 127] into 64 instead of 128."""
+    x = _fp8_edge_values(dtype)
+    if dtype == torch.float8_e4m3fn:
+        x = torch.cat([x, torch.tensor([449.0, 463.9, 464.0, 479.0, 480.0, 1e6, float("inf"), -float("inf")])])
+    x = x.to(device)
+    y = torch.empty(x.shape, dtype=dtype, device=device)
+    _store_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    expected = x.to(dtype)
+    mismatch = (y.view(torch.uint8) != expected.view(torch.uint8)).nonzero().flatten()
+    assert mismatch.numel() == 0, (f"{mismatch.numel()} of {x.numel()} values converted differently, e.g. "
+                                   f"{x[mismatch[:5]].tolist()} -> {y[mismatch[:5]].view(torch.uint8).tolist()}, "
+                                   f"torch {expected[mismatch[:5]].view(torch.uint8).tolist()}")

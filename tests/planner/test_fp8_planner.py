@@ -9,7 +9,7 @@ import pytest
 
 from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
 from megalite.planner.cluster import preset
-from megalite.planner.fp8 import QUANTIZE_BYTES, TRANSPOSE_BYTES, fp8_memory_bytes
+from megalite.planner.fp8 import QUANTIZE_BYTES, TRANSPOSE_BYTES, fp8_memory_bytes, quantize_bytes
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import rank_memory
 from megalite.planner.search import plan
@@ -61,36 +61,46 @@ def test_fp8_memory_within_5_percent_of_the_dry_run(measured, index):
     assert predicted.total == pytest.approx(measured[index]["peak_total"], rel=0.05), (layout.short(), measured[index])
 
 
-def _h100_predictions(hidden: int, ffn: int, extra=(), micro_batch_size: int = 2):
-    flags = (f"--bf16 --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size {hidden} "
-             f"--num-attention-heads 16 --ffn-hidden-size {ffn} --swiglu --disable-bias-linear "
-             "--normalization RMSNorm --position-embedding-type rope").split()
+def _h100_predictions(hidden: int, ffn: int, extra=(), micro_batch_size: int = 2, base=()):
+    """(16-bit, FP8 with `extra`) predictions; `base`: flags of both."""
+    flags = list(base) + (
+        f"--bf16 --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size {hidden} "
+        f"--num-attention-heads 16 --ffn-hidden-size {ffn} --swiglu --disable-bias-linear "
+        "--normalization RMSNorm --position-embedding-type rope").split()
     seq, layout, cluster = 4096, Layout(1, 1, 1, micro_batch_size=micro_batch_size), preset("h100", 1)
     return [predict(cluster, from_flags(flags + list(more), seq, micro_batch_size), layout)
             for more in ([], ["--fp8-format", "hybrid", *extra])]
 
 
-def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth():
+@pytest.mark.parametrize("base,extra,cast_bytes,faster", [
+    ([], [], 3, True),  # delayed scaling, the fused cast: a 16-bit read and a byte written
+    ([], ["--fp8-recipe", "tensorwise"], 5, True),  # the fused amax pass, then the cast
+    (["--no-fused-kernels"], [], QUANTIZE_BYTES, False),  # torch ops
+])
+def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth(base, extra, cast_bytes, faster):
     """The FP8 step's matmul part is the 16-bit one less the FP8 linears' GEMMs (6 T k n FLOPs
     each per micro-batch) at the bf16 rate, plus them at the FP8 rate (the embedding, output
     layer and attention core unchanged); --no-fp8-wgrad leaves a third of those GEMMs 16-bit;
-    the memory-bound part grows by the casts. At hidden 2048, megalite's unfused casts cost more
-    than the GEMMs save: the planner says FP8 is slower there."""
+    the memory-bound part grows by the casts, `cast_bytes` per element (quantize_bytes). At
+    hidden 2048 the fused casts leave FP8 faster than 16-bit; megalite's unfused casts cost
+    more than the GEMMs save (16-bit and FP8 both with --no-fused-kernels there)."""
     cluster, tokens, h, f = preset("h100", 1), 2 * 4096, 2048, 8192
-    bf16, fp8 = _h100_predictions(h, f)
-    no_wgrad = _h100_predictions(h, f, ["--no-fp8-wgrad"])[1]
+    assert quantize_bytes(from_flags(base + SMALL + DELAYED + extra, SEQ, BATCH)) == cast_bytes
+    bf16, fp8 = _h100_predictions(h, f, extra, base=base)
+    no_wgrad = _h100_predictions(h, f, extra + ["--no-fp8-wgrad"], base=base)[1]
     shapes = [(h, 3 * h), (h, h), (h, 2 * f), (f, h)]  # QKV, projection, FC1 (SwiGLU), FC2
     gemm = 4 * sum(6 * tokens * k * n for k, n in shapes) / cluster.matmul_flops
     saved = gemm * (1 - cluster.peak_flops / cluster.fp8_peak_flops)  # the FP8 peak is twice bf16's: half
-    # x twice, dy twice, the transposes of dy and x for wgrad; the weight once per step (one
-    # micro-batch here) with its transposed copy for dgrad
-    casts = 4 * sum(QUANTIZE_BYTES * (2 * tokens * k + 2 * tokens * n + k * n)
-                    + TRANSPOSE_BYTES * (tokens * n + tokens * k + k * n) for k, n in shapes) / cluster.memory_bandwidth
+    # x twice, dy twice, the transposes of dy and x for wgrad (written by the fused cast itself);
+    # the weight once per step (one micro-batch here) with its transposed copy for dgrad
+    wgrad_transposes = TRANSPOSE_BYTES if cast_bytes == QUANTIZE_BYTES else 0
+    casts = 4 * sum(cast_bytes * (2 * tokens * k + 2 * tokens * n + k * n) + TRANSPOSE_BYTES * k * n
+                    + wgrad_transposes * (tokens * n + tokens * k) for k, n in shapes) / cluster.memory_bandwidth
     assert fp8.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved, rel=1e-9)
     assert no_wgrad.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved * 2 / 3, rel=1e-9)
     assert fp8.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts, rel=1e-9)
     assert fp8.step_time == pytest.approx(bf16.step_time - saved + casts, rel=1e-9)
-    assert fp8.step_time > bf16.step_time
+    assert (fp8.step_time < bf16.step_time) == faster
 
 
 def test_fp8_plans_the_planner_cannot_model_are_refused():

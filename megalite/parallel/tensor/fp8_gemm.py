@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.parallel.tensor.fp8_param import Fp8GatheredWeight
+from megalite.parallel.tensor.fp8_fused_cast import fused_quantize
 from megalite.parallel.tensor.fp8_scaling import GRAD, INPUT, WEIGHT, DelayedScaling, Fp8Recipe, quantize
 from megalite.parallel.tensor.gemm import Gemm
 
@@ -88,8 +89,9 @@ class Fp8Gemm(Gemm):
 
     name = "fp8"
 
-    def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str):
+    def __init__(self, recipe: Fp8Recipe, scaling, parallel_mode: str, cast_impl: str = "auto"):
         self.recipe, self.scaling = recipe, scaling
+        self.cast_impl = cast_impl  # megalite.kernels impl of the casts (fp8_fused_cast.py)
         # whether forward records amaxes: set before each forward by the layer's pre-hook
         # (model/fp8.py) to the caller's grad mode, so that evaluation (no_grad) does not move
         # training's scales; inside the autograd Function grad mode is always off
@@ -118,9 +120,16 @@ class Fp8Gemm(Gemm):
             cache.recorded = True
         return cache
 
-    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool):
+    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool, transposed: bool = False):
+        """The FP8 copy (of 2-D `tensor` transposed, contiguous, if asked) and its scale."""
+        dtype = self.recipe.dtype(operand)
+        fused = fused_quantize(self.scaling, operand, tensor, self.split[operand], record, dtype, self.cast_impl,
+                               transposed)
+        if fused is not None:  # the Triton cast (CUDA): the same bytes, scale and amax as below
+            return fused
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
-        return quantize(tensor, scale, self.recipe.dtype(operand)), scale
+        data = quantize(tensor, scale, dtype)
+        return (data.t().contiguous() if transposed else data), scale
 
     def _weight(self, weight, record: bool, column_major: bool = False):
         """The FP8 weight (column-major if asked) and its scale: as all-gathered
@@ -154,9 +163,10 @@ class Fp8Gemm(Gemm):
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def _fp8_wgrad(self, grad2d, x2d, out_dtype):
-        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
-        xq, x_scale = self._quantized(INPUT, x2d, record=False)  # as in forward
-        return scaled_mm(gq.t(), g_scale, xq, x_scale, out_dtype)
+        # dy^T row-major and x column-major, as _scaled_mm takes them: cast transposed
+        gq_t, g_scale = self._quantized(GRAD, grad2d, record=True, transposed=True)
+        xq_t, x_scale = self._quantized(INPUT, x2d, record=False, transposed=True)  # as in forward
+        return scaled_mm(gq_t, g_scale, xq_t.t(), x_scale, out_dtype)
 
     def wgrad(self, grad2d, x2d):
         if not self.recipe.wgrad:

@@ -85,7 +85,11 @@ class TensorwiseScaling:
         self.recipe, self.group = recipe, group
 
     def scale(self, operand: int, tensor: torch.Tensor, split: bool, record: bool = True) -> torch.Tensor:
-        amax = amax_of(tensor)
+        return self.scale_for_amax(operand, amax_of(tensor), split)
+
+    def scale_for_amax(self, operand: int, amax: torch.Tensor, split: bool) -> torch.Tensor:
+        """The scale of a tensor whose own amax (fp32, one element) is `amax`, reduced in place
+        over the group when the tensor is split."""
         if split and self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         return scale_from_amax(amax, FP8_MAX[self.recipe.dtype(operand)], 0, torch.ones_like(amax))
