@@ -98,12 +98,16 @@ def full_megatron_state(seed: int = 0, te_names: bool = False, family: str | Non
     return out, megalite
 
 
-def _slice(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Megatron's TP slice `rank` of `size` of full tensor `name`."""
+def _slice(name: str, tensor: torch.Tensor, rank: int, size: int, split_down: bool = False) -> torch.Tensor:
+    """Megatron's TP slice `rank` of `size` of full tensor `name`; an MLA down projection whole
+    (Transformer Engine's duplicated linear) or, with `split_down`, split along its rows (the
+    local spec's ColumnParallelLinear)."""
     if size == 1 or tensor.dim() == 0:
         return tensor
+    if split_down and name.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
+        return tensor.chunk(size)[rank]
     if name.endswith(("linear_fc1.weight", "word_embeddings.weight", "output_layer.weight", "linear_qkv.weight",
-                          "linear_qkv.bias")):
+                      "linear_qkv.bias", "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")):
         if name.endswith("linear_fc1.weight"):  # SwiGLU: [gate rows; up rows], each split
             return torch.cat([half.chunk(size)[rank] for half in tensor.chunk(2)])
         return tensor.chunk(size)[rank]
@@ -140,9 +144,10 @@ def _expert_entries(names: dict, e: int, k: int, etp: int, local: int, style: st
 
 
 def write_moe_torch(root, tp: int, ep: int, etp: int, world: int, style: str = "sequential",
-                    te_names: bool = False, seed: int = 0, family: str | None = None) -> tuple[dict, list[str]]:
+                    te_names: bool = False, seed: int = 0, family: str | None = None,
+                    split_down: bool = False) -> tuple[dict, list[str]]:
     """The checkpoint under `root` (iteration 3) of CONFIG, or of CONFIG changed to a Hugging
-    Face `family`; ({megalite name: full tensor}, folder names)."""
+    Face `family`; ({megalite name: full tensor}, folder names). `split_down`: see _slice."""
     full, megalite = full_megatron_state(seed, te_names, family)
     local = EXPERTS // ep
     folder = Path(root) / "iter_0000003"
@@ -151,7 +156,8 @@ def write_moe_torch(root, tp: int, ep: int, etp: int, world: int, style: str = "
         t, dp, k, e, edp = rank % tp, rank // tp, rank % etp, rank // etp % ep, rank // (etp * ep)
         if dp != 0 and edp != 0:
             continue
-        state = {n: _slice(n, v, t, tp).clone() for n, v in full.items() if ".mlp.experts.local_experts." not in n}
+        state = {n: _slice(n, v, t, tp, split_down).clone() for n, v in full.items()
+                 if ".mlp.experts.local_experts." not in n}
         state.update(_expert_entries(full, e, k, etp, local, style))
         name = f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "")
         written.append(name)

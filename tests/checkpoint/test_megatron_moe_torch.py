@@ -45,6 +45,20 @@ def test_every_tensor_reads_as_the_model_it_was_cut_from(tmp_path, layout, style
     checkpoint.check_all_used()
 
 
+
+@pytest.mark.parametrize("split_down", [True, False], ids=["local-spec-split", "te-spec-whole"])
+def test_mla_down_projections_read_whole_from_either_layer_spec(tmp_path, split_down):
+    """Megatron's local spec splits an MLA down projection over TP; Transformer Engine's
+    duplicated linear saves it whole on every rank: both read as the one tensor (concatenating
+    the whole copies would double its rows)."""
+    expected, _ = write_moe_torch(tmp_path, 2, 1, 1, 2, family="deepseek_v3", split_down=split_down)
+    checkpoint = MegatronCheckpoint(tmp_path)
+    down = [n for n in checkpoint.names() if n.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight"))]
+    assert len(down) >= 2
+    for name in checkpoint.names():
+        assert torch.equal(checkpoint.get(name), expected[name]), name
+        assert checkpoint.spec(name) == (tuple(expected[name].shape), expected[name].dtype), name
+
 def test_the_writer_layout_follows_megatrons_rank_order():
     """tp-cp-ep-dp-pp and --use-tp-pp-dp-mapping's tp-cp-ep-pp-dp: (TP, PP, EP) file -> ETP ranks."""
     args = moe_args(2, 2, 1, 4, "sequential")

@@ -86,5 +86,5 @@ def tp_rule(config: GPTConfig, sharding: dict, name: str) -> tuple[int, int | tu
     """(partition dim, blocks per rank) of megalite's `name`, or None where every TP rank holds it
     whole. Megatron and megalite shard the same tensors the same way: a SwiGLU fc1 rank holds
     [its gate rows; its up rows], two blocks; a GDN in_proj rank its slice of each of six unequal
-    blocks (the blocks' full sizes, a tuple)."""
-    return down_projection_rule(name) or sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]
+    blocks (the blocks' full sizes, a tuple; pieces of the full size are whole copies)."""
+    return down_projection_rule(name, config.mla) or sharding[re.sub(r"^layers\.\d+\.", "layers.*.", name)]

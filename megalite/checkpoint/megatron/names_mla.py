@@ -43,11 +43,15 @@ def mtp_candidates(name: str, layer_candidates) -> list[str] | None:
             for n in layer_candidates(rest)]
 
 
-def down_projection_rule(name: str) -> tuple[int, int] | None:
-    """How Megatron's per-rank `torch` files split an MLA down projection: over TP along its rows
-    (the local spec's ColumnParallelLinear; megalite replicates it, as Transformer Engine's
-    duplicated linear does)."""
-    return (0, 1) if name.endswith(_DOWN_PROJECTIONS) else None
+def down_projection_rule(name: str, mla: MLAConfig | None) -> tuple[int, tuple[int]] | None:
+    """How Megatron's per-rank `torch` files hold an MLA down projection: the local spec's
+    ColumnParallelLinear splits it over TP along its rows, Transformer Engine's duplicated linear
+    gives every rank the whole of it (megalite replicates it). The rule names the full row count
+    (one block, a tuple: torch_files.merge_tp), so that full-size pieces read as copies."""
+    if mla is None or not name.endswith(_DOWN_PROJECTIONS):
+        return None
+    rows = mla.q_lora_rank if name.endswith(_DOWN_PROJECTIONS[0]) else mla.kv_lora_rank + mla.qk_pos_emb_head_dim
+    return (0, (rows,))
 
 
 def _get(ns, name, default=None):

@@ -27,11 +27,20 @@ _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
 
 
+def is_whole_copy(shape, rule) -> bool:
+    """Whether a TP piece of this `shape` is the whole tensor (rule blocks given as full sizes:
+    Transformer Engine's duplicated MLA down projections, where the local spec splits them)."""
+    dim, blocks = rule
+    return isinstance(blocks, tuple) and shape[dim] == sum(blocks)
+
+
 def merge_tp(pieces: list[torch.Tensor], rule) -> torch.Tensor:
     """The full tensor of its TP `pieces` under `rule` ((dim, blocks), see names.tp_rule)."""
     if rule is None or len(pieces) == 1:
         return pieces[0]
     dim, blocks = rule
+    if is_whole_copy(pieces[0].shape, rule):
+        return pieces[0]
     if isinstance(blocks, tuple):  # unequal blocks (GDN's in_proj, conv1d): their full sizes
         split = [p.split([b // len(pieces) for b in blocks], dim=dim) for p in pieces]
     else:
@@ -213,7 +222,7 @@ class TorchFiles:
         if not isinstance(piece, torch.Tensor):
             return None
         shape = list(piece.shape)
-        if rule is not None:
+        if rule is not None and not is_whole_copy(shape, rule):
             shape[rule[0]] *= self.etp if self._is_expert(name) else self.tp
         return shape, piece.dtype
 
