@@ -38,6 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.kernels.gated_delta import chunk_gated_delta_rule, document_cu_seqlens, l2norm, recurrent_gated_delta_rule
 from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule
@@ -189,7 +190,8 @@ class GatedDeltaNet(nn.Module):
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
         cu_seqlens = None if starts is None else document_cu_seqlens(starts)
-        if kv_cache is None and self._chunk_rule(v.is_cuda) == "fla":  # fla repeats the key heads itself
+        on_cuda = v.is_cuda and not isinstance(v, FakeTensor)  # a dry run's fake CUDA runs (and counts) torch's
+        if kv_cache is None and self._chunk_rule(on_cuda) == "fla":  # fla repeats the key heads itself
             o = self._rows_end_to_end(lambda *t: fla_chunk_gated_delta_rule(
                 self.fla_rule, *t, chunk_size=gdn.chunk_size, cu_seqlens=cu_seqlens), q, k, v, g, beta, cu_seqlens)
         else:
