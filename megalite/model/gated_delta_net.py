@@ -38,10 +38,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from megalite.kernels.gated_delta import chunk_gated_delta_rule, document_cu_seqlens, l2norm, recurrent_gated_delta_rule
-from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule
+from megalite.kernels.gated_delta_fla import (choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule,
+                                               on_real_cuda)
 from megalite.model.norms import build_norm
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, local_positions
@@ -190,8 +190,7 @@ class GatedDeltaNet(nn.Module):
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
         cu_seqlens = None if starts is None else document_cu_seqlens(starts)
-        on_cuda = v.is_cuda and not isinstance(v, FakeTensor)  # a dry run's fake CUDA runs (and counts) torch's
-        if kv_cache is None and self._chunk_rule(on_cuda) == "fla":  # fla repeats the key heads itself
+        if kv_cache is None and self._chunk_rule(on_real_cuda(v)) == "fla":  # fla repeats the key heads itself
             o = self._rows_end_to_end(lambda *t: fla_chunk_gated_delta_rule(
                 self.fla_rule, *t, chunk_size=gdn.chunk_size, cu_seqlens=cu_seqlens), q, k, v, g, beta, cu_seqlens)
         else:
@@ -209,7 +208,9 @@ class GatedDeltaNet(nn.Module):
 
     def _chunk_rule(self, on_cuda: bool) -> str:
         """"fla" or "torch" for this training forward (choose_chunk_rule; fla imported once)."""
-        if on_cuda and not self.fla_looked_up:
+        if not on_cuda:
+            return "torch"
+        if not self.fla_looked_up:
             self.fla_rule, self.fla_looked_up = find_fla_chunk_rule(), True
         return choose_chunk_rule(on_cuda, self.gdn.chunk_size, self.fla_rule,
                                  torch.are_deterministic_algorithms_enabled())[0]

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.kernels import gated_delta_fla
-from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, run_chunk_rule_line
+from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, on_real_cuda, run_chunk_rule_line
 from megalite.model import gated_delta_net
 from megalite.model.config import GPTConfig
 from megalite.model.gated_delta_net import GatedDeltaNet
@@ -48,6 +47,12 @@ def test_fla_found_only_where_it_imports():
     assert find_fla_chunk_rule(missing) is None
     gdn = GDNConfig(linear_attention_freq=2)
     assert "not on CUDA" in run_chunk_rule_line(gdn, "cpu") and run_chunk_rule_line(None, "cpu") is None
+
+
+def test_a_dry_runs_fake_cuda_is_not_cuda_for_the_choice():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    fake_cuda = FakeTensor(FakeTensorMode(), torch.empty(2, 3, device="meta"), torch.device("cuda"))
+    assert fake_cuda.is_cuda and not on_real_cuda(fake_cuda) and not on_real_cuda(torch.ones(2))
 
 
 @pytest.fixture
@@ -102,9 +107,7 @@ def test_fla_mapping_equals_torch_path(standin_rule, monkeypatch, packed):
     mask = _document_mask([6, 17], 21)[None, None] if packed else None
     want = _output_and_grads(layer, x, mask)
     assert not calls
-    real_choice = gated_delta_fla.choose_chunk_rule
-    monkeypatch.setattr(gated_delta_net, "choose_chunk_rule",
-                        lambda on_cuda, *args: real_choice(True, *args))  # this CPU taken for CUDA
+    monkeypatch.setattr(gated_delta_net, "on_real_cuda", lambda t: True)  # this CPU taken for CUDA
     layer.fla_rule, layer.fla_looked_up = rule, True
     got = _output_and_grads(layer, x, mask)
     assert len(calls) == 1 and calls[0]["chunk_size"] == 16 and (calls[0]["cu_seqlens"] is not None) == packed
