@@ -107,7 +107,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 CARRIED=""
 for wheel in "${GPU_CHECK_WHEELS:-$REPO/tools/benchmarks/wheels}"/*.whl; do
   [ -e "$wheel" ] || continue
-  "$PY" -m zipfile -e "$wheel" "$SCRATCH/wheels" || { echo "gpu_check.sh: cannot unpack the wheel $wheel" >&2; exit 2; }
+  "$PY" -m zipfile -e "$wheel" "$SCRATCH/wheels" 2>/dev/null || { echo "gpu_check.sh: cannot unpack the wheel $wheel" >&2; exit 2; }
   CARRIED="$CARRIED $(basename "$wheel")"
 done
 if [ -n "$CARRIED" ]; then
