@@ -26,6 +26,10 @@ setup(
         "hf": ["transformers", "safetensors", "tokenizers"],
         "tokenizers": ["tokenizers", "tiktoken", "protobuf"],
         "plot": ["matplotlib"],
+        # Gated DeltaNet's chunked rule as flash-linear-attention's Triton kernels on CUDA
+        # (megalite/kernels/gated_delta_fla.py): fla-core requires einops only, torch and triton
+        # are its own extras, so it keeps the installed torch
+        "gdn": ["fla-core==0.6.0"],
         "quantize": ["torchao==0.18.0"],  # tools/generate.py --quantize int8|int4 (install with --no-deps: keeps your torch)
         "data": ["pyarrow", "zstandard"],  # Parquet and .zst inputs to tools/preprocess_data.py
         "gigatoken": ["gigatoken>=0.10.0"],  # faster tokenisation in preprocessing, ids checked at start-up

@@ -23,8 +23,8 @@ them) each start from a zero state (or their row of `initial_state`).
 Tensors are [batch, seq, heads, d] (q, k: dk; v: dv), g and beta [batch, seq, heads]; the
 arithmetic is fp32 and outputs come back in v's dtype (the state in fp32).
 
-flash-linear-attention's Triton kernels (fla-core) are not used: the package is not installed
-here, and its kernels need CUDA.
+On CUDA, where fla-core imports, Gated DeltaNet's training runs flash-linear-attention's Triton
+kernel instead (megalite.kernels.gated_delta_fla); this rule is the CPU path and the oracle.
 """
 
 import torch

@@ -27,6 +27,10 @@ convolution and the state at each document start, as Megatron does with packed s
 (under CP the document starts of the whole sequence are gathered from every rank's mask rows).
 Generation carries the convolution's last inputs and the state in a
 megalite.inference.kv_cache.LinearAttentionState.
+
+Training's chunked rule is flash-linear-attention's Triton kernel on CUDA where fla-core
+imports, else megalite's torch rule (megalite.kernels.gated_delta_fla.choose_chunk_rule);
+generation's token-by-token rule is always torch's.
 """
 
 import math
@@ -36,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.kernels.gated_delta import chunk_gated_delta_rule, document_cu_seqlens, l2norm, recurrent_gated_delta_rule
+from megalite.kernels.gated_delta_fla import (choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule,
+                                               on_real_cuda)
 from megalite.model.norms import build_norm
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, local_positions
@@ -113,6 +119,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(gdn.v_dim, config.hidden_size, tp_group=tp_group, bias=False,
                                           sequence_parallel=sp, init_std=config.output_proj_init_std,
                                           params_dtype=dtype, device=device)
+        self.fla_rule, self.fla_looked_up = None, False  # fla's chunk_gated_delta_rule, looked up on CUDA
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         """The full conv1d weight (nn.Conv1d's default: uniform within 1 / sqrt(kernel)), A_log
@@ -179,20 +186,41 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(b, s, self.key_heads, gdn.linear_key_head_dim))
         k = l2norm(k.reshape(b, s, self.key_heads, gdn.linear_key_head_dim))
         v = v.reshape(b, s, self.value_heads, gdn.linear_value_head_dim)
-        if self.value_heads != self.key_heads:
-            q = q.repeat_interleave(self.value_heads // self.key_heads, dim=2)
-            k = k.repeat_interleave(self.value_heads // self.key_heads, dim=2)
         a_log, dt_bias = (self._cp_slice(p, [p.shape[0]]) for p in (self.A_log, self.dt_bias))
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         beta = beta.sigmoid()
-        if kv_cache is not None:
-            o, kv_cache.recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=kv_cache.recurrent)
-        elif starts is not None:  # the rows laid end to end, a state reset at each document
-            flat = [t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            o, _ = chunk_gated_delta_rule(*flat, chunk_size=gdn.chunk_size, cu_seqlens=document_cu_seqlens(starts))
-            o = o.reshape(b, s, *o.shape[2:])
+        cu_seqlens = None if starts is None else document_cu_seqlens(starts)
+        if kv_cache is None and self._chunk_rule(on_real_cuda(v)) == "fla":  # fla repeats the key heads itself
+            o = self._rows_end_to_end(lambda *t: fla_chunk_gated_delta_rule(
+                self.fla_rule, *t, chunk_size=gdn.chunk_size, cu_seqlens=cu_seqlens), q, k, v, g, beta, cu_seqlens)
         else:
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=gdn.chunk_size)
+            if self.value_heads != self.key_heads:
+                q = q.repeat_interleave(self.value_heads // self.key_heads, dim=2)
+                k = k.repeat_interleave(self.value_heads // self.key_heads, dim=2)
+            if kv_cache is not None:
+                o, kv_cache.recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=kv_cache.recurrent)
+            else:
+                o = self._rows_end_to_end(lambda *t: chunk_gated_delta_rule(
+                    *t, chunk_size=gdn.chunk_size, cu_seqlens=cu_seqlens)[0], q, k, v, g, beta, cu_seqlens)
         normed = self.out_norm(o) * self.act(z.reshape(b, s, self.value_heads, -1).float())
         normed = normed.to(x.dtype).reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(channels_to_sequence(normed, (gdn.v_dim // self.tp,), self.cp_group))
+
+    def _chunk_rule(self, on_cuda: bool) -> str:
+        """"fla" or "torch" for this training forward (choose_chunk_rule; fla imported once)."""
+        if not on_cuda:
+            return "torch"
+        if not self.fla_looked_up:
+            self.fla_rule, self.fla_looked_up = find_fla_chunk_rule(), True
+        return choose_chunk_rule(on_cuda, self.gdn.chunk_size, self.fla_rule,
+                                 torch.are_deterministic_algorithms_enabled())[0]
+
+    @staticmethod
+    def _rows_end_to_end(rule, q, k, v, g, beta, cu_seqlens):
+        """rule(q, k, v, g, beta) -> o on the rows as they are, or (packed documents: cu_seqlens)
+        on the rows laid end to end, a state reset at each document."""
+        if cu_seqlens is None:
+            return rule(q, k, v, g, beta)
+        b, s = v.shape[:2]
+        o = rule(*(t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta)))
+        return o.reshape(b, s, *o.shape[2:])

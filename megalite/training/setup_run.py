@@ -14,6 +14,7 @@ from megalite.checkpoint.run_load import checkpoint_args_of, load_for_run, resum
 from megalite.config.megatron.checkpoint import apply_checkpoint_args
 from megalite.config.run_config import OptimizerConfig, ParallelConfig, RunConfig, run_config
 from megalite.data import build_data_iterator, build_gpt_datasets, megatron_num_samples
+from megalite.kernels.gated_delta_fla import run_chunk_rule_line
 from megalite.model.attention_kernels import run_start_up_line
 from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
@@ -157,7 +158,8 @@ def build_run(args) -> Run:
                                       masked=cfg.data.reset_attention_mask,
                                       deterministic=cfg.training.deterministic_mode,
                                       context_parallel=parallel.layout.context)
-        for note in checkpoint_notes + list(cfg.notes) + ([attention] if attention else []):
+        chunk_rule = run_chunk_rule_line(cfg.model.gdn, device)  # after apply_deterministic_mode
+        for note in checkpoint_notes + list(cfg.notes) + [line for line in (attention, chunk_rule) if line]:
             print(note, flush=True)
     tracker = seed_everything(cfg.training.seed, pstate.tp_rank, pstate.pp_rank, device)
     config = cfg.model

@@ -229,6 +229,8 @@ README = {
     # megalite/checkpoint/README.md: quantized generation
     'pip install -e ".[quantize]"': PIP,
     "pip install --no-deps torchao==0.18.0": PIP,
+    # megalite/kernels/README.md and megalite/model/README.md: Gated DeltaNet's fla-core kernels
+    'pip install -e ".[gdn]"': PIP,
     'python tools/generate.py --load checkpoints/llama --prompt "def fibonacci(n):" --max-new-tokens 64 '
     "--quantize int8":
         Elsewhere(("tests/generation/test_generate_cli.py::test_quantize_int8_equals_the_library_on_quantized_weights",),

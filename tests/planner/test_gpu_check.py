@@ -233,3 +233,23 @@ def test_the_fp8_step_is_summarised_by_its_lines(tmp_path):
             "1b: not measured (FP8 run did not finish) |") in text
     (tmp_path / "bench-fp8.json").unlink()
     assert "| bench-fp8 | ok | 120 (150) | no result file |" in report.table(tmp_path, "c", "g", "h200")
+
+
+def test_carried_wheels_are_unpacked_onto_the_path(tmp_path):
+    """A pure-Python wheel in $GPU_CHECK_WHEELS (fla-core's, on a machine without an index) is
+    unpacked and named on stderr (the steps' PYTHONPATH is not observed here); one that is no
+    wheel stops the script in one line."""
+    import zipfile
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried_probe-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("carried_probe/__init__.py", "X = 7\n")
+    done = run("--cpu-smoke", "--only", "tests", "--budget", "0", "--out", str(tmp_path / "t.md"),
+               env={"GPU_CHECK_WHEELS": str(wheels)})
+    assert done.returncode == 0, done.stderr
+    assert "carried wheels on PYTHONPATH: carried_probe-1.0-py3-none-any.whl" in done.stderr
+    (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+    done = run("--cpu-smoke", "--only", "tests", "--budget", "0", "--out", str(tmp_path / "t.md"),
+               env={"GPU_CHECK_WHEELS": str(wheels)})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"gpu_check.sh: cannot unpack the wheel {wheels / 'broken-1.0-py3-none-any.whl'}"]

@@ -45,6 +45,10 @@
 # bench_model gets what is left of --budget (480): --only model gives it the whole budget. With
 # --cpu-smoke the budget is 1200 and each step's 2-4 times the above.
 # Without a GPU it says so and exits 0. Runs from any directory; python is $PYTHON or python3.
+# Pure-Python wheels carried to a machine without a package index: each *.whl in $GPU_CHECK_WHEELS
+# (default tools/benchmarks/wheels/, git-ignored) is unpacked into a scratch folder put first on
+# every step's PYTHONPATH, e.g. fla-core 0.6.0 and its einops (pip download --no-deps there, where
+# an index is) for Gated DeltaNet's fla kernels (tests/kernels/test_gated_delta_fla_cuda.py).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -100,6 +104,16 @@ RATES="$(dirname "$LOGS")/kernel_rates.json"
 rm -rf "$LOGS" && mkdir -p "$LOGS" || exit 2
 SCRATCH="$(mktemp -d)"
 trap 'rm -rf "$SCRATCH"' EXIT
+CARRIED=""
+for wheel in "${GPU_CHECK_WHEELS:-$REPO/tools/benchmarks/wheels}"/*.whl; do
+  [ -e "$wheel" ] || continue
+  "$PY" -m zipfile -e "$wheel" "$SCRATCH/wheels" 2>/dev/null || { echo "gpu_check.sh: cannot unpack the wheel $wheel" >&2; exit 2; }
+  CARRIED="$CARRIED $(basename "$wheel")"
+done
+if [ -n "$CARRIED" ]; then
+  export PYTHONPATH="$SCRATCH/wheels:$PYTHONPATH"
+  echo "gpu_check: carried wheels on PYTHONPATH:$CARRIED" >&2
+fi
 START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 wants() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
