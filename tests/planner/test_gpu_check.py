@@ -5,6 +5,7 @@ traces: the kernel classes, the GPU's idle time, the kernel rates the planner re
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,7 @@ def test_cpu_smoke_runs_every_step_and_one_over_its_budget_is_reported(tmp_path)
         assert "ms/step" in row and "dry run n/a" not in row and "planner (h200) n/a" not in row, row
     fp8 = next(line for line in table.splitlines() if line.startswith("| bench-fp8 |"))
     assert "8b-layers: FP8 " in fp8 and "tokens/s" in fp8 and "loss after 3 steps" in fp8, fp8  # bench_fp8.py --cpu-smoke
-    assert "1 passed" in table and "skipped" in table  # the smoke selection: a kernel file, the TP cases' skips
+    assert re.search(r"\b\d+ passed", table) and "skipped" in table  # a kernel file, the TP skips
 
 
 def _kernel(name, ts, dur):
