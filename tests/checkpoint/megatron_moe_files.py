@@ -46,7 +46,10 @@ HF_FAMILIES = {  # Hugging Face family: (Megatron arguments, megalite config) un
                    "moe_router_pre_softmax": True, "add_qkv_bias": True},
                   dict(mtp_num_layers=None, add_qkv_bias=True, moe=dict(score_function="softmax", enable_expert_bias=False,
                                                      pre_softmax=True))),
-    # MLA (TP 1 here: Transformer Engine duplicates the down projections, the local spec splits them)
+    "qwen3_moe": ({**_NO_EXTRAS, "moe_layer_freq": 1, "qk_layernorm": True},
+                  dict(mtp_num_layers=None, qk_layernorm=True,
+                       moe=dict(score_function="softmax", enable_expert_bias=False, layer_freq=1,
+                                shared_expert_intermediate_size=None, shared_expert_gate=False))),
     "deepseek_v3": ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                      "moe_shared_expert_intermediate_size": MOE_FFN, "moe_shared_expert_gate": False,
                      "moe_router_topk_scaling_factor": 2.5, "multi_latent_attention": True, "qk_layernorm": True,

@@ -88,15 +88,15 @@ def test_a_missing_expert_file_is_named(tmp_path):
 
 
 HF_CASES = {"mixtral": (2, 2, 1, 4, "te_grouped", True), "qwen2_moe": (2, 2, 1, 4, "te_grouped", True),
-            "deepseek_v3": (1, 2, 1, 2, "sequential", False)}
+            "qwen3_moe": (2, 2, 2, 4, "legacy_grouped", False), "deepseek_v3": (2, 2, 1, 4, "sequential", False)}
 
 
 @pytest.mark.parametrize("family", list(HF_CASES))
 def test_convert_to_hugging_face_gives_megalites_logits(tmp_path, family):
     """convert.py --loader megatron --saver hf of an EP2 `torch` checkpoint (Mixtral's, Qwen2-MoE's
     at TP2 ETP1 with TEGroupedMLP names, Qwen2-MoE's with a gated shared expert and
-    --moe-layer-freq [0,1]; DeepSeek-V3's: MLA, sigmoid routing with the expert bias, a shared
-    expert, an MoE MTP depth): transformers' model gives the logits of megalite's model holding
+    --moe-layer-freq [0,1]; Qwen3-MoE's with qk-norm and legacy GroupedMLP experts at ETP2;
+    DeepSeek-V3's at TP2: MLA, sigmoid routing with the expert bias, a shared expert, an MoE MTP depth): transformers' model gives the logits of megalite's model holding
     the same tensors, within 1e-4."""
     transformers = pytest.importorskip("transformers")
     from megalite.convert.cli import main
