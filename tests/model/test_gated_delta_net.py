@@ -24,6 +24,17 @@ def hybrid_config(**changes):
     return GPTConfig(**values)
 
 
+def seeded_layer(config):
+    """A GatedDeltaNet of `config` with seeded N(0, 0.09) weights and decays in (0, 1), and the
+    generator, to draw the inputs from."""
+    layer = GatedDeltaNet(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        layer.A_log.copy_(torch.rand(layer.A_log.shape, generator=gen).log())
+    return layer, gen
+
 def test_layer_pattern_as_megatron():
     assert GDNConfig(linear_attention_freq=3).layer_pattern(6) == (1, 1, 0, 1, 1, 0)
     assert GDNConfig(linear_attention_freq=(0, 1, 1)).layer_pattern(3) == (0, 1, 1)
@@ -40,12 +51,7 @@ def test_layer_equals_transformers_qwen3_next():
     modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from transformers import Qwen3NextConfig
     config = hybrid_config()
-    layer = GatedDeltaNet(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        layer.A_log.copy_(torch.rand(4, generator=gen).log())
+    layer, gen = seeded_layer(config)
     hf_config = Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
                                 linear_key_head_dim=8, linear_value_head_dim=4, linear_conv_kernel_dim=4,
                                 hidden_act="silu", rms_norm_eps=config.norm_epsilon)

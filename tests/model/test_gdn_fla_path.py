@@ -13,8 +13,8 @@ import torch
 from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, on_real_cuda, run_chunk_rule_line
 from megalite.model import gated_delta_net
 from megalite.model.config import GPTConfig
-from megalite.model.gated_delta_net import GatedDeltaNet
 from megalite.model.gdn_config import GDNConfig
+from tests.model.test_gated_delta_net import seeded_layer
 
 FLA_STANDIN = str(Path(__file__).parents[1] / "checkpoint" / "fla_standin")
 
@@ -97,12 +97,7 @@ def test_fla_mapping_equals_torch_path(standin_rule, monkeypatch, packed):
                linear_num_value_heads=4, chunk_size=16)
     config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, normalization="RMSNorm",
                        activation="swiglu", add_bias_linear=False, gdn=gdn)
-    layer = GatedDeltaNet(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        layer.A_log.copy_(torch.rand(4, generator=gen).log())
+    layer, gen = seeded_layer(config)
     x = torch.randn(21, 2, 32, generator=gen)
     mask = _document_mask([6, 17], 21)[None, None] if packed else None
     want = _output_and_grads(layer, x, mask)
