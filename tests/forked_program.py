@@ -10,6 +10,7 @@ missing packages, interpreter teardown) is tested with real subprocesses:
 tests/training/launch.py's `fork=False`."""
 
 import atexit
+import multiprocessing
 import os
 import runpy
 import signal
@@ -33,6 +34,10 @@ def _exit_status(error: SystemExit) -> int:
 
 
 def _run_program(program, args, environ, cwd, stdout_path, stderr_path):
+    # a fork-server child inherits "forkserver" as its default start method; a fresh interpreter's is
+    # the platform's ("fork" on Linux): without this, every DataLoader worker or Pool of the program
+    # started a new fork server of its own (a fresh interpreter importing torch, ~10-30 s)
+    multiprocessing.set_start_method(None, force=True)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)

@@ -40,7 +40,7 @@ MODULE_SECONDS: dict[str, float] = {
     "optimizer/test_optimizer_state.py": 49, "parallel/tensor/test_deferred_wgrad.py": 48,
     "slurm/test_slurm_cluster.py": 47, "training/test_mla_driver.py": 46,
     "parallel/pipeline/test_pipeline_split_accounting.py": 44, "checkpoint/test_megatron_core_variants.py": 43,
-    "parallel/test_spawn.py": 43, "training/test_async_save_workers.py": 40, "kernels/test_activations.py": 40,
+    "parallel/test_spawn.py": 43, "kernels/test_activations.py": 40,
 }
 
 

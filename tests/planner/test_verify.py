@@ -12,6 +12,7 @@ from megalite.planner.search import plan
 from megalite.planner.verify import verify
 from megalite.planner.workload import from_flags
 from tests.planner.test_cli import MODEL
+from tests.training.launch import drop_flags
 
 
 def small_plan():
@@ -59,10 +60,15 @@ def test_cli_prints_only_confirmed_launch_lines(monkeypatch, capsys):
     assert numbers == [2, 3] and out.count("bash scripts/pretrain_gpt.sh") == 2
 
 
+# MODEL's global batch 32 gives each DP2 rank 16 micro-batches to dry-run on fake CUDA; 4 gives 2, as many
+# as PP2's 1F1B holds in flight at once: both stages still measured, in an eighth of the steps
+FOUR_SEQUENCES = drop_flags(MODEL, "--global-batch-size") + ["--global-batch-size", "4"]
+
+
 def test_verify_end_to_end_on_fake_cuda(capsys):
     assert main(["--cluster", "h100", "--num-gpus", "8", "--tp", "2", "--pp", "2", "--vp", "1",
                  "--micro-batch-size", "1", "--recompute", "none", "--sequence-parallel", "on",
-                 "--distributed-optimizer", "on", "--verify", "--finalists", "1"] + MODEL) == 0
+                 "--distributed-optimizer", "on", "--verify", "--finalists", "1"] + FOUR_SEQUENCES) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("TP2 PP2 DP2 mb1 SP DO ")]
     assert {row[6] for row in rows} == {"0", "1"}, out  # both pipeline stages measured
