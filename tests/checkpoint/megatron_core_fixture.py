@@ -200,9 +200,16 @@ def _save_torch(model, root: Path, family: str, te_names: bool) -> None:
                             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
                             "rng_tracker_states": {}}],
              "num_floating_point_operations_so_far": 0}
-    folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{tp:02d}_{pp:03d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(state, folder / "model_optim_rng.pt")
+    save_torch(state, root, f"mp_rank_{tp:02d}_{pp:03d}")
+
+
+def save_torch(state: dict | None, root: Path, rank_folder: str) -> None:
+    """Megatron's `torch` format: this rank's `state` as iter_N/<rank_folder>/model_optim_rng.pt
+    (None: this rank writes no file), then latest_checkpointed_iteration.txt (all ranks call it)."""
+    if state is not None:
+        folder = root / f"iter_{ITERATION:07d}" / rank_folder
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(state, folder / "model_optim_rng.pt")
     dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
@@ -216,14 +223,19 @@ def _te_name(key: str) -> str:
 
 
 def _save_torch_dist(model, root: Path, family: str) -> None:
+    args = megatron_args(family)
+    args.ckpt_format = "torch_dist"
+    save_torch_dist(model, root, args)
+
+
+def save_torch_dist(model, root: Path, args) -> None:
+    """Megatron's `torch_dist` format of `model` (every rank calls it) under `root`."""
     from megatron.core import dist_checkpointing
 
     folder = root / f"iter_{ITERATION:07d}"
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    args = megatron_args(family)
-    args.ckpt_format = "torch_dist"
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict(),
              "num_floating_point_operations_so_far": 0}
     dist_checkpointing.save(state, str(folder))

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.checkpoint import megatron_core_fixture as base
@@ -97,19 +96,15 @@ def _save_torch(model, root: Path) -> None:
 
     args = megatron_args()
     args.ckpt_format = "torch"
-    folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-                "model": model.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    base.save_torch({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                     "model": model.state_dict_for_save_checkpoint()},
+                    root, f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
 
 
 def write_gdn_checkpoints(rank: int, world: int, out: str):
     """Spawned worker (TP=2): build, compute, save in both formats; returns rank 0's sharded
     state dict keys of the GDN layer."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     sys.path.insert(0, FLA_STANDIN)
     base.cpu_shims()
@@ -118,17 +113,9 @@ def write_gdn_checkpoints(rank: int, world: int, out: str):
         model = build_model(seed=321)
         logits = base.tp_logits(model, TP)
         root = Path(out)
-        folder = root / "torch_dist" / f"iter_{ITERATION:07d}"
-        if rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        state = {"args": megatron_args(), "checkpoint_version": 3.0, "iteration": ITERATION,
-                 "model": model.sharded_state_dict(), "num_floating_point_operations_so_far": 0}
-        dist_checkpointing.save(state, str(folder))
-        dist.barrier()
+        base.save_torch_dist(model, root / "torch_dist", megatron_args())
         _save_torch(model, root / "torch")
         if rank == 0:
-            (root / "torch_dist" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
             torch.save(logits, root / "logits.pt")
         return sorted(model.state_dict().keys()) if rank == 0 else None
     finally:

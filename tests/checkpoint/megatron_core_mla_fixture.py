@@ -17,7 +17,6 @@ nothing is an instance of."""
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.checkpoint import megatron_core_fixture as base
@@ -122,18 +121,8 @@ def write_mla_checkpoint(rank: int, world: int, out: str):
         losses, mtp = _losses(model)
         model.eval()
         root = Path(out)
-        folder = root / "torch_dist" / f"iter_{ITERATION:07d}"
+        base.save_torch_dist(model, root / "torch_dist", megatron_args())
         if rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        from megatron.core import dist_checkpointing
-
-        state = {"args": megatron_args(), "checkpoint_version": 3.0, "iteration": ITERATION,
-                 "model": model.sharded_state_dict(), "num_floating_point_operations_so_far": 0}
-        dist_checkpointing.save(state, str(folder))
-        dist.barrier()
-        if rank == 0:
-            (root / "torch_dist" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
             torch.save({"losses": losses, "mtp": mtp}, root / "reference.pt")
         return sorted(model.state_dict().keys()) if rank == 0 else None
     finally:

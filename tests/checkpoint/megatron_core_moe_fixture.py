@@ -86,7 +86,7 @@ def build_model(kind: str, seed: int):
 def write_moe_checkpoints(rank: int, world: int, out: str):
     """Spawned worker (4 ranks: TP2 x DP2 for the dense part, EP2 x ETP1 x DP2 for experts):
     every kind built, run and saved."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     base.cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, expert_model_parallel_size=EP,
@@ -96,17 +96,9 @@ def write_moe_checkpoints(rank: int, world: int, out: str):
             model = build_model(kind, seed=2024)
             logits = base.tp_logits(model, TP)
             root = Path(out) / kind
-            folder = root / f"iter_{ITERATION:07d}"
-            if rank == 0:
-                folder.mkdir(parents=True, exist_ok=True)
-            dist.barrier()
-            state = {"args": megatron_args(kind), "checkpoint_version": 3.0, "iteration": ITERATION,
-                     "model": model.sharded_state_dict(), "num_floating_point_operations_so_far": 0}
-            dist_checkpointing.save(state, str(folder))
-            dist.barrier()
+            base.save_torch_dist(model, root, megatron_args(kind))
             _save_torch(model, Path(out) / f"{kind}_torch", kind)
             if rank == 0:
-                (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
                 torch.save(logits, root / "logits.pt")
                 torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                            root / "rank0_state.pt")
@@ -121,14 +113,11 @@ def _save_torch(model, root: Path, kind: str) -> None:
     expert-DP rank 0."""
     from megatron.core import parallel_state as ps
 
+    state = None
     if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
         args = megatron_args(kind)
         args.ckpt_format, args.world_size = "torch", dist.get_world_size()
-        folder = (root / f"iter_{ITERATION:07d}" / f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
-                  f"{ps.get_expert_model_parallel_rank():03d}")
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-                    "model": model.state_dict_for_save_checkpoint()}, folder / "model_optim_rng.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                 "model": model.state_dict_for_save_checkpoint()}
+    base.save_torch(state, root, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
+                                 f"{ps.get_expert_model_parallel_rank():03d}")
