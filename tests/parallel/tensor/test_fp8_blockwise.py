@@ -21,7 +21,7 @@ from megalite.parallel.tensor import fp8_blockwise
 from megalite.parallel.tensor.fp8_blockwise import (BlockwiseFp8Gemm, block_scales, blockwise_mm, quantize_1x128,
                                                     quantize_128x128)
 from megalite.parallel.tensor.fp8_scaling import Fp8Recipe
-from megalite.parallel.tensor.linear_function import tensor_parallel_linear
+from tests.parallel.tensor.test_fp8_gemm import _fp8_linear
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -90,10 +90,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def _blockwise_linear(recipe, x, w, b, dy):
-    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = tensor_parallel_linear(x, w, b, BlockwiseFp8Gemm(recipe, "column"))
-    y.backward(dy)
-    return y.detach(), x.grad, w.grad, b.grad
+    return _fp8_linear(recipe, x, w, b, dy, BlockwiseFp8Gemm(recipe, "column"))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

@@ -39,9 +39,10 @@ def _operands(seed=0):
     return x, w, b, dy
 
 
-def _fp8_linear(recipe, x, w, b, dy):
+def _fp8_linear(recipe, x, w, b, dy, gemm=None):
+    """Output and gradients of a column linear through `gemm` (default: tensorwise Fp8Gemm)."""
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = tensor_parallel_linear(x, w, b, Fp8Gemm(recipe, TensorwiseScaling(recipe), "column"))
+    y = tensor_parallel_linear(x, w, b, gemm or Fp8Gemm(recipe, TensorwiseScaling(recipe), "column"))
     y.backward(dy)
     return y.detach(), x.grad, w.grad, b.grad
 
