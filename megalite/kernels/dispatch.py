@@ -22,6 +22,12 @@ from megalite.kernels import speed_table
 IMPLS = ("auto", "triton", "torch")
 
 
+def on_real_cuda(t: torch.Tensor) -> bool:
+    """True for a CUDA tensor that is not fake (the dry run's fake CUDA runs no kernel, no copy
+    stream: it takes the CPU-side paths)."""
+    return t.is_cuda and not isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
 def triton_importable() -> bool:
     """True when `import triton` succeeds (after the first import, a sys.modules lookup)."""
     if "triton.language" in sys.modules:

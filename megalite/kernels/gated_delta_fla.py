@@ -19,16 +19,9 @@ k go in unrepeated.
 import importlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 FLA_CHUNK_SIZES = (16, 32, 64)
 INSTALL_HINT = "pip install fla-core==0.6.0 (with the installed torch) for flash-linear-attention's kernels"
-
-
-def on_real_cuda(t: torch.Tensor) -> bool:
-    """True for a CUDA tensor that is not fake: a dry run's fake CUDA runs (and its memory model
-    counts) the torch rule."""
-    return t.is_cuda and not isinstance(t, FakeTensor)
 
 
 def find_fla_chunk_rule(import_module=importlib.import_module):

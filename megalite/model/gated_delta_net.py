@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.kernels.gated_delta import chunk_gated_delta_rule, document_cu_seqlens, l2norm, recurrent_gated_delta_rule
-from megalite.kernels.gated_delta_fla import (choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule,
-                                               on_real_cuda)
+from megalite.kernels.dispatch import on_real_cuda
+from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, fla_chunk_gated_delta_rule
 from megalite.model.norms import build_norm
 from megalite.parallel import comm
 from megalite.parallel.context import gather_sequence, local_positions

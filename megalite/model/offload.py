@@ -26,6 +26,8 @@ import weakref
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from megalite.kernels.dispatch import on_real_cuda
+
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 """Megatron's --offload-modules names megalite's layers have (what each group covers: the
 model/README.md table)."""
@@ -33,10 +35,6 @@ model/README.md table)."""
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata  # the StorageImpl: shared by every view, fake tensors included
-
-
-def _is_real_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and not isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -151,7 +149,7 @@ class OffloadGroup:
         """Copy the recorded tensors to the host and drop the device copies (the module returned)."""
         if not self._slots:
             return
-        real_cuda = [s for s in self._slots if _is_real_cuda(s.device_tensor)]
+        real_cuda = [s for s in self._slots if on_real_cuda(s.device_tensor)]
         if real_cuda:
             d2h, _ = self.offloader.streams()
             d2h.wait_stream(torch.cuda.current_stream())
@@ -191,7 +189,7 @@ class OffloadGroup:
     def fetch(self, index: int) -> torch.Tensor:
         self.reload()
         t = self._slots[index].device_tensor
-        if self._reloaded is not None and _is_real_cuda(t):
+        if self._reloaded is not None and on_real_cuda(t):
             stream = torch.cuda.current_stream()
             stream.wait_event(self._reloaded)
             t.record_stream(stream)  # made on the side stream, freed after the compute stream's use

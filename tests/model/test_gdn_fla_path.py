@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, on_real_cuda, run_chunk_rule_line
+from megalite.kernels.dispatch import on_real_cuda
+from megalite.kernels.gated_delta_fla import choose_chunk_rule, find_fla_chunk_rule, run_chunk_rule_line
 from megalite.model import gated_delta_net
 from megalite.model.config import GPTConfig
 from megalite.model.gdn_config import GDNConfig

@@ -60,8 +60,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 class WeightCache:
     """A weight's FP8 cast (`data` = fp8(weight * scale)) and, once dgrad asked, its column-major
     copy; valid while the weight is `weight` (or an alias of it) at `version` and the scales at
-`scales_version`.
-    `recorded`: whether the weight's amax went into the delayed history (not when the cast was
+    `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not when the cast was
     made by an evaluation forward)."""
 
     weight: weakref.ref
