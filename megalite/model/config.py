@@ -155,6 +155,15 @@ class GPTConfig:
     (--fine-grained-activation-offloading with --offload-modules; megalite.model.offload)."""
     min_offloaded_tensor_size: int = 1024 * 1024
     """Saved tensors of fewer elements stay on the device (--min-offloaded-tensor-size)."""
+    activation_offload_fraction: float = 1.0
+    """Of each chunk's offload groups, the share (the first in forward order) that still offloads
+    after the warm-up step (--activation-offload-fraction; megalite.model.offload_plan)."""
+    delta_offload_bytes_across_pp_ranks: int = 0
+    """Pipeline rank r keeps r times this many bytes of its first groups on the device
+    (--delta-offload-bytes-across-pp-ranks)."""
+    offload_max_inflight: int | None = None
+    """Offloads of one name and chunk not yet joined by the compute stream, at most
+    (--fine-grained-offloading-max-inflight-offloads); None: no joins."""
     mtp_num_layers: int | None = None
     """Multi-token prediction depths after the last layer (--mtp-num-layers); None: none."""
     mtp_loss_scaling_factor: float = 0.1

@@ -21,6 +21,7 @@ from megalite.model.moe_router import TopKRouter
 from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.offload import ActivationOffloader
+from megalite.model.offload_plan import OffloadPlan
 from megalite.model.recompute import checkpointed, prepare_for_compile
 from megalite.model.rope import rotary_cos_sin_for
 from megalite.model.transformer import TransformerLayer
@@ -140,7 +141,9 @@ class GPTModel(nn.Module):
             if config.mtp_num_layers and self.embedding.position_embeddings is not None:
                 self.embedding.position_embeddings.weight.shared_embedding = True
         # --fine-grained-activation-offloading: one offloader per model chunk, shared by its layers
-        self.offloader = ActivationOffloader(config.offload_modules, config.min_offloaded_tensor_size)
+        self.offloader = ActivationOffloader(config.offload_modules, config.min_offloaded_tensor_size, OffloadPlan(
+            config.activation_offload_fraction, config.delta_offload_bytes_across_pp_ranks, pstate.pp_rank,
+            config.offload_max_inflight))
         for layer in (m for m in self.modules() if isinstance(m, TransformerLayer)):
             layer.share_offloader(self.offloader)
         self.init_seed, self.init_on_shard = init_seed, init_on_shard
@@ -251,7 +254,7 @@ class GPTModel(nn.Module):
         if rotary is not None and cp > 1:  # the rotations of this CP rank's tokens' positions
             held = local_positions(seq_len * cp, cp, self.pstate.cp_rank, x.device)
             rotary = tuple(t.index_select(0, held) for t in rotary)
-        x = self._run_layers(x, rotary, attention_mask)
+        x = self.offloader.end_forward(self._run_layers(x, rotary, attention_mask))
         if not self.post_process:
             return x
         if self.mtp is not None and labels is not None and torch.is_grad_enabled():

@@ -15,9 +15,9 @@ tensors are unpacked. A group no prefetch reached (the last of a micro-batch) is
 first unpacked. On a CPU device (and on the dry run's fake device) the copies are synchronous:
 an offload is a copy to CPU memory, and a fake device's bytes move to the fake CPU.
 
-Megatron keeps some groups on the GPU after a warm-up step measures them
-(--activation-offload-fraction, --delta-offload-bytes-across-pp-ranks and the last group of each
-name); megalite offloads every group of the named modules.
+Which groups offload after the first (warm-up) step is Megatron's policy: offload_plan.py (the
+last group of each name where its backward comes next, --activation-offload-fraction,
+--delta-offload-bytes-across-pp-ranks, --fine-grained-offloading-max-inflight-offloads).
 """
 
 import contextlib
@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from megalite.kernels.dispatch import on_real_cuda
+from megalite.model.offload_plan import OffloadPlan
 
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 """Megatron's --offload-modules names megalite's layers have (what each group covers: the
@@ -100,9 +101,10 @@ class OffloadGroup:
     """The tensors one call of a named submodule saves for backward (pack and unpack are its
     saved_tensors_hooks pair; a RecomputedOutput keeps its inputs through them too)."""
 
-    def __init__(self, offloader, name: str, x: torch.Tensor, previous, keep, outer_hooks):
+    def __init__(self, offloader, name: str, x: torch.Tensor, previous, keep, outer_hooks, chunk, record):
         # weak: a group lives while autograd holds its saved tensors, no longer
         self.offloader, self.name, self.previous = offloader, name, previous
+        self.chunk, self.record = chunk, record  # its offload_plan records
         self._kept = {_storage_key(t) for t in keep}
         self._outer_hooks = outer_hooks
         self._slots: list[_Slot] = []
@@ -147,8 +149,6 @@ class OffloadGroup:
 
     def commit(self) -> None:
         """Copy the recorded tensors to the host and drop the device copies (the module returned)."""
-        if not self._slots:
-            return
         real_cuda = [s for s in self._slots if on_real_cuda(s.device_tensor)]
         if real_cuda:
             d2h, _ = self.offloader.streams()
@@ -164,7 +164,9 @@ class OffloadGroup:
                 slot.host = _empty_like_layout(slot.device_tensor, "cpu")
                 slot.host.copy_(slot.device_tensor)
             self.offloader.count(self.name, slot.host)
+            self.record.bytes += slot.host.numel() * slot.host.element_size() if self.offloader.plan.warmup else 0
             slot.device_tensor = None
+        self.offloader.plan.joined(self.chunk, self.name, self._offloaded)
 
     def reload(self, prefetch: bool = False) -> None:
         """Start copying the group back to its device (on the side stream on CUDA)."""
@@ -212,18 +214,22 @@ class _NotOffloaded:
 
 
 class ActivationOffloader:
-    """The offloading state of one model chunk: the modules named, the side streams, the last
-    group of the micro-batch in flight (the next group's prefetch target), and the bytes and
-    tensors copied to the host per module name since it was made."""
+    """The offloading state of one model chunk: the modules named, the side streams, the chunk
+    record of the micro-batch in flight and its last offloaded group (the next group's prefetch
+    target), the rank's OffloadPlan (shared by its model chunks), and the bytes and tensors
+    copied to the host per module name since it was made."""
 
-    def __init__(self, modules=(), min_tensor_size: int = 1024 * 1024):
+    def __init__(self, modules=(), min_tensor_size: int = 1024 * 1024, plan: OffloadPlan | None = None):
         if unknown := sorted(set(modules) - set(OFFLOAD_MODULES)):
             raise ValueError(f"offload modules {unknown}: unknown (valid: {', '.join(OFFLOAD_MODULES)})")
         self.modules, self.min_tensor_size = frozenset(modules), min_tensor_size
+        self.plan = plan or OffloadPlan()
         self._streams = None
         self._previous = lambda: None  # a weak reference to the last group
+        self._chunk = self._chunk_started = None
         self.offloaded_bytes: dict[str, int] = {}
         self.offloaded_tensors: dict[str, int] = {}
+        self.offloaded_groups: dict[str, int] = {}
         self.reloads = {"prefetched": 0, "on_demand": 0}  # groups reloaded ahead of their backward, or at it
 
     def offloads(self, name: str) -> bool:
@@ -236,30 +242,68 @@ class ActivationOffloader:
         return self._streams
 
     def new_micro_batch(self) -> None:
-        """A micro-batch's forward starts: its first group prefetches nothing before it."""
+        """A micro-batch's forward starts: its first group prefetches nothing before it, and
+        its first group starts a new chunk of the plan."""
         self._previous = lambda: None
+        self._chunk_started = False
+
+    def end_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x, the micro-batch's output of this model chunk's layers: when its gradient comes, the
+        chunk's backward starts (the plan's order of backwards)."""
+        chunk = self._chunk if self._chunk_started else None
+        if chunk is not None and x.requires_grad:
+            x.register_hook(lambda grad: self.plan.backward_started(chunk))
+        return x
 
     def count(self, name: str, host: torch.Tensor) -> None:
         self.offloaded_bytes[name] = self.offloaded_bytes.get(name, 0) + host.numel() * host.element_size()
         self.offloaded_tensors[name] = self.offloaded_tensors.get(name, 0) + 1
 
+    def _start_group(self, name: str):
+        """The plan's chunk and group record of a group about to run, and whether it offloads."""
+        if not self._chunk_started:
+            self._chunk, self._chunk_started = self.plan.start_chunk(), True
+        if self._chunk is None:
+            return None, None, False
+        record, offload = self.plan.start_group(self._chunk, name)
+        return self._chunk, record, offload
+
     @contextlib.contextmanager
     def region(self, name: str, x: torch.Tensor, keep=()):
         """Run a named submodule on `region.input` (x) inside the block: with
         `name` offloaded and autograd recording, what the block saves for backward is offloaded when
-        it ends. `keep`: tensors (the module's weights, or tensors made from them) never offloaded."""
+        it ends (unless the plan keeps this group). `keep`: tensors (the module's weights, or tensors
+        made from them) never offloaded."""
         if name not in self.modules or not torch.is_grad_enabled():
+            yield _NotOffloaded(x)
+            return
+        chunk, record, offload = self._start_group(name)
+        if not offload:
             yield _NotOffloaded(x)
             return
         # saved_tensors_hooks do not nest (the innermost pair sees every tensor): the enclosing
         # pair, if any, is asked first
         outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        group = OffloadGroup(self, name, x, self._previous, keep, outer_hooks)
+        group = OffloadGroup(self, name, x, self._previous, keep, outer_hooks, chunk, record)
         self._previous = weakref.ref(group)
         with saved_tensors_hooks(group.pack, group.unpack):
             yield group
         group.input = None  # the group outlives the block (autograd holds it): not its input
         group.commit()
+        self.offloaded_groups[name] = self.offloaded_groups.get(name, 0) + 1
+
+
+def end_offload_step(models) -> None:
+    """A training step's forwards and backwards are done on these model chunks (one rank's):
+    their plan decides after the warm-up step (Megatron resets its offload manager there)."""
+    for plan in {id(m.offloader.plan): m.offloader.plan for m in models}.values():
+        plan.end_step()
+
+
+def share_offload_plan(models) -> None:
+    """One plan for a rank's model chunks (virtual stages): Megatron's is per process."""
+    for model in models[1:]:
+        model.offloader.plan = models[0].offloader.plan
 
 
 def parameters_of(*modules) -> list:

@@ -14,6 +14,7 @@ import torch
 
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, masked_mean_loss
+from megalite.model.offload import share_offload_plan
 from megalite.parallel.context.loss import cp_masked_mean
 from megalite.parallel.pipeline.executor import unwrap
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage, stage_layers
@@ -38,13 +39,15 @@ def build_model_chunks(config: GPTConfig, pstate: ParallelState, *,
     p, v, rank = pstate.pp_size, pstate.vp_size, pstate.pp_rank
     accounting = {"embedding_stage": embedding_stage, "loss_stage": loss_stage, "layout_counts": layout_counts}
     layers_per_virtual_stage(config.num_layers, p, v, num_layers_first, num_layers_last, **accounting)
-    return [GPTModel(config, pstate, rng_tracker=rng_tracker,
-                     layer_numbers=stage_layers(config.num_layers, p, rank, c, v,
-                                                num_layers_first, num_layers_last, **accounting),
-                     pre_process=(rank == 0 and c == 0),
-                     post_process=(rank == p - 1 and c == v - 1),
-                     init_seed=init_seed, device=device, init_on_shard=init_on_shard)
-            for c in range(v)]
+    models = [GPTModel(config, pstate, rng_tracker=rng_tracker,
+                       layer_numbers=stage_layers(config.num_layers, p, rank, c, v,
+                                                  num_layers_first, num_layers_last, **accounting),
+                       pre_process=(rank == 0 and c == 0),
+                       post_process=(rank == p - 1 and c == v - 1),
+                       init_seed=init_seed, device=device, init_on_shard=init_on_shard)
+              for c in range(v)]
+    share_offload_plan(models)  # --fine-grained-activation-offloading's policy spans the rank's chunks
+    return models
 
 
 def gpt_forward_step(chunk, batch: dict | None, hidden_states: torch.Tensor | None) -> torch.Tensor:

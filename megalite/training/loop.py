@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megalite.model.moe import reset_global_aux_loss_counts, set_loss_backward_scale, update_expert_bias
 from megalite.model.mtp import auxiliary_losses
+from megalite.model.offload import end_offload_step
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.checkpoint.dcp.checkpoint import save_checkpoint
 from megalite.checkpoint.dcp.rng_state import layout_record
@@ -237,6 +238,7 @@ class Trainer:
         with self.timers("forward-backward"):
             loss, factor = self.step_loss(executor, microbatches)
         self.forward_backward_seconds += time.perf_counter() - started
+        end_offload_step(run.models)  # --fine-grained-activation-offloading's warm-up step ends
         with self.timers("grads-sync"):
             finalize_model_grads(run.chunks, run.pstate)
             if factor is not None:

@@ -11,6 +11,7 @@ from megalite.model.config import GPTConfig
 from megalite.model.moe import reduce_logged_losses, update_expert_bias
 from megalite.model.moe_config import MoEConfig
 from megalite.model.mtp import reduce_mtp_losses
+from megalite.model.offload import end_offload_step
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.optimizer.mixed_precision import build_optimizer
 from megalite.parallel.data.ddp import DistributedDataParallel
@@ -74,6 +75,7 @@ def train(pstate: ParallelState, config: GPTConfig, steps: int = STEPS, dist_opt
     for step in range(steps):
         optimizer.zero_grad()
         out["losses"].append(train_step(chunks, pstate, batches_of(step), forward_step, executor, per_token))
+        end_offload_step(models)  # with offloading, steps 2 and 3 keep groups on the device (offload_plan.py)
         world = pstate.world_group
         out["mtp"].append(reduce_mtp_losses(models, MTP_DEPTHS, world))
         out["aux"].append(reduce_logged_losses(models, NUM_LAYERS + MTP_DEPTHS, world))

@@ -36,13 +36,17 @@ TWO = {
     # --fine-grained-activation-offloading of every module (the 1F1B and interleaved schedules
     # interleave micro-batches' offloads and reloads): the run without offloading's numbers
     "pp2-offload": dict(pp=2, model=dict(offload_modules=OFFLOAD_MODULES, min_offloaded_tensor_size=0)),
-    "pp2-interleaved-offload": dict(pp=2, vp=2, model=dict(offload_modules=OFFLOAD_MODULES,
-                                                           min_offloaded_tensor_size=0)),
+    # (steps 2 and 3 after the warm-up step keep groups: Megatron's last-group rule, half of each
+    # chunk's groups, and 4 KiB more on pipeline rank 1)
+    "pp2-interleaved-offload": dict(pp=2, vp=2, model=dict(offload_modules=OFFLOAD_MODULES, min_offloaded_tensor_size=0,
+                                                           activation_offload_fraction=0.5,
+                                                           delta_offload_bytes_across_pp_ranks=4096)),
     "tp2-sp-offload": dict(tp=2, sp=True, model=dict(recompute_granularity="selective",
                                                      recompute_modules=("mla_up_proj",), offload_modules=OFFLOAD_MODULES,
                                                      min_offloaded_tensor_size=0)),
 }
-NOT_IN_REFERENCE = ("offload_modules", "min_offloaded_tensor_size")  # the same numbers as without
+NOT_IN_REFERENCE = ("offload_modules", "min_offloaded_tensor_size", "activation_offload_fraction",
+                    "delta_offload_bytes_across_pp_ranks")  # the same numbers as without
 EIGHT = {"tp2-sp-cp2-pp2-ep2": dict(tp=2, sp=True, cp=2, pp=2, ep=2)}
 GRID = ("tp", "pp", "vp", "cp", "ep")
 STEPS = 3

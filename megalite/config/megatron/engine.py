@@ -62,6 +62,18 @@ class MegatronEngineArgs:
     min_offloaded_tensor_size: int = arg(
         1024 * 1024, "With --fine-grained-activation-offloading, saved tensors of fewer elements stay on the "
         "device (Megatron's default, 1M).")
+    activation_offload_fraction: float = arg(
+        1.0, "With --fine-grained-activation-offloading, after the first (warm-up) step only the first f of each "
+        "micro-batch's offload groups (forward order, a fraction of groups, not bytes) still offload, in [0, 1].")
+    delta_offload_bytes_across_pp_ranks: int = arg(
+        0, "With --fine-grained-activation-offloading, pipeline rank r keeps r times this many bytes of its first "
+        "offload groups on the device after the warm-up step.")
+    fine_grained_offloading_max_inflight_offloads: int | None = arg(
+        None, "With --fine-grained-activation-offloading, per module name and micro-batch, the compute stream "
+        "waits for the offloads beyond the newest N (0: after each); unset: no waits.")
+    delay_offload_until_cuda_graph: bool = arg(
+        False, "Megatron: issue the expert offloads after a Transformer Engine CUDA graph's replay. megalite has "
+        "no Transformer Engine CUDA graphs: refused.")
     outer_dp_sharding_strategy: str | None = arg(
         None, "Megatron-FSDP's hybrid sharding (HSDP): the outer data-parallel group's strategy, no_shard "
         "(Megatron's default) or optim. megalite has no HSDP, so only no_shard, which then changes nothing.",
@@ -97,6 +109,13 @@ def check_engine_args(args, fail) -> None:
              f"{', '.join(OFFLOAD_MODULES)})")
     if args.offload_modules:
         _check_offload_modules(args, fail)
+    if args.delay_offload_until_cuda_graph:
+        fail("--delay-offload-until-cuda-graph: defers the expert offloads to after a Transformer Engine CUDA "
+             "graph's replay, which needs Transformer Engine CUDA graphs (--cuda-graph-impl transformer_engine); "
+             "megalite has none")
+    if (args.fine_grained_offloading_max_inflight_offloads or 0) < 0:
+        fail("--fine-grained-offloading-max-inflight-offloads must not be negative, got "
+             f"{args.fine_grained_offloading_max_inflight_offloads}")
     if args.outer_dp_sharding_strategy == "optim":
         fail("--outer-dp-sharding-strategy optim: Megatron-FSDP's hybrid sharding (HSDP) is not implemented in "
              "megalite (only no_shard, which without HSDP changes nothing)")
@@ -121,6 +140,11 @@ def _check_offload_modules(args, fail) -> None:
              "recomputed, nothing inside it is kept to offload (as in Megatron)")
     if args.min_offloaded_tensor_size < 0:
         fail(f"--min-offloaded-tensor-size must not be negative, got {args.min_offloaded_tensor_size}")
+    if not 0 <= args.activation_offload_fraction <= 1:
+        fail(f"--activation-offload-fraction must lie in [0, 1], got {args.activation_offload_fraction}")
+    if args.delta_offload_bytes_across_pp_ranks < 0:
+        fail(f"--delta-offload-bytes-across-pp-ranks must not be negative, got "
+             f"{args.delta_offload_bytes_across_pp_ranks}")
     if args.recompute_granularity == "full":
         fail("--fine-grained-activation-offloading with --recompute-granularity full: whole layers are recomputed, "
              "nothing inside them is kept to offload")
@@ -136,19 +160,27 @@ def offload_model_fields(args) -> dict:
     """The GPTConfig fields of --fine-grained-activation-offloading."""
     if not args.fine_grained_activation_offloading:
         return {}
-    return dict(offload_modules=tuple(args.offload_modules), min_offloaded_tensor_size=args.min_offloaded_tensor_size)
+    return dict(offload_modules=tuple(args.offload_modules), min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+                activation_offload_fraction=args.activation_offload_fraction,
+                delta_offload_bytes_across_pp_ranks=args.delta_offload_bytes_across_pp_ranks,
+                offload_max_inflight=args.fine_grained_offloading_max_inflight_offloads)
 
 
 def _offload_notes(args) -> list[str]:
-    if not args.offload_modules and not args.fine_grained_activation_offloading:
-        return []
+    tuning = [(flag, value) for flag, value, default in (
+        ("--activation-offload-fraction", args.activation_offload_fraction, 1.0),
+        ("--delta-offload-bytes-across-pp-ranks", args.delta_offload_bytes_across_pp_ranks, 0),
+        ("--fine-grained-offloading-max-inflight-offloads", args.fine_grained_offloading_max_inflight_offloads, None))
+        if value != default]
     if not args.fine_grained_activation_offloading:
-        return [f"--offload-modules {' '.join(args.offload_modules)}: no effect without "
-                "--fine-grained-activation-offloading (as in Megatron)"]
+        given = ([f"--offload-modules {' '.join(args.offload_modules)}"] if args.offload_modules else []) + [
+            f"{flag} {value}" for flag, value in tuning]
+        return [f"{flag}: no effect without --fine-grained-activation-offloading (as in Megatron)" for flag in given]
     notes = [f"--fine-grained-activation-offloading: what {', '.join(args.offload_modules)} save for backward "
              f"(tensors of {args.min_offloaded_tensor_size} elements or more) is moved to CPU memory after their "
-             "forward and back before their backward; every group is offloaded (Megatron keeps the last ones of "
-             "each name on the GPU after a warm-up step)"]
+             "forward and back before their backward; after the first (warm-up) step the last group of each name "
+             "stays on the device where its backward comes next, as in Megatron"
+             + "".join(f", {flag} {value}" for flag, value in tuning)]
     if "core_attn" in args.offload_modules and args.recompute_granularity == "selective" \
             and "core_attn" in (args.recompute_modules or ["core_attn"]):
         notes.append("--offload-modules core_attn: core attention is recomputed (--recompute-modules core_attn), "
