@@ -25,6 +25,7 @@ from megalite.model.fp8 import enable_fp8_chunks
 from megalite.model.meta_init import materialize_
 from megalite.model.pipeline_chunks import build_model_chunks, gpt_forward_step
 from megalite.model.moe import moe_layers
+from megalite.model.offload import end_offload_step
 from megalite.parallel.context import local_positions
 from megalite.parallel.data.ddp import DistributedDataParallel, finalize_model_grads
 from megalite.parallel.data.fsdp import FSDPChunk
@@ -212,6 +213,11 @@ def run_rank(args, vocab_size: int, rank: int, world_size: int, device: torch.de
                 sequence_parallel=config.sequence_parallel, dtype=compute_dtype(args), device=device,
                 forward_step=gpt_forward_step, microbatch_group_size=interleaved_group_size(args),
                 eager_sends=None if real else device.type == "cpu")  # a CPU run's gloo posts eagerly
+            if config.offload_modules:  # the offload plan's warm-up step: the measured step keeps what Megatron's does
+                executor.loss_scale = optimizer.loss_scale
+                executor.run(_microbatches(args, device, args.num_micro_batches, config.vocab_size, pstate))
+                end_offload_step(models)
+                optimizer.zero_grad()
             # NCCL reports a send complete once the peer has received it; gloo only when waited on
             # (p2p.py), so a CPU run holds its sends to the step's end, as the fake works do
             if executor.p2p is not None and not real and device.type != "cpu":
