@@ -133,3 +133,30 @@ def test_pipeline_first_stage_keeps_only_the_first_micro_batchs_last_groups():
     names = ("core_attn", "attn_proj", "core_attn", "attn_proj")
     assert plan_on_schedule(2, 0, 3, names) == [["core_attn", "attn_proj"], list(names), list(names)]
     assert plan_on_schedule(2, 1, 3, names) == [["core_attn", "attn_proj"]] * 3
+
+
+def test_the_training_loop_ends_the_warm_up_step(monkeypatch):
+    """From the command line through the training loop (one CPU process, 2 layers, 2 micro-batches
+    a step, core_attn and attn_proj offloaded at --activation-offload-fraction 0.5): the warm-up step
+    offloads all 8 groups; the next, micro-batch 0 keeps the second layer's two (the margin) and
+    int(2 x 0.5) = 1 of the first layer's, micro-batch 1 int(4 x 0.5) = 2, the second layer's."""
+    from megalite.config.arguments import parse_args
+    from megalite.parallel.state import ParallelState
+    from megalite.training import setup_run
+    from megalite.training.loop import Trainer
+    from tests.training.launch import BASE, drop_flags
+
+    monkeypatch.setattr(setup_run, "init_distributed", lambda parallel: (ParallelState.single(), torch.device("cpu")))
+    extra = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--seq-length", "16",
+             "--global-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+             "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+             "--min-offloaded-tensor-size", "0", "--activation-offload-fraction", "0.5"]
+    run = setup_run.build_run(parse_args(drop_flags(BASE, *extra) + extra))
+    trainer = Trainer(run)
+    iterator = setup_run.data_iterator(run, trainer.train_ds, 0)
+    offloader = run.models[0].offloader
+    trainer.train_step(iterator)
+    assert offloader.offloaded_groups == {"core_attn": 4, "attn_proj": 4} and not offloader.plan.warmup
+    trainer.train_step(iterator)
+    assert offloader.offloaded_groups == {"core_attn": 4 + 2, "attn_proj": 4 + 1}
+    trainer.close()
