@@ -29,10 +29,11 @@ import torch
 class GroupRecord:
     """One group of the warm-up step: its module name, the bytes it copied, whether it offloads."""
 
-    __slots__ = ("name", "bytes", "offload")
+    __slots__ = ("name", "bytes", "offload", "last_of_name")
 
     def __init__(self, name: str):
         self.name, self.bytes, self.offload = name, 0, True
+        self.last_of_name = False  # the chunk's last group of this name (set after the warm-up)
 
 
 class ChunkRecord:
@@ -41,15 +42,9 @@ class ChunkRecord:
     def __init__(self, index: int):
         self.index = index
         self.groups: list[GroupRecord] = []
+        self.names: frozenset = frozenset()  # of its groups (set after the warm-up)
         self.next_group = 0  # groups started in this step's forward
         self.inflight: dict[str, deque] = {}  # name -> offloads not yet joined (their events)
-
-    def is_last_of_name(self, position: int) -> bool:
-        name = self.groups[position].name
-        return all(g.name != name for g in self.groups[position + 1:])
-
-    def has(self, name: str) -> bool:
-        return any(g.name == name for g in self.groups)
 
 
 class OffloadPlan:
@@ -93,21 +88,17 @@ class OffloadPlan:
         record = chunk.groups[position]
         if not record.offload:
             return record, False
-        return record, not (chunk.is_last_of_name(position) and self._backward_is_next(chunk, name))
+        return record, not (record.last_of_name and self._backward_is_next(chunk, name))
 
     def _backward_is_next(self, chunk: ChunkRecord, name: str) -> bool:
         """Whether every chunk holding a group `name` whose backward comes before this one's has
         started its backward (Megatron's front_backward_chunk(name) is this chunk)."""
-        for index in self._backward_order():
+        for index in self.backward_order:
             if index == chunk.index:
                 return True
-            if index not in self._backwards_started and self.chunks[index].has(name):
+            if index not in self._backwards_started and name in self.chunks[index].names:
                 return False
         return False
-
-    def _backward_order(self) -> list[int]:
-        unseen = [c.index for c in self.chunks if c.index not in self.backward_order]
-        return self.backward_order + unseen
 
     def joined(self, chunk: ChunkRecord, name: str, event) -> None:
         """An offload of `name` was issued (`event`: its copy's CUDA event, None when synchronous):
@@ -134,7 +125,15 @@ class OffloadPlan:
             chunk.inflight.clear()
 
     def _decide(self) -> None:
-        order = [self.chunks[i] for i in self._backward_order()]
+        seen = set(self.backward_order)  # then any chunk whose backward did not start, in forward order
+        self.backward_order += [c.index for c in self.chunks if c.index not in seen]
+        order = [self.chunks[i] for i in self.backward_order]
+        for chunk in self.chunks:
+            chunk.names = frozenset(g.name for g in chunk.groups)
+            later: set[str] = set()
+            for group in reversed(chunk.groups):
+                group.last_of_name = group.name not in later
+                later.add(group.name)
         margin = max(len({g.name for g in c.groups}) for c in self.chunks)
         last_of_name: dict[str, GroupRecord] = {}
         for chunk in reversed(order):  # ends with the first backward chunk's last group of each name
@@ -152,7 +151,3 @@ class OffloadPlan:
             kept = int(len(eligible) * (1 - self.fraction))  # Megatron's expression, rounding included
             for group in eligible[len(eligible) - kept:]:
                 group.offload = False
-
-    def offloaded_groups(self) -> list[list[str]]:
-        """Per chunk (forward order), the names of the groups offloaded after the warm-up."""
-        return [[g.name for g in c.groups if g.offload] for c in self.chunks]
