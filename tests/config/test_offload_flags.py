@@ -76,7 +76,8 @@ def test_start_up_lines():
                               "(tensors of 1048576 elements or more) is moved to CPU memory")
     assert said[1].startswith("--offload-modules core_attn: core attention is recomputed")
     assert len(lines(ON + "core_attn")) == 1
-    assert lines(ON + "core_attn --activation-offload-fraction 0.5 --delta-offload-bytes-across-pp-ranks 8")[0].endswith(
+    tuned = lines(ON + "core_attn --activation-offload-fraction 0.5 --delta-offload-bytes-across-pp-ranks 8")
+    assert tuned[0].endswith(
         "stays on the device where its backward comes next, as in Megatron, --activation-offload-fraction 0.5, "
         "--delta-offload-bytes-across-pp-ranks 8")
     assert lines("--activation-offload-fraction 0.5 --fine-grained-offloading-max-inflight-offloads 1") == [
