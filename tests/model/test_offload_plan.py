@@ -104,35 +104,53 @@ def test_max_inflight_offloads_joins(cap, want):
     assert (steps[0][3], steps[1][3]) == (want or ({}, {}))
 
 
-def plan_on_schedule(pp_size, rank, microbatches, names):
-    """An OffloadPlan run through a rank's 1F1B actions for two steps: per chunk, the groups
-    offloaded in the second step."""
+def plan_on_schedule(schedule, pp_size, rank, microbatches, names, chunks=1):
+    """An OffloadPlan run through a rank's schedule actions for two steps: per forward (this
+    rank's order), the groups offloaded in the second step."""
     plan = OffloadPlan(pp_rank=rank)
-    actions = [a for a in schedule_actions("1f1b", pp_size, rank, microbatches) if not a.is_comm]
+    actions = [a for a in schedule_actions(schedule, pp_size, rank, microbatches, chunks) if not a.is_comm]
     offloaded = []
     for _ in range(2):
-        chunks, offloaded = {}, [[] for _ in range(microbatches)]
+        records, offloaded = {}, []
         for action in actions:
+            key = (action.chunk, action.microbatch)
             if action.kind != F:
-                plan.backward_started(chunks[action.microbatch])
+                plan.backward_started(records[key])
                 continue
-            chunk = chunks[action.microbatch] = plan.start_chunk()
+            records[key] = plan.start_chunk()
+            offloaded.append([])
             for name in names:
-                record, offload = plan.start_group(chunk, name)
+                record, offload = plan.start_group(records[key], name)
                 record.bytes += 8 if plan.warmup else 0
                 if offload:
-                    offloaded[action.microbatch].append(name)
+                    offloaded[-1].append(name)
         plan.end_step()
     return offloaded
+
+
+NAMES = ("core_attn", "attn_proj", "core_attn", "attn_proj")
+FIRST = ["core_attn", "attn_proj"]  # a chunk keeping its last group of each name
 
 
 def test_pipeline_first_stage_keeps_only_the_first_micro_batchs_last_groups():
     """1F1B at p = 2, 3 micro-batches: on rank 0 micro-batch k's forward runs before micro-batch
     k-1's backward, so only micro-batch 0 (whose backward runs first) keeps its last groups; on the
     last rank each micro-batch's backward follows its forward, so every one keeps them."""
-    names = ("core_attn", "attn_proj", "core_attn", "attn_proj")
-    assert plan_on_schedule(2, 0, 3, names) == [["core_attn", "attn_proj"], list(names), list(names)]
-    assert plan_on_schedule(2, 1, 3, names) == [["core_attn", "attn_proj"]] * 3
+    assert plan_on_schedule("1f1b", 2, 0, 3, NAMES) == [FIRST, list(NAMES), list(NAMES)]
+    assert plan_on_schedule("1f1b", 2, 1, 3, NAMES) == [FIRST] * 3
+
+
+def test_interleaved_keeps_the_last_groups_where_the_backward_comes_next():
+    """Interleaved 1F1B, p = 2, two virtual stages, 4 micro-batches (forwards (mb, chunk): (0,0)
+    (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1); backwards start with chunk 1's (0,1) (1,1), then (0,0)
+    (1,0), ...). Rank 0: only (0,1), whose backward runs first, keeps its last groups (its four
+    warm-up forwards run before any backward; later forwards run ahead of the backwards before them).
+    Rank 1 (the model's last stage on chunk 1): each chunk-1 forward's backward follows it at once."""
+    everything = list(NAMES)
+    assert plan_on_schedule("interleaved_1f1b", 2, 0, 4, NAMES, chunks=2) == [
+        everything, everything, FIRST, everything, everything, everything, everything, everything]
+    assert plan_on_schedule("interleaved_1f1b", 2, 1, 4, NAMES, chunks=2) == [
+        everything, everything, FIRST, FIRST, everything, everything, FIRST, FIRST]
 
 
 def test_the_training_loop_ends_the_warm_up_step(monkeypatch):
