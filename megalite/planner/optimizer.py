@@ -46,6 +46,14 @@ class OptimizerSpec:
         if self.kind not in KINDS:
             raise ValueError(f"--optimizer {self.kind!r}: the planner models {', '.join(KINDS)}")
 
+    def describe(self) -> str:
+        if self.kind == "sgd":
+            return f"sgd (momentum {self.sgd_momentum:g})"
+        if self.kind == "muon":
+            return (f"muon ({self.ns_steps} Newton-Schulz steps in {'bf16' if self.ns_bf16 else 'fp32'}, "
+                    f"{self.tp_mode} TP, scalar {self.scalar})")
+        return self.kind
+
     def moment_bytes(self, matrix: bool) -> int:
         """fp32 state bytes per element of a parameter (`matrix`: a Muon weight under muon)."""
         if self.kind == "adam":
