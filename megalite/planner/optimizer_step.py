@@ -12,7 +12,9 @@ Elementwise bytes per updated element (read + written, fp32), as megalite runs e
 - a Muon weight: decay 8, momentum lerp_ 12 (Nesterov's lerp 12 more), the scale's two
   multiplications 16 and the update 12 on the elements the rank updates; on each matrix the
   rank orthogonalises: the Frobenius normalisation 12, the casts to bf16 and back (medium) 12,
-  and with split-qkv the q, k, v copies and their concatenation 16.
+  and with split-qkv the q, k, v copies and their concatenation 16; duplicated TP's
+  concatenation of the gathered shards 8; under the distributed optimizer the zeroed sum buffer
+  4 and the scale 16 on the whole matrix (FSDP2: the scale).
 Every kind adds the gradient norm (4) and clipping (8) per updated element.
 
 Newton-Schulz (muon.newton_schulz): an [r, c] update is transposed to X [m, n], m = min(r, c);
@@ -119,7 +121,9 @@ def newton_schulz_seconds(cluster: Cluster, workload: Workload, layout: Layout, 
             compute += matrix.count * 16 * local / rate
         if matrix.partition_dim is not None and layout.tp > 1 and spec.tp_mode == "duplicated":
             comm += matrix.count * cluster.collective_time("all_gather", 4 * local * layout.tp, groups["tp"])
-        if dp_sum:
+            compute += matrix.count * 8 * local * layout.tp / rate  # the shards' concatenation
+        if dp_sum:  # the scale's two multiplications on the whole matrix (and the zeroed sum buffer)
+            compute += matrix.count * (16 + 4 * layout.distributed_optimizer) * local / rate
             group = groups["edp"] if matrix.expert else groups["dp_cp"]
             comm += matrix.count * cluster.collective_time("all_gather" if layout.fsdp2 else "all_reduce",
                                                            4 * local, group)
