@@ -78,6 +78,8 @@ def spec_from_args(args) -> OptimizerSpec:
     def fail(message):
         raise ValueError(message)
     check_muon_args(args, fail)
+    if args.apply_wd_to_qk_layernorm and args.optimizer == "muon":
+        raise ValueError("--apply-wd-to-qk-layernorm with --optimizer muon is not implemented in megalite")
     if getattr(args, "use_mup", False) and args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--use-mup with --optimizer {args.optimizer} is refused by megalite (adam or sgd only)")
     return OptimizerSpec(args.optimizer, args.weight_decay, args.sgd_momentum, args.muon_scalar_optimizer,

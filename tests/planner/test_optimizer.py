@@ -22,7 +22,7 @@ from megalite.parallel.expert.groups import ExpertState
 from megalite.parallel.state import ParallelLayout, ParallelState
 from megalite.planner.cli import main
 from megalite.planner.cluster import preset
-from megalite.planner.layouts import Layout
+from megalite.planner.layouts import Layout, Space, enumerate_layouts
 from megalite.planner.memory import rank_memory
 from megalite.planner.optimizer import rank_matrices
 from megalite.planner.optimizer_step import newton_schulz_flops, newton_schulz_seconds, optimizer_step_seconds
@@ -172,9 +172,24 @@ def test_newton_schulz_flops_equal_torchs_count_of_megalites_muon(shape, qkv):
     (["--optimizer", "adaptive_muon"], "--optimizer adaptive_muon is not implemented in megalite"),
     (["--optimizer", "dist_muon"], "--optimizer dist_muon is Megatron's deprecated"),
     (["--optimizer", "muon", "--fp16"], "--optimizer muon with --fp16 is not supported"),
+    (["--optimizer", "muon", "--decoupled-lr", "1e-3"], "--optimizer muon with --decoupled-lr is not implemented"),
+    (["--optimizer", "muon", "--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm with --optimizer muon"),
 ])
 def test_optimizers_megalite_refuses_are_refused_in_one_line(flags, message, capsys):
     model = [f for f in MODEL if f != "--bf16"] if "--fp16" in flags else MODEL
     assert main(["--cluster", "h100", "--num-gpus", "2", "--"] + model + flags) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_every_muon_layout_is_one_pretrain_gpt_accepts():
+    """Muon with the distributed optimizer, FSDP2, TP, PP and their flags: every layout the planner
+    proposes for --optimizer muon passes pretrain_gpt's validation."""
+    work = from_flags(MODEL + ["--optimizer", "muon"])
+    layouts = list(enumerate_layouts(work, 4, Space()))
+    assert {(lay.distributed_optimizer, lay.fsdp2) for lay in layouts} == {(False, False), (True, False), (False, True)}
+    for lay in layouts:
+        args = parse_args(work.model_flags + ["--seq-length", "32", "--global-batch-size", "4", "--mock-data", "--lr",
+                                              "1e-4", "--train-iters", "1"] + lay.flags())
+        validate_args(args, 4)
+        assert args.optimizer == "muon" and args.use_distributed_optimizer == lay.distributed_optimizer, lay
