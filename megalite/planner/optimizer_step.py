@@ -15,7 +15,9 @@ Elementwise bytes per updated element (read + written, fp32), as megalite runs e
   and with split-qkv the q, k, v copies and their concatenation 16; duplicated TP's
   concatenation of the gathered shards 8; under the distributed optimizer the zeroed sum buffer
   4 and the scale 16 on the whole matrix (FSDP2: the scale).
-Every kind adds the gradient norm (4) and clipping (8) per updated element.
+Every kind adds the gradient norm (4) and clipping (8) per updated element on a GPU; on a CPU
+the updates are timed by --calibrate's AdamW bytes (cluster.optimizer_bytes_per_parameter) times
+their bytes over Adam's 28.
 
 Newton-Schulz (muon.newton_schulz): an [r, c] update is transposed to X [m, n], m = min(r, c);
 each of --muon-num-ns-steps steps is A = X Xᵀ (2m²n FLOPs), B = bA + cA·A (2m³) and
@@ -155,9 +157,8 @@ def optimizer_step_seconds(cluster: Cluster, workload: Workload, layout: Layout,
         elementwise = (NORM_AND_CLIP_BYTES * updated + update) / rates.rate("optimizer")
         return elementwise + (copies + 4 * (dense + expert)) / rates.rate("torch") + sum(ns) + norm
     grad = 2 if workload.precision == "fp16" else 4
-    # cluster.optimizer_bytes_per_parameter is AdamW's (measured by --calibrate on a CPU): the
-    # other optimizers' updates in proportion to their bytes
-    per_byte = cluster.optimizer_bytes_per_parameter / (ADAM_BYTES + NORM_AND_CLIP_BYTES)
-    moved = (NORM_AND_CLIP_BYTES * updated + update) * per_byte + 2 * (dense + expert) * grad
+    # cluster.optimizer_bytes_per_parameter is AdamW's step (measured by --calibrate on a CPU,
+    # where foreach AdamW makes several passes): the other updates in proportion to their bytes
+    moved = update * cluster.optimizer_bytes_per_parameter / ADAM_BYTES + 2 * (dense + expert) * grad
     # about 20 operators: foreach AdamW's, the norm's, zeroing the buffers (host overhead on a CPU)
     return moved / cluster.memory_bandwidth + norm + 20 * cluster.op_overhead + sum(ns)
