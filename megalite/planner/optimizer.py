@@ -80,7 +80,7 @@ def spec_from_args(args) -> OptimizerSpec:
     check_muon_args(args, fail)
     if args.apply_wd_to_qk_layernorm and args.optimizer == "muon":
         raise ValueError("--apply-wd-to-qk-layernorm with --optimizer muon is not implemented in megalite")
-    if getattr(args, "use_mup", False) and args.optimizer not in ("adam", "sgd"):
+    if args.use_mup and args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--use-mup with --optimizer {args.optimizer} is refused by megalite (adam or sgd only)")
     return OptimizerSpec(args.optimizer, args.weight_decay, args.sgd_momentum, args.muon_scalar_optimizer,
                          args.muon_num_ns_steps, args.muon_tp_mode, args.muon_split_qkv is not False,
@@ -161,10 +161,7 @@ def optimizer_state_bytes(workload, layout, rank: int, dense: int, expert: int) 
     """Optimizer bytes (fp32 main parameters and copies, the optimizer's states) of pipeline rank
     `rank` holding `dense` and `expert` parameters under `layout` (see the module)."""
     spec = workload.optimizer
-    if layout.fsdp2:
-        copies = 0
-    else:
-        copies = {"bf16": 4, "fp16": 8, "fp32": 0}[workload.precision]
+    copies = 0 if layout.fsdp2 else {"bf16": 4, "fp16": 8, "fp32": 0}[workload.precision]
     sharded = layout.distributed_optimizer or layout.fsdp2
     shards = layout.dp * layout.cp if sharded else 1
     expert_shards = max(1, shards // layout.ep) if sharded else 1

@@ -174,6 +174,7 @@ def test_newton_schulz_flops_equal_torchs_count_of_megalites_muon(shape, qkv):
     (["--optimizer", "muon", "--fp16"], "--optimizer muon with --fp16 is not supported"),
     (["--optimizer", "muon", "--decoupled-lr", "1e-3"], "--optimizer muon with --decoupled-lr is not implemented"),
     (["--optimizer", "muon", "--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm with --optimizer muon"),
+    (["--optimizer", "muon", "--use-mup"], "--use-mup with --optimizer muon is refused by megalite"),
 ])
 def test_optimizers_megalite_refuses_are_refused_in_one_line(flags, message, capsys):
     model = [f for f in MODEL if f != "--bf16"] if "--fp16" in flags else MODEL
