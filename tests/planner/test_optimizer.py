@@ -138,8 +138,9 @@ def hand_count(t: int, mode: str, split: bool) -> int:
     return 4 * layer + x(h, 128)
 
 
-@pytest.mark.parametrize("t, mode, split", [(1, "duplicated", True), (1, "duplicated", False), (2, "duplicated", True),
-                                            (2, "blockwise", True), (2, "distributed", True), (2, "distributed", False)])
+@pytest.mark.parametrize("t, mode, split", [
+    (1, "duplicated", True), (1, "duplicated", False), (2, "duplicated", True), (2, "blockwise", True),
+    (2, "distributed", True), (2, "distributed", False)])
 def test_newton_schulz_flops_equal_a_hand_count(t, mode, split):
     flags = ("--tokenizer-type NullTokenizer --vocab-size 999 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
              "--seq-length 128 --global-batch-size 4 --bf16 --optimizer muon --muon-num-ns-steps 3 --muon-tp-mode "
