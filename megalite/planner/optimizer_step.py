@@ -64,32 +64,28 @@ def update_bytes(spec, matrix: bool) -> int:
 
 
 def ns_parts(matrix: Matrix, spec, tp: int) -> list:
-    """[(rows, cols, Gram all-reduced over TP)] of the matrices one rank orthogonalises for one
-    Muon weight (one of its `count`), per the TP mode and split-qkv."""
+    """[(m, n, Gram all-reduced over TP)]: the X [m, n] (m its Gram side) one rank iterates on for
+    one Muon weight (one of its `count`), per the TP mode and split-qkv."""
     parts = [(matrix.rows, matrix.cols)]
     if spec.split_qkv and matrix.qkv_split:
         groups = matrix.rows // sum(matrix.qkv_split)
         parts = [(groups * rows, matrix.cols) for rows in matrix.qkv_split]
     split = matrix.partition_dim is not None and tp > 1 and spec.tp_mode != "blockwise"
-    if not split:
-        return [(r, c, False) for r, c in parts]
-    if spec.tp_mode == "duplicated":
-        return [(r * tp, c, False) if matrix.partition_dim == 0 else (r, c * tp, False) for r, c in parts]
-    # distributed: X is the shard with the unsplit dim as its rows
+    if split and spec.tp_mode == "duplicated":  # the full matrix
+        parts = [(r * tp, c) if matrix.partition_dim == 0 else (r, c * tp) for r, c in parts]
+    if not split or spec.tp_mode == "duplicated":
+        return [(min(r, c), max(r, c), False) for r, c in parts]
+    # distributed: the shard, its unsplit dim the Gram side
     return [(c, r, True) if matrix.partition_dim == 0 else (r, c, True) for r, c in parts]
 
 
 def ns_matrices(workload: Workload, layout: Layout, rank: int) -> list:
-    """[(m, n, count, Gram all-reduced over TP)]: the X [m, n] (m the Gram side) pipeline rank
-    `rank` iterates on, `count` alike, over all its Muon weights."""
-    spec = workload.optimizer
-    out = []
-    for matrix in rank_matrices(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
-                                workload.layer_split(layout.pp, layout.vp)):
-        for rows, cols, reduced in ns_parts(matrix, spec, layout.tp):
-            m = rows if reduced else min(rows, cols)
-            out.append((m, rows * cols // m, matrix.count, reduced))
-    return out
+    """[(m, n, count, Gram all-reduced over TP)] of ns_parts over all Muon weights of pipeline
+    rank `rank`."""
+    return [(m, n, matrix.count, reduced)
+            for matrix in rank_matrices(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
+                                        workload.layer_split(layout.pp, layout.vp))
+            for m, n, reduced in ns_parts(matrix, workload.optimizer, layout.tp)]
 
 
 def newton_schulz_flops(workload: Workload, layout: Layout, rank: int) -> float:

@@ -155,16 +155,32 @@ def test_newton_schulz_flops_equal_a_hand_count(t, mode, split):
     assert newton_schulz_seconds(cluster, work, sharded, 0)[1] > newton_schulz_seconds(cluster, work, layout, 0)[1]
 
 
-@pytest.mark.parametrize("shape, qkv", [((256, 64), None), ((64, 96), None), ((192, 64), (64, 64, 64))])
-def test_newton_schulz_flops_equal_torchs_count_of_megalites_muon(shape, qkv):
+def counted_flops(muon: Muon, local: torch.Tensor, target: MuonTarget) -> int:
+    with FlopCounterMode(display=False) as counter:
+        muon.orthogonalize(local, target)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "blockwise", "distributed"])
+def test_newton_schulz_flops_equal_torchs_count_of_megalites_muon(mode):
+    """TP2 (the fake process group: the collectives do nothing, the GEMMs run) for column- and
+    row-parallel shards and a fused QKV weight with and without split-qkv, and TP1."""
     from megalite.planner.optimizer import Matrix, OptimizerSpec
     from megalite.planner.optimizer_step import ns_parts
-    muon = Muon([torch.zeros(shape)], lr=1.0, steps=4)
-    with FlopCounterMode(display=False) as counter:
-        muon.orthogonalize(torch.randn(shape), MuonTarget(shape, qkv_split=qkv))
-    parts = ns_parts(Matrix(*shape, None, qkv_split=qkv), OptimizerSpec("muon", ns_steps=4), 1)
-    expected = sum(4 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c, _ in parts)
-    assert counter.get_total_flops() == expected
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cases = [((128, 64), 0, None), ((64, 96), 1, None), ((64, 32), 1, None), ((96, 64), 0, (32, 32, 32)),
+                 ((48, 64), None, None)]
+        for split in (True, False):
+            muon = Muon([torch.zeros(1)], lr=1.0, steps=4, tp_mode=mode, split_qkv=split)
+            spec = OptimizerSpec("muon", ns_steps=4, tp_mode=mode, split_qkv=split)
+            for shape, pdim, qkv in cases:
+                target = MuonTarget(shape, pdim, dist.group.WORLD if pdim is not None else None, qkv)
+                expected = sum(4 * (4 * m * m * n + 2 * m ** 3)
+                               for m, n, _ in ns_parts(Matrix(*shape, pdim, qkv_split=qkv), spec, 2))
+                assert counted_flops(muon, torch.randn(shape), target) == expected, (shape, pdim, qkv, split)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("flags, message", [
