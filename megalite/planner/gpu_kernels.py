@@ -23,10 +23,11 @@ activation element; bytes read + written):
 
 Outside the layers: the embedding lookup and its dense gradient, the final norm, the output
 GEMM, the cross-entropy (megalite's Triton kernel, or the torch path: fp32 chunks of the logits,
-30 + 56 bytes per 16-bit logit as cross_entropy_torch.py runs), and per step the optimizer:
-gradient norm, clipping (Megatron's default --clip-grad 1.0 clips a young model's gradients)
-and fused AdamW at the `optimizer` rate, the copy of the fp32 main parameters into the 16-bit
-ones and the zeroing of the gradient buffers at the torch rate.
+30 + 56 bytes per 16-bit logit as cross_entropy_torch.py runs), and per step the optimizer
+(optimizer_step.py): gradient norm, clipping (Megatron's default --clip-grad 1.0 clips a young
+model's gradients) and the update (fused AdamW, ...) at the `optimizer` rate, the copy of the
+fp32 main parameters into the 16-bit ones and the zeroing of the gradient buffers at the torch
+rate.
 
 Updating the constants: `bash tools/benchmarks/gpu_check.sh` on the GPU profiles one step of
 the 1.1B run and writes kernel_rates.json beside its table (each class's kernel time over this
@@ -288,16 +289,6 @@ def embedding_traffic(workload: Workload, layout: Layout, tokens: float, vocab: 
         traffic.move("torch", (2 * e + 1) * tokens * h, (2 * e + 1) * tokens * h)
         traffic.call("aten", 1, 1)
     return traffic
-
-
-def optimizer_seconds(cluster: Cluster, workload: Workload, updated: float, held: float) -> float:
-    """The optimizer step over `updated` parameters (this rank's shard) of the `held` this rank
-    keeps gradient buffers for."""
-    rates = cluster.kernels
-    sixteen = workload.precision != "fp32"
-    passes = 4 + 8 + 28  # gradient norm, clipping, fused AdamW (fp32 main values, gradient, m, v)
-    copies = (4 + workload.activation_bytes) * updated if sixteen else 0.0
-    return passes * updated / rates.rate("optimizer") + (copies + 4 * held) / rates.rate("torch")
 
 
 def output_seconds(cluster: Cluster, workload: Workload, layout: Layout, tokens: float, vocab: float,

@@ -38,6 +38,7 @@ from megalite.parallel.pipeline.schedules import schedule_actions
 from megalite.parallel.pipeline.simulator import held_activations
 from megalite.planner.fp8 import fp8_memory_bytes
 from megalite.planner.layouts import Layout
+from megalite.planner.optimizer import optimizer_state_bytes
 from megalite.parallel.pipeline.stage_layout import stage_layers
 from megalite.planner.parameters import layer_parameters, rank_parameters
 from megalite.planner.workload import Workload
@@ -125,7 +126,8 @@ def rank_memory(workload: Workload, layout: Layout, rank: int) -> RankMemory:
         ew, eg, eo = state_bytes(workload.precision, expert, layout.distributed_optimizer, shards // layout.ep)
         w, g, o = w + ew, g + eg, o + eo
     if layout.fsdp2:  # the sharded gradients come into being in backward as activations are freed
-        w, g, o = 4 * dense / shards, 0.0, 8 * dense / shards
+        w, g = 4 * dense / shards, 0.0
+    o = optimizer_state_bytes(workload, layout, rank, dense, expert)  # per --optimizer (planner/optimizer.py)
     m = layout.num_microbatches(workload.global_batch_size)
     held = held_chunk_activations(layout.schedule, p, rank, m, v)
     # the rank's layers over its chunks (--account-for-*-in-pipeline-split: fewer on the first / last),

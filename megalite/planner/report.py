@@ -38,7 +38,7 @@ def table(plan: Plan, top: int = 10) -> str:
              f"memory limit {plan.memory_limit / GIB:.1f} GiB per device",
              f"model: {workload.config.num_layers} layers, hidden {workload.config.hidden_size}, "
              f"{workload.config.num_attention_heads} heads, seq {workload.seq_length}, global batch "
-             f"{workload.global_batch_size}, {workload.precision}",
+             f"{workload.global_batch_size}, {workload.precision}, optimizer {workload.optimizer.describe()}",
              f"layouts: {plan.enumerated} enumerated, {plan.fitting} fit, {len(plan.ranked)} simulated"]
     if not plan.enumerated:
         lines.append("no layout in the search space for this model and world (FSDP2 is searched at PP 1, for dense "

@@ -33,6 +33,7 @@ from megalite.planner.compute import ChunkTimes, embedding_times, groups_of, lay
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import RankMemory, peak_memory, state_bytes
 from megalite.planner.op_count import op_counts
+from megalite.planner.optimizer_step import optimizer_step_seconds
 from megalite.planner.parameters import layer_parameters, rank_parameters
 from megalite.planner.workload import Workload
 from megalite.training.flops import flops_per_token
@@ -196,23 +197,6 @@ def _fsdp2_exposed(workload: Workload, layout: Layout, reduce: float, gather: fl
     return exposed + max(share * reduce, gather + reduce - backward)
 
 
-def _optimizer(cluster: Cluster, workload: Workload, layout: Layout, rank: int) -> float:
-    """The optimizer step over this rank's shard, the gradient norm's read of every gradient and
-    its all-reduce, and zeroing the gradient buffers."""
-    dense, expert = rank_parameters(workload.config, layout.tp, layout.pp, layout.vp, rank, layout.ep,
-                                    workload.layer_split(layout.pp, layout.vp))
-    shards = layout.dp * layout.cp if layout.distributed_optimizer or layout.fsdp2 else 1
-    updated = dense / shards + expert / max(1, shards // layout.ep)
-    norm = cluster.collective_time("all_reduce", 4, list(range(layout.world_size)))
-    if cluster.kernels is not None:
-        from megalite.planner.gpu_kernels import optimizer_seconds
-        return optimizer_seconds(cluster, workload, updated, dense + expert) + norm
-    grad = state_bytes(workload.precision, 1, False, 1)[1]
-    moved = updated * cluster.optimizer_bytes_per_parameter + 2 * (dense + expert) * grad
-    # about 20 operators: foreach AdamW's, the norm's, zeroing the buffers (host overhead on a CPU)
-    return moved / cluster.memory_bandwidth + norm + 20 * cluster.op_overhead
-
-
 def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMemory | None = None,
             use_simulator: bool = True) -> Prediction:
     """Step time and its breakdown for `layout` (the simulator, or with use_simulator=False the
@@ -251,7 +235,7 @@ def predict(cluster: Cluster, workload: Workload, layout: Layout, memory: RankMe
         else:
             exposed = max(0.0, reduce - last_backward) if overlap else reduce
             exposed += max(0.0, gather - first_forward) if overlap else gather
-        optimizer = _optimizer(cluster, workload, layout, rank) * share
+        optimizer = optimizer_step_seconds(cluster, workload, layout, rank) * share
         ends.append(finish[rank] + contention + exposed + embedding + optimizer)
         details.append((exposed + embedding, optimizer))
     step = max(ends)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from megalite.model.config import GPTConfig
 from megalite.parallel.pipeline.stage_layout import layers_per_virtual_stage
 from megalite.planner.cluster import read_json
+from megalite.planner.optimizer import OptimizerSpec, spec_from_args
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 # Options the planner chooses; a model's flags or YAML must leave them unset.
@@ -47,6 +48,8 @@ class Workload:
     off with --no-gradient-accumulation-fusion or --torch-compile among the model's flags)."""
     fp8: object = None
     """The Fp8Recipe of --fp8-format among the model's flags (megalite/planner/fp8.py), else None."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """--optimizer and the flags that change its state and step (megalite/planner/optimizer.py)."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -138,7 +141,7 @@ def from_flags(argv: list[str], seq_length: int | None = None, global_batch_size
                     account_for_embedding=args.account_for_embedding_in_pipeline_split,
                     account_for_loss=args.account_for_loss_in_pipeline_split,
                     gradient_accumulation_fusion=args.gradient_accumulation_fusion is not False
-                    and not args.torch_compile, fp8=fp8_recipe_from_args(args))
+                    and not args.torch_compile, fp8=fp8_recipe_from_args(args), optimizer=spec_from_args(args))
 
 
 def from_hf_config(path: str, seq_length: int, global_batch_size: int, precision: str = "bf16") -> Workload:
