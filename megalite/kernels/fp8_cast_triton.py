@@ -72,9 +72,11 @@ def _fp8_cast_t_kernel(X, SCALE, YT, Y, AMAX, n_rows, n_cols, stride_x, row_bloc
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     # the amax state reduced every tile (a [BLOCK_M, BLOCK_N] one kept over the loop took 186
-    # registers a thread at 4 warps, one per column 160)
-    running = 0.0
-    nan_seen = 0
+    # registers a thread at 4 warps, one per column 160), as the bits of |x|: for non-negative
+    # floats the int32 order is the float order, and every NaN lies above +inf, so one max
+    # gives both the amax and whether a NaN was seen (two reductions took 70 registers with
+    # STORE_ROWS, over the 64 of 32 warps an SM)
+    running = 0
     for i in range(row_blocks_per_program):
         rows = (tl.program_id(0).to(tl.int64) * row_blocks_per_program + i) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_ok[None, :]
@@ -87,10 +89,10 @@ def _fp8_cast_t_kernel(X, SCALE, YT, Y, AMAX, n_rows, n_cols, stride_x, row_bloc
         # stored as the transposed tile, so that the compiled layout writes along YT's rows
         tl.store(YT + cols[:, None].to(tl.int64) * n_rows + rows[None, :], tl.trans(q), mask=tl.trans(mask))
         if RECORD_AMAX:
-            running = tl.maximum(running, reduce_max(reduce_max(tl.abs(x), 1), 0))
-            nan_seen = nan_seen | reduce_max(reduce_max((x != x).to(tl.int32), 1), 0)
+            abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            running = tl.maximum(running, reduce_max(reduce_max(abs_bits, 1), 0))
     if RECORD_AMAX:
-        tl.atomic_max(AMAX, tl.where(nan_seen > 0, float("nan"), running))
+        tl.atomic_max(AMAX, tl.where(running > 0x7F800000, float("nan"), running.to(tl.float32, bitcast=True)))
 
 
 def _launch_transposed(x2d, scale, yt, y, amax, record_amax: bool, sms, wrap_triton) -> None:
