@@ -130,3 +130,51 @@ def test_an_fp8_linear_casts_through_the_fused_kernel(device, monkeypatch, scali
     assert sum(shape == dy and kind != "amax" for shape, kind, _ in launches) == 2  # one cast of dy a step
     for i, (a, b) in enumerate(zip(fused, reference)):
         assert torch.equal(a, b), f"result {i} differs"
+
+
+class _Mesh:  # what Fp8ShardedWeight's all-gather hook asks of FSDP2's mesh (one process: no group)
+    def size(self):
+        return 2
+
+    def get_group(self):
+        return None
+
+
+def _cast_shard_twice(recipe, impl, shard):
+    """--fp8-param-gather: the shard's FP8 bytes, scale and scaling state of two all-gathers."""
+    from torch import nn
+
+    from megalite.parallel.tensor.fp8_param import Fp8ShardedWeight
+
+    linear = nn.Module()
+    scaling = DelayedScaling(recipe, shard.device) if recipe.scaling == "delayed" else TensorwiseScaling(recipe)
+    linear.gemm = Fp8Gemm(recipe, scaling, "column", cast_impl=impl)
+    out = []
+    for _ in range(2):
+        (data,), (scale,) = Fp8ShardedWeight(shard).fsdp_pre_all_gather(
+            _Mesh(), torch.Size([2 * shard.shape[0], shard.shape[1]]), (shard.shape[1], 1), linear, None)
+        out += [data.view(torch.uint8), scale]
+        if recipe.scaling == "delayed":
+            out += [scaling.amax_history.clone()]
+    return out
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
+def test_fp8_param_gather_casts_the_shard_through_the_fused_kernel(device, monkeypatch, scaling):
+    """--fp8-param-gather under FSDP2: the fp32 shard (odd shape) is cast by the fused kernel where
+    it applies (delayed: one pass, its amax into the history; tensorwise: the amax pass once,
+    while the weight is unchanged, then a cast per gather), with the torch path's bytes, scale
+    and amax history."""
+    from megalite.kernels import fp8_cast_triton
+
+    recipe = Fp8Recipe(format="hybrid", scaling=scaling)
+    shard = (torch.randn(5, 7, generator=torch.Generator().manual_seed(2)) * 3).to(device)
+    reference = _cast_shard_twice(recipe, "torch", shard)
+    launches, real_launch = [], fp8_cast_triton._launch
+    monkeypatch.setattr(fp8_cast_triton, "_launch", lambda *args: launches.append(args[4:6]) or real_launch(*args))
+    monkeypatch.setattr(fp8_cast_module, "use_triton", lambda op, impl, *tensors: impl == "auto")
+    fused = _cast_shard_twice(recipe, "auto", shard)
+    cast, amax_pass, record = (True, False), (False, True), (True, True)
+    assert launches == ([record, record] if scaling == "delayed" else [amax_pass, cast, cast])
+    for i, (a, b) in enumerate(zip(fused, reference)):
+        assert torch.equal(a, b), f"result {i} differs"
