@@ -16,7 +16,8 @@ so it is the amax pass (2 bytes) then the cast (3), 5 bytes. The torch ops it re
 The same numbers as the torch path (fp8_cast.fp8_cast_reference) bit for bit: x widened to fp32,
 multiplied by the fp32 scale (one rounding), clamped (NaN kept), rounded to nearest even; the
 amax is exact (a max), NaN when x holds one (torch.amax propagates it; a per-program flag here,
-because the compiled maximum drops NaN).
+because the compiled maximum drops NaN; the tiled kernel maxes |x|'s bits as int32, where every
+NaN lies above +inf).
 """
 
 import torch
