@@ -58,6 +58,8 @@ def test_the_cast_and_amax_equal_torch_bit_for_bit(device):
     x[0, :6] = torch.tensor([1e6, -1e6, 0.0, -0.0, 14.0, -12.4])
     for dtype in (E4M3, E5M2):
         _assert_same_cast(x.to(device), torch.tensor(100.0, device=device), dtype, 0.0, every_path=True)
+    x[7, 3] = -float("inf")  # an infinite amax (the tiled kernel's int32 max: just below every NaN)
+    _assert_same_cast(x.to(device), torch.tensor(3.0, device=device), E5M2, 2.0)
     x[43, 21] = float("nan")
     _assert_same_cast(x.to(device), torch.tensor(3.0, device=device), E4M3, 2.0, every_path=True)
 
