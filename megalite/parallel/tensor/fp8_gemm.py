@@ -75,10 +75,11 @@ class SharedGrad:
 
 @dataclass
 class WeightCache:
-    """A weight's FP8 cast (`data` = fp8(weight * scale)) and, once dgrad asked, its column-major
-    copy; valid while the weight is `weight` (or an alias of it) at `version` and the scales at
-    `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not when the cast was
-    made by an evaluation forward)."""
+    """A weight's FP8 cast (`data` = fp8(weight * scale)) and its column-major copy (written by the
+    same cast when a training forward or dgrad filled the cache, else copied once dgrad asks);
+    valid while the weight is `weight` (or an alias of it) at `version` and the scales at
+    `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not
+    when the cast was made by an evaluation forward)."""
 
     weight: weakref.ref
     version: int
