@@ -7,6 +7,8 @@ the CPU path).
                                            element) := max(amax, max |x|) when given
     fp8_cast_transposed(x2d, scale, dtype, amax=None)
                                            the same, written transposed ([cols, rows], contiguous)
+    fp8_cast_transpose(x2d, scale, dtype, amax=None)
+                                           both copies (row-major, transposed) from one read of x2d
     fp8_amax(x)                            max |x|, 0-d fp32
 """
 
@@ -69,6 +71,21 @@ def fp8_cast_transposed(x2d: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
         return fp8_cast_triton.fp8_cast_transposed(x2d, scale, dtype, amax)
     return fp8_cast_reference(x2d, scale, dtype, amax).t().contiguous()
+
+
+def fp8_cast_transpose(x2d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                       amax: torch.Tensor | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_cast(x2d, ...), the same bytes transposed [cols, rows]), both contiguous: on the
+    kernel one pass reads x2d once and writes both (Transformer Engine's cast_transpose)."""
+    _check(x2d, dtype)
+    if x2d.dim() != 2:
+        raise ValueError(f"fp8_cast_transpose: x must be 2-D [rows, cols], got {tuple(x2d.shape)}")
+    if fused_cast_applies(x2d, impl) and (amax is None or amax.device == x2d.device) and scale.device == x2d.device:
+        from megalite.kernels import fp8_cast_triton
+
+        return fp8_cast_triton.fp8_cast_transpose(x2d, scale, dtype, amax)
+    y = fp8_cast_reference(x2d, scale, dtype, amax)
+    return y, y.t().contiguous()
 
 
 def fp8_amax(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:

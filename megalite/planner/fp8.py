@@ -12,31 +12,37 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
   its byte with delayed scaling (e + 1 = 3 bytes, the amax from the same read), and reads it
   twice with tensorwise scaling (the amax pass, then the cast: 2e + 1 = 5); with the kernels
   off (--no-fused-kernels) or another recipe, unfused torch operators move QUANTIZE_BYTES
-  (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale 4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes);
-  forward quantizes x, dgrad the output gradient dy, wgrad dy and x again, and wgrad's operands
-  get a transposed copy (1 + 1 bytes per element of dy and x; none with the fused cast, which
-  writes them transposed); the weight is cast once per
-  optimizer step (fp8_gemm.py's WeightCache), with one transposed copy for dgrad: its
-  (33 + 2) bytes per element are spread over the step's micro-batches (charged to forward).
-  With --fp8-param-gather under FSDP2 the gathered weight is not cached: the shard is cast
-  before each all-gather, as before (forward and dgrad, per micro-batch, with torch ops);
-- tensorwise scaling: an all-reduce of one fp32 amax over TP per split operand per GEMM (W
-  always; dy of a column-parallel, x of a row-parallel linear), at the latency of the group.
+  (amax: abs 2 + 2, amax 2; fp32 copy 2 + 4; scale 4 + 4; clamp 4 + 4; cast 4 + 1 = 33 bytes).
+  Forward quantizes x. Backward quantizes dy once for dgrad and wgrad in both layouts
+  (cast_transpose_bytes: the fused cast writes one byte more, 4 or 6; the torch ops copy the
+  FP8 result transposed, 33 + 2), and wgrad's x transposed (the fused cast writes it
+  transposed; the torch ops cast, then copy: 33 + 2); with --no-fp8-wgrad only dgrad's dy,
+  row-major. The weight is cast once per optimizer step (fp8_gemm.py's WeightCache) with its
+  column-major copy for dgrad from the same pass (cast_transpose_bytes per element), spread
+  over the step's micro-batches (charged to forward). With --fp8-param-gather under FSDP2 the
+  gathered weight is not cached: each rank casts its fp32 shard (W / (DP x CP) elements)
+  before each all-gather, forward and dgrad, per micro-batch: 4 + 1 bytes an element with the
+  fused cast (plus, tensorwise, the amax pass once per step: 4), QUANTIZE_BYTES with torch ops;
+- tensorwise scaling: an all-reduce of one fp32 amax over TP per split operand cast (the
+  weight once per step, at its cached cast; dy of a column-parallel linear once per backward;
+  x of a row-parallel one in forward and in wgrad), at the latency of the group.
 
 Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales [3]; per FP8
-linear its cached FP8 weight (1 byte per element of W, held through the step; its transposed
-copy appears in backward, as activations are freed, and is not counted); and the
-quantization working set of the rank's largest FP8 linear, taken as held on top of the
-activation peak (backward runs it while the activations are held): with the torch ops the
-largest of forward's 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G or G + 5W, wgrad's
-2G + 5X or 2G + 2X + 4W (dy's FP8 copy and its transpose, x's, and the fp32 result added into
-main_grad); with the fused cast (no fp32 copies, wgrad's copies written transposed) X + W,
-G + W or G + X + 4W;
+linear its cached FP8 weight and its column-major copy (2 bytes per element of W, held through
+the step; blockwise: 1, its column-major copy is made in backward as activations are freed
+and is not counted); and the quantization working set of the rank's largest FP8 linear, taken
+as held on top of the activation peak (backward runs it while the activations are held): with
+the torch ops the largest of forward's 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G
+(dy's fp32 and FP8 copies; then its FP8 copy in both layouts), wgrad's G + 5X or G + 2X + 4W
+(dy's transposed copy, x's, and the fp32 result added into main_grad); with the fused cast
+(no fp32 copies, the transposed copies written by the cast) X, 2G or G + X + 4W; without the
+FP8 wgrad only forward's and dgrad's (G or 5G);
 with X = T k, G = T n, W = k n elements (T the micro-batch's tokens: a sequence-parallel
 column linear gathers its input, a row linear reduce-scatters its output). --fp8-recipe
 blockwise (parallel/tensor/fp8_blockwise.py) adds its fp32 scales, one per 128x128 block of W
 and at most one per 128 elements of the working set; its casts move the same 33 bytes per
-element and it reduces no amax. Checked against the dry run (tests/planner/test_fp8_planner.py).
+element (dy twice: dgrad's and wgrad's tiles run along different axes) and it reduces no
+amax. Checked against the dry run (tests/planner/test_fp8_planner.py).
 """
 
 from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
@@ -45,6 +51,7 @@ from megalite.planner.workload import Workload
 
 QUANTIZE_BYTES = 33  # per element, unfused torch ops
 TRANSPOSE_BYTES = 2
+SHARD_BYTES = 4  # --fp8-param-gather: the fp32 main parameter's shard is cast
 FUSED_RECIPES = ("delayed", "tensorwise")  # the scalings the fused cast serves (parallel/tensor/fp8_fused_cast.py)
 
 
@@ -59,6 +66,15 @@ def quantize_bytes(workload: Workload) -> float:
         return QUANTIZE_BYTES
     e = workload.activation_bytes
     return e + 1 if workload.fp8.scaling == "delayed" else 2 * e + 1
+
+
+def cast_transpose_bytes(workload: Workload) -> float:
+    """Bytes a cast writing both layouts (dy for dgrad and wgrad, the weight and its column-major
+    copy) moves per element: the fused cast's one more byte written, or the torch ops' cast then
+    a transposing copy."""
+    if not fused_cast(workload):
+        return QUANTIZE_BYTES + TRANSPOSE_BYTES
+    return quantize_bytes(workload) + 1
 
 
 def check_fp8_plan(workload: Workload, cluster) -> None:
@@ -115,7 +131,9 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
     e, bw, recipe = workload.activation_bytes, cluster.memory_bandwidth, workload.fp8
     bf16_rate, fp8_rate = cluster.matmul_flops, cluster.fp8_peak_flops * cluster.matmul_efficiency
     per_step = 1 / layout.num_microbatches(workload.global_batch_size)
-    quantize, fused = quantize_bytes(workload), fused_cast(workload)
+    quantize, fused, both = quantize_bytes(workload), fused_cast(workload), cast_transpose_bytes(workload)
+    transposed = quantize + (0 if fused else TRANSPOSE_BYTES)  # wgrad's x: written transposed, or copied
+    gathered = recipe.param_gather and layout.fsdp2
     gemm_f = gemm_b = cast_f = cast_b = 0.0
     for tokens, k, n, mode in linears:
         # fprop [T,k]x[k,n]; dgrad [T,n]x[n,k]; wgrad [k,T]x[T,n]: the same FLOPs and operand sizes
@@ -124,19 +142,28 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
         gemm_b += delta * (2 if recipe.wgrad else 1)
         x, g, w = tokens * k, tokens * n, k * n
         cast_f += quantize * x / bw
-        cast_b += quantize * g / bw
-        if recipe.param_gather and layout.fsdp2:  # cast before each all-gather: forward and dgrad
-            cast_f += QUANTIZE_BYTES * w / bw  # fp8_param.py casts the shard with torch ops
-            cast_b += QUANTIZE_BYTES * w / bw
-        else:  # once per step, and its transposed copy for dgrad
-            cast_f += (quantize + TRANSPOSE_BYTES) * w * per_step / bw
-        if recipe.wgrad:  # the fused cast writes wgrad's operands transposed: no separate copy
-            cast_b += (quantize + (0 if fused else TRANSPOSE_BYTES)) * (g + x) / bw
+        if not recipe.wgrad:  # dgrad's dy, row-major
+            cast_b += quantize * g / bw
+        elif recipe.scaling == "blockwise":  # dy's 1x128 tiles differ between dgrad and wgrad: cast twice
+            cast_b += (quantize * g + transposed * (g + x)) / bw
+        else:
+            cast_b += (both * g + transposed * x) / bw
+        if gathered:  # each rank casts its fp32 shard before each all-gather: forward and dgrad
+            shard = w / (layout.dp * layout.cp)
+            shard_cast = SHARD_BYTES + 1 if fused else QUANTIZE_BYTES
+            cast_f += shard_cast * shard / bw
+            cast_b += shard_cast * shard / bw
+            if fused and recipe.scaling == "tensorwise":  # the shard's amax pass, once per step
+                cast_f += SHARD_BYTES * shard * per_step / bw
+        else:  # once per step, with its column-major copy for dgrad
+            cast_f += both * w * per_step / bw
         if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
             reduce = cluster.collective_time("all_reduce", 4, tp_group)
-            # fprop: W, and x of a row linear; dgrad: W, and dy of a column linear; wgrad: the split one of dy, x
-            cast_f += reduce * (1 + (mode == "row"))
-            cast_b += reduce * (1 + (mode == "column") + recipe.wgrad)
+            # forward: W once per step (its cached cast; its FSDP2 scales: one reduction for all
+            # weights, not counted), x of a row linear; backward: dy of a column linear once,
+            # x of a row linear in wgrad
+            cast_f += reduce * ((mode == "row") + (0 if gathered else per_step))
+            cast_b += reduce * ((mode == "column") + (mode == "row" and recipe.wgrad))
     return gemm_f, gemm_b, cast_f, cast_b
 
 
@@ -148,14 +175,17 @@ def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> f
         return 0.0
     state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
         if workload.fp8.scaling == "delayed" else 0
-    cached = 0.0 if workload.fp8.param_gather and layout.fsdp2 else sum(k * n for _, k, n, _ in linears)
+    recipe = workload.fp8
+    copies = 1 if recipe.scaling == "blockwise" else 2  # the FP8 weight and its column-major copy
+    cached = 0.0 if recipe.param_gather and layout.fsdp2 else copies * sum(k * n for _, k, n, _ in linears)
     working, fused = 0.0, fused_cast(workload)
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n
         if fused:
-            working = max(working, x + w, g + w, g + x + 4 * w)
+            sizes = (x, 2 * g, g + x + 4 * w) if recipe.wgrad else (x, g)
         else:
-            working = max(working, 5 * x, x + 5 * w, 5 * g, g + 5 * w, 2 * g + 5 * x, 2 * g + 2 * x + 4 * w)
-    if workload.fp8.scaling == "blockwise":  # fp32 scales: one per 128x128 block of W, at most one per 128 elements
+            sizes = (5 * x, x + 5 * w, 5 * g) + ((g + 5 * x, g + 2 * x + 4 * w) if recipe.wgrad else ())
+        working = max(working, *sizes)
+    if recipe.scaling == "blockwise":  # fp32 scales: one per 128x128 block of W, at most one per 128 elements
         cached, working = cached * (1 + 4 / 128 ** 2), working * (1 + 4 / 128)
     return state + cached + working

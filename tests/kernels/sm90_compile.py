@@ -8,7 +8,8 @@ The launch wrappers are called with tensors on the "meta" device while JITFuncti
 replaced by a recorder, so the exact arguments, constexprs and num_warps the wrappers choose are
 compiled (through Triton's full pipeline down to a cubin, with the ptxas bundled in the triton
 wheel). Prints one JSON line per distinct compilation: kernel, constexprs, num_warps, registers,
-spill bytes (stack), shared memory, and whether global loads are 16 bytes wide (vector_loads).
+spill bytes (stack), shared memory, and whether global loads and stores are 16 bytes wide
+(vector_loads, vector_stores).
 
 --inductor compiles each kernel a second time from the copy of its source torch.compile's
 Inductor makes (inductor_copy.py), once per code path (constexprs other than block sizes), and
@@ -91,6 +92,9 @@ def _record_launches(dtypes):
                         fp8_cast_triton.fp8_cast_op(x, scalar, scalar, fp8, record)
                     for fp8, record in ((torch.float8_e5m2, True), (torch.float8_e4m3fn, False)):  # wgrad's dy, x
                         fp8_cast_triton.fp8_cast_transposed_op(x, scalar, scalar, fp8, record)
+                    # dy for dgrad and wgrad (delayed: recording; tensorwise: after the amax pass), the weight
+                    for fp8, record in ((torch.float8_e5m2, True), (torch.float8_e4m3fn, False)):
+                        fp8_cast_triton.fp8_cast_transpose_op(x, scalar, scalar, fp8, record)
                 for rows, vocab in SHAPES_CE:
                     logits = torch.empty(rows, vocab, dtype=dtype, **meta)
                     target = torch.empty(rows, dtype=torch.int64, **meta)
@@ -185,7 +189,8 @@ def main(argv: list[str]) -> int:
             pointers = sorted({t for t in signature.values() if t.startswith("*")})
             line = dict(kernel=kernel.__name__, constexprs=constexprs, num_warps=num_warps, pointers=pointers,
                         **_resources(compiled.asm["cubin"]),
-                        vector_loads="ld.global.v4" in compiled.asm["ptx"])  # 16-byte loads
+                        vector_loads="ld.global.v4" in compiled.asm["ptx"],  # 16-byte loads
+                        vector_stores="st.global.v4" in compiled.asm["ptx"])  # 16-byte stores
             path = (kernel.__name__, json.dumps(signature, sort_keys=True),
                     json.dumps({k: v for k, v in constexprs.items() if not k.startswith("BLOCK")}, sort_keys=True))
             if "--inductor" in flags and path not in copied:

@@ -31,7 +31,7 @@ OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_norm_bwd
               "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
               "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"],
               "fp8_cast": ["_fp8_cast_kernel"], "fp8_amax": ["_fp8_cast_kernel"],
-              "fp8_cast_transposed": ["_fp8_cast_t_kernel"]}
+              "fp8_cast_transposed": ["_fp8_cast_t_kernel"], "fp8_cast_transpose": ["_fp8_cast_t_kernel"]}
 
 
 def _allowed_to_spill(entry) -> bool:
@@ -141,15 +141,18 @@ def test_bias_dropout_add_is_bandwidth_shaped(compiled):
 
 def test_fp8_cast_is_bandwidth_shaped(compiled):
     """The fused FP8 cast, each pass (amax alone, cast with and without the amax, e4m3 and e5m2,
-    and the transposed cast):
+    the transposed cast, and cast_transpose writing both layouts, with and without the amax):
     16-byte loads, no spills, and 32 warps an SM (its persistent grid's assumption)."""
     _, entries, _ = compiled
     fp8 = [e for e in entries if e["kernel"] == "_fp8_cast_kernel"]
     assert {(e["constexprs"]["CAST"], e["constexprs"]["RECORD_AMAX"]) for e in fp8} == {
         (False, True), (True, True), (True, False)}
     assert {"*fp8e4nv", "*fp8e5"} <= {p for e in fp8 for p in e["pointers"]}
-    transposed = [e for e in entries if e["kernel"] == "_fp8_cast_t_kernel"]  # wgrad's column-major copies
-    assert {e["constexprs"]["RECORD_AMAX"] for e in transposed} == {True, False}
+    # wgrad's column-major copies, and (STORE_ROWS) cast_transpose's two copies of dy or the weight
+    transposed = [e for e in entries if e["kernel"] == "_fp8_cast_t_kernel"]
+    assert {(e["constexprs"]["RECORD_AMAX"], e["constexprs"]["STORE_ROWS"]) for e in transposed} == {
+        (True, False), (False, False), (True, True), (False, True)}
     for e in fp8 + transposed:
         assert e["stack"] == 0 and e["vector_loads"], e
         assert e["registers"] * 32 * 32 <= 65536, e
+    assert all(e["vector_stores"] for e in transposed), transposed  # both layouts' rows: 16-byte stores

@@ -28,7 +28,7 @@ def _tensors(dtype, requires_grad, device):
 
 def _op_cases(dtype, device):
     from megalite.kernels import activations_triton as act, bias_dropout_add_triton as bda, \
-        cross_entropy_triton as ce, norms_triton as norms, rotary_triton as rot
+        cross_entropy_triton as ce, fp8_cast_triton as fp8, norms_triton as norms, rotary_triton as rot
 
     randn = _tensors(dtype, True, device)
     const = _tensors(dtype, False, device)
@@ -53,6 +53,10 @@ def _op_cases(dtype, device):
         (bda.bias_dropout_add_forward, (x, b, randn(6, 16), torch.tensor([5], device=device), 0.2)),
         (bda.bias_dropout_add_forward, (x, None, randn(6, 16), None, 0.0)),
         (bda.bias_dropout_add_backward, (dy, torch.tensor([5], device=device), 0.2, True)),
+        (fp8.fp8_amax_op, (dy,)),
+        (fp8.fp8_cast_op, (dy, fp32(1).abs() + 1, torch.zeros((), device=device), torch.float8_e4m3fn, True)),
+        (fp8.fp8_cast_transposed_op, (dy, fp32(1).abs() + 1, torch.zeros((), device=device), torch.float8_e5m2, False)),
+        (fp8.fp8_cast_transpose_op, (dy, fp32(1).abs() + 1, torch.zeros((), device=device), torch.float8_e5m2, True)),
     ]
 
 

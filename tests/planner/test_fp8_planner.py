@@ -9,7 +9,7 @@ import pytest
 
 from megalite.parallel.tensor.fp8_scaling import delayed_state_bytes
 from megalite.planner.cluster import preset
-from megalite.planner.fp8 import QUANTIZE_BYTES, TRANSPOSE_BYTES, fp8_memory_bytes, quantize_bytes
+from megalite.planner.fp8 import QUANTIZE_BYTES, TRANSPOSE_BYTES, fp8_layer_seconds, fp8_memory_bytes, quantize_bytes
 from megalite.planner.layouts import Layout
 from megalite.planner.memory import rank_memory
 from megalite.planner.search import plan
@@ -91,16 +91,44 @@ def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth(base, e
     shapes = [(h, 3 * h), (h, h), (h, 2 * f), (f, h)]  # QKV, projection, FC1 (SwiGLU), FC2
     gemm = 4 * sum(6 * tokens * k * n for k, n in shapes) / cluster.matmul_flops
     saved = gemm * (1 - cluster.peak_flops / cluster.fp8_peak_flops)  # the FP8 peak is twice bf16's: half
-    # x twice, dy twice, the transposes of dy and x for wgrad (written by the fused cast itself);
-    # the weight once per step (one micro-batch here) with its transposed copy for dgrad
-    wgrad_transposes = TRANSPOSE_BYTES if cast_bytes == QUANTIZE_BYTES else 0
-    casts = 4 * sum(cast_bytes * (2 * tokens * k + 2 * tokens * n + k * n) + TRANSPOSE_BYTES * k * n
-                    + wgrad_transposes * (tokens * n + tokens * k) for k, n in shapes) / cluster.memory_bandwidth
+    # forward's x; dy once for dgrad and wgrad in both layouts (the fused cast writes one byte more,
+    # the torch ops copy the result transposed); wgrad's x transposed (written so by the fused
+    # cast, copied after the torch ops); the weight once per step (one micro-batch here) with
+    # its column-major copy for dgrad from the same cast; --no-fp8-wgrad: dgrad's dy alone
+    fused = cast_bytes != QUANTIZE_BYTES
+    both = cast_bytes + (1 if fused else TRANSPOSE_BYTES)
+    transposed = cast_bytes + (0 if fused else TRANSPOSE_BYTES)
+    casts = 4 * sum(cast_bytes * tokens * k + both * (tokens * n + k * n) + transposed * tokens * k
+                    for k, n in shapes) / cluster.memory_bandwidth
+    casts_no_wgrad = 4 * sum(cast_bytes * (tokens * k + tokens * n) + both * k * n
+                             for k, n in shapes) / cluster.memory_bandwidth
     assert fp8.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved, rel=1e-9)
     assert no_wgrad.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved * 2 / 3, rel=1e-9)
     assert fp8.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts, rel=1e-9)
+    assert no_wgrad.breakdown["memory-bound"] == pytest.approx(bf16.breakdown["memory-bound"] + casts_no_wgrad,
+                                                               rel=1e-9)
     assert fp8.step_time == pytest.approx(bf16.step_time - saved + casts, rel=1e-9)
     assert (fp8.step_time < bf16.step_time) == faster
+
+
+@pytest.mark.parametrize("fused,shard_cast", [(True, 4 + 1), (False, QUANTIZE_BYTES)])
+def test_fp8_param_gather_charges_each_ranks_shard_cast(fused, shard_cast):
+    """--fp8-param-gather under FSDP2 (DP 2): no cached weight cast; each rank casts its fp32
+    shard (half the weight) before the forward's and the backward's all-gather, with the fused
+    cast (fp32 read, byte written) or the torch ops."""
+    flags = ("--bf16 --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size 1024 "
+             "--num-attention-heads 8 --ffn-hidden-size 4096 --disable-bias-linear --fp8-format hybrid").split()
+    work = from_flags(flags + ([] if fused else ["--no-fused-kernels"]), 1024, 8)
+    gathered = dataclasses.replace(work, fp8=dataclasses.replace(work.fp8, param_gather=True))
+    cluster, layout = preset("h100", 2), Layout(1, 1, 2, micro_batch_size=2, fsdp2=True)
+    per_step = 1 / layout.num_microbatches(8)
+    weights = sum(k * n for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)])
+    both = quantize_bytes(work) + (1 if fused else TRANSPOSE_BYTES)
+    cast_f, cast_b = fp8_layer_seconds(cluster, work, layout, 1)[2:]
+    gathered_f, gathered_b = fp8_layer_seconds(cluster, gathered, layout, 1)[2:]
+    bw = cluster.memory_bandwidth
+    assert gathered_f - cast_f == pytest.approx((shard_cast * weights / 2 - both * weights * per_step) / bw, rel=1e-9)
+    assert gathered_b - cast_b == pytest.approx(shard_cast * weights / 2 / bw, rel=1e-9)
 
 
 def test_fp8_plans_the_planner_cannot_model_are_refused():

@@ -149,6 +149,15 @@ class BlockwiseFp8Gemm(Fp8Gemm):
         assert operand == WEIGHT, operand
         return quantize_128x128(tensor, self.recipe.dtype(WEIGHT))
 
+    def _cast_weight(self, weight, record: bool, column_major: bool):
+        """The 128x128 cast; its column-major copy is made from it when dgrad first asks."""
+        data, scale_inv = self._quantized(WEIGHT, weight, record)
+        return data, None, scale_inv
+
+    def shared_grad(self, grad2d):
+        """None: dgrad's 1x128 tiles run along dy's rows, wgrad's along its columns (other bytes)."""
+        return None
+
     def fprop(self, x, weight, bias):
         x2d = x.reshape(-1, x.shape[-1])
         xq, x_scale_inv = quantize_1x128(x2d, self.recipe.dtype(INPUT))
@@ -158,14 +167,14 @@ class BlockwiseFp8Gemm(Fp8Gemm):
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
-    def dgrad(self, grad, weight):
+    def dgrad(self, grad, weight, shared=None):
         grad2d = grad.reshape(-1, grad.shape[-1])
         gq, g_scale_inv = quantize_1x128(grad2d, self.recipe.dtype(GRAD))
         wq, w_scale_inv = self._weight(weight, record=False, column_major=True)
         dx = blockwise_mm(gq, g_scale_inv, wq, w_scale_inv, (BLOCK, BLOCK), grad.dtype)
         return dx.reshape(*grad.shape[:-1], weight.shape[1])
 
-    def _fp8_wgrad(self, grad2d, x2d, out_dtype):
+    def _fp8_wgrad(self, grad2d, x2d, out_dtype, shared=None):
         gq, g_scale_inv = quantize_1x128(grad2d.t(), self.recipe.dtype(GRAD))  # [n, T]: tiles along the tokens
         xq, x_scale_inv = quantize_1x128(x2d.t(), self.recipe.dtype(INPUT))  # [k, T]
         return blockwise_mm(gq, g_scale_inv, xq.t(), x_scale_inv.t(), (BLOCK, 1), out_dtype)

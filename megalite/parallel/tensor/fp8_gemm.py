@@ -12,9 +12,16 @@ rather than kept in FP8 from forward (the saved tensors are the 16-bit ones the 
 keeps): with delayed scaling the scales cannot change within a step, and with tensorwise
 scaling the same tensor gives the same amax, so backward quantizes exactly as forward did.
 
+A backward that runs both dgrad and wgrad casts dy once (shared_grad: one pass writing dy
+row-major for dgrad and transposed for wgrad, the amax recorded once; Transformer Engine's
+cast_transpose); a zero-bubble B pass (dgrad alone) and W pass (wgrad alone) each cast the
+layout they need.
+
 The weight is the exception (Transformer Engine's is_first_microbatch cache): its FP8 copy, and
 the column-major copy dgrad needs, are cast once and reused by every later micro-batch, the
-backward and a recomputed forward, until the weight changes. WeightCache says when: the same
+backward and a recomputed forward, until the weight changes; a training forward writes both
+copies in the one pass that reads the weight (an evaluation forward only the first: dgrad then
+copies it). WeightCache says when: the same
 weight (or a detached alias of it) at the same version counter (an optimizer step or a
 checkpoint load writes it in place) and, with delayed scaling, the same scales version (their
 update after each step and a checkpoint load write them in place); Fp8StepUpdate
@@ -57,11 +64,22 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 
 
 @dataclass
+class SharedGrad:
+    """The output gradient cast once for a backward's dgrad and wgrad: `rows` [tokens, out] for
+    dgrad (dropped once used), `transposed` [out, tokens] for wgrad, and their scale."""
+
+    rows: torch.Tensor | None
+    transposed: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass
 class WeightCache:
-    """A weight's FP8 cast (`data` = fp8(weight * scale)) and, once dgrad asked, its column-major
-    copy; valid while the weight is `weight` (or an alias of it) at `version` and the scales at
-    `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not when the cast was
-    made by an evaluation forward)."""
+    """A weight's FP8 cast (`data` = fp8(weight * scale)) and its column-major copy (written by the
+    same cast when a training forward or dgrad filled the cache, else copied once dgrad asks);
+    valid while the weight is `weight` (or an alias of it) at `version` and the scales at
+    `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not
+    when the cast was made by an evaluation forward)."""
 
     weight: weakref.ref
     version: int
@@ -107,28 +125,43 @@ class Fp8Gemm(Gemm):
     def _scales_version(self):
         return self.scaling.scales._version if isinstance(self.scaling, DelayedScaling) else None
 
-    def _cached_weight(self, weight, record: bool) -> WeightCache:
+    def _cached_weight(self, weight, record: bool, column_major: bool) -> WeightCache:
+        """The weight's cache, filled anew when stale: with its column-major copy from the same
+        pass when `column_major` (dgrad asks) or `record` (a training forward: dgrad will ask)."""
         cache = self.weight_cache
         if cache is None or not cache.holds(weight) or cache.scales_version != self._scales_version():
-            data, scale = self._quantized(WEIGHT, weight, record)
+            data, data_column_major, scale = self._cast_weight(weight, record, column_major or record)
             cache = WeightCache(weakref.ref(weight), weight._version, self._scales_version(), data, scale,
-                                recorded=record or not isinstance(self.scaling, DelayedScaling))
+                                recorded=record or not isinstance(self.scaling, DelayedScaling),
+                                column_major=data_column_major)
             self.weight_cache = cache
         elif record and not cache.recorded:  # cast by an evaluation forward: record its amax now
             self.scaling.scale(WEIGHT, weight, self.split[WEIGHT], record=True)
             cache.recorded = True
         return cache
 
-    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool, transposed: bool = False):
-        """The FP8 copy (of 2-D `tensor` transposed, contiguous, if asked) and its scale."""
+    def _cast_weight(self, weight, record: bool, column_major: bool):
+        """(FP8 weight, its column-major copy when asked else None, scale)."""
+        if not column_major:
+            data, scale = self._quantized(WEIGHT, weight, record)
+            return data, None, scale
+        (data, data_t), scale = self._quantized(WEIGHT, weight, record, layout="both")
+        return data, data_t.t(), scale
+
+    def _quantized(self, operand: int, tensor: torch.Tensor, record: bool, layout: str = "rows"):
+        """The FP8 copy and its scale; `layout` "transposed": of 2-D `tensor` transposed
+        (contiguous); "both": (row-major copy, transposed copy) from one cast."""
         dtype = self.recipe.dtype(operand)
         fused = fused_quantize(self.scaling, operand, tensor, self.split[operand], record, dtype, self.cast_impl,
-                               transposed)
+                               layout)
         if fused is not None:  # the Triton cast (CUDA): the same bytes, scale and amax as below
             return fused
         scale = self.scaling.scale(operand, tensor, self.split[operand], record)
         data = quantize(tensor, scale, dtype)
-        return (data.t().contiguous() if transposed else data), scale
+        if layout == "rows":
+            return data, scale
+        transposed = data.t().contiguous()
+        return ((data, transposed) if layout == "both" else transposed), scale
 
     def _weight(self, weight, record: bool, column_major: bool = False):
         """The FP8 weight (column-major if asked) and its scale: as all-gathered
@@ -138,7 +171,7 @@ class Fp8Gemm(Gemm):
             return weight.fp8_data, weight.fp8_scale
         if _capturing_cuda_graph():  # the graph must hold the cast: its replays follow weight updates
             return self._quantized(WEIGHT, weight, record)
-        cache = self._cached_weight(weight, record)
+        cache = self._cached_weight(weight, record, column_major)
         if not column_major:
             return cache.data, cache.scale
         if cache.column_major is None:
@@ -155,25 +188,37 @@ class Fp8Gemm(Gemm):
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
-    def dgrad(self, grad, weight):
-        grad2d = grad.reshape(-1, grad.shape[-1])
-        gq, g_scale = self._quantized(GRAD, grad2d, record=True)
+    def shared_grad(self, grad2d) -> SharedGrad | None:
+        """dy cast once, row-major and transposed (None with --no-fp8-wgrad: wgrad takes dy itself)."""
+        if not self.recipe.wgrad:
+            return None
+        (rows, transposed), scale = self._quantized(GRAD, grad2d, record=True, layout="both")
+        return SharedGrad(rows, transposed, scale)
+
+    def dgrad(self, grad, weight, shared: SharedGrad | None = None):
+        if shared is None:
+            gq, g_scale = self._quantized(GRAD, grad.reshape(-1, grad.shape[-1]), record=True)
+        else:  # wgrad needs only the transposed copy: this one is freed with dgrad's operands
+            gq, g_scale, shared.rows = shared.rows, shared.scale, None
         wq, w_scale = self._weight(weight, record=False, column_major=True)  # as in forward
         return scaled_mm(gq, g_scale, wq, w_scale, grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
-    def _fp8_wgrad(self, grad2d, x2d, out_dtype):
+    def _fp8_wgrad(self, grad2d, x2d, out_dtype, shared: SharedGrad | None):
         # dy^T row-major and x column-major, as _scaled_mm takes them: cast transposed
-        gq_t, g_scale = self._quantized(GRAD, grad2d, record=True, transposed=True)
-        xq_t, x_scale = self._quantized(INPUT, x2d, record=False, transposed=True)  # as in forward
+        if shared is None:
+            gq_t, g_scale = self._quantized(GRAD, grad2d, record=True, layout="transposed")
+        else:
+            gq_t, g_scale = shared.transposed, shared.scale
+        xq_t, x_scale = self._quantized(INPUT, x2d, record=False, layout="transposed")  # as in forward
         return scaled_mm(gq_t, g_scale, xq_t.t(), x_scale, out_dtype)
 
-    def wgrad(self, grad2d, x2d):
+    def wgrad(self, grad2d, x2d, shared: SharedGrad | None = None):
         if not self.recipe.wgrad:
             return super().wgrad(grad2d, x2d)
-        return self._fp8_wgrad(grad2d, x2d, x2d.dtype)
+        return self._fp8_wgrad(grad2d, x2d, x2d.dtype, shared)
 
-    def wgrad_accumulate(self, main_grad, grad2d, x2d):
+    def wgrad_accumulate(self, main_grad, grad2d, x2d, shared: SharedGrad | None = None):
         """_scaled_mm has no accumulate input (torch 2.13): an fp32 result, then added."""
         if not self.recipe.wgrad:
             return super().wgrad_accumulate(main_grad, grad2d, x2d)
-        main_grad.add_(self._fp8_wgrad(grad2d, x2d, torch.float32))
+        main_grad.add_(self._fp8_wgrad(grad2d, x2d, torch.float32, shared))

@@ -10,7 +10,10 @@ with (torch.distributed.fsdp's _fsdp_param.py; torchao's float8 weights use it t
   tensor); only the view / slice / copy ops FSDP2 builds its shard with keep the class
   (KEEPS_CLASS, as torchao's float8 weight keeps its own). Its fsdp_pre_all_gather casts the
   shard to FP8 with the weight's scale: the all-gather moves one byte per element instead of two
-  (bf16) or four (fp32).
+  (bf16) or four (fp32). The cast is the fused one (megalite/kernels/fp8_cast.py, one Triton
+  pass on a contiguous CUDA shard: with delayed scaling the amax goes into the history from the
+  same read; tensorwise, the amax pass of GatheredWeightScales too) where it applies, the torch
+  ops elsewhere, with the same bytes, scale and amax.
 - Fp8GatheredWeight: the unsharded parameter: the gathered FP8 weight and its scale, with the
   shape and dtype of the 16-bit weight (what autograd and FSDP2 see; the weight gradient is an
   ordinary 16-bit / fp32 tensor, reduce-scattered as before). Fp8Gemm multiplies its FP8 data
@@ -31,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from megalite.parallel.tensor.fp8_scaling import FP8_MAX, WEIGHT, DelayedScaling, amax_of, quantize, scale_from_amax
+from megalite.kernels.fp8_cast import fp8_amax, fp8_cast
+from megalite.parallel.tensor.fp8_fused_cast import fused_quantize
+from megalite.parallel.tensor.fp8_scaling import FP8_MAX, WEIGHT, DelayedScaling, scale_from_amax
 
 # the ops FSDP2 builds and updates its shard with, which keep the class (the others: plain results)
 _ATEN = torch.ops.aten
@@ -77,10 +82,7 @@ class Fp8ShardedWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """(the shard in FP8, padded to FSDP2's shard size), (its scale,); `module` is the linear."""
-        shard = self.tensor
-        gemm = module.gemm
-        scale = gathered_weight_scale(gemm, shard, mesh.get_group())
-        data = quantize(shard, scale, gemm.recipe.dtype(WEIGHT))
+        data, scale = cast_shard(module.gemm, self.tensor, mesh.get_group())
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first's rows
         if data.shape[0] < rows:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
@@ -118,6 +120,18 @@ class Fp8GatheredWeight(torch.Tensor):
                                   "multiplied by its FP8 linear's GEMMs")
 
 
+def cast_shard(gemm, shard: torch.Tensor, fsdp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`shard` in FP8, its scale): delayed scaling in one fused pass where it applies (the cast
+    and the amax into the history); else the scale (gathered_weight_scale), then the cast."""
+    dtype = gemm.recipe.dtype(WEIGHT)
+    if isinstance(gemm.scaling, DelayedScaling):
+        fused = fused_quantize(gemm.scaling, WEIGHT, shard, True, True, dtype, gemm.cast_impl)
+        if fused is not None:
+            return fused
+    scale = gathered_weight_scale(gemm, shard, fsdp_group)
+    return fp8_cast(shard, scale, dtype, impl=gemm.cast_impl), scale
+
+
 def gathered_weight_scale(gemm, shard: torch.Tensor, fsdp_group) -> torch.Tensor:
     """The scale `gemm`'s weight is cast to FP8 with before its all-gather."""
     if isinstance(gemm.scaling, DelayedScaling):
@@ -131,7 +145,7 @@ def gathered_weight_scale(gemm, shard: torch.Tensor, fsdp_group) -> torch.Tensor
 
 def tensorwise_scales(gemms, shards, groups) -> torch.Tensor:
     """fp8_max / amax of each whole weight: the shards' amaxes (one tensor) MAX-reduced over `groups`."""
-    amax = torch.stack([amax_of(s) for s in shards])
+    amax = torch.stack([fp8_amax(s, impl=g.cast_impl) for g, s in zip(gemms, shards)])
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)

@@ -9,7 +9,9 @@ tensor-parallel linear's forward and backward multiply through.
 or tensorwise scaling) is another class with the same four methods, one instance per layer so
 that it can hold its amax histories and scales: fprop quantizes x and W, dgrad dy and W^T,
 wgrad dy^T and x, each a scaled GEMM with an fp32 or bf16 result; wgrad_accumulate asks that
-GEMM for an fp32 result added to main_grad. Nothing else changes: the layers, the collectives
+GEMM for an fp32 result added to main_grad. A backward that runs both dgrad and wgrad first asks
+`shared_grad` for what the two may share of dy (an FP8 strategy: one cast writing dy in both
+layouts, its amax recorded once) and hands it to both. Nothing else changes: the layers, the collectives
 around the GEMMs and the sink below are the same for both. Not yet routed through the
 strategy (an FP8 one must be): --tp-comm-overlap's chunked fprop and dgrad GEMMs
 (overlapped_linear.py) and the deferred output layer's dgrad (deferred_wgrad.py), which call
@@ -48,14 +50,20 @@ class Gemm:
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def shared_grad(self, grad2d: torch.Tensor):
+        """What dgrad and wgrad of one backward share of the output gradient grad2d [tokens, out],
+        passed to both as `shared`: None here (each GEMM takes grad itself)."""
+        return None
+
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor, shared=None) -> torch.Tensor:
         return grad.matmul(weight)
 
-    def wgrad(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    def wgrad(self, grad2d: torch.Tensor, x2d: torch.Tensor, shared=None) -> torch.Tensor:
         """dy^T x, [out, in], in the operands' dtype."""
         return grad2d.t().mm(x2d)
 
-    def wgrad_accumulate(self, main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor) -> None:
+    def wgrad_accumulate(self, main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor,
+                         shared=None) -> None:
         """main_grad += dy^T x, accumulated in main_grad's dtype inside the GEMM.
 
         CUDA, 16-bit operands, fp32 main_grad: one addmm with out_dtype=float32 (the GEMM
@@ -101,15 +109,16 @@ def fuses_into_main_grad(weight: torch.Tensor) -> bool:
 
 
 def weight_gradient(weight: torch.Tensor, wanted: bool | None, grad2d: torch.Tensor, x2d: torch.Tensor,
-                    gemm: Gemm = DEFAULT_GEMM) -> torch.Tensor | None:
+                    gemm: Gemm = DEFAULT_GEMM, shared=None) -> torch.Tensor | None:
     """What a linear's backward returns for `weight`. `wanted` is engine_wants(gradient_node(
     weight)), or None where the engine cannot be asked (torch.compile traces the backward):
     False: not formed (None). True and the weight fuses: added to main_grad here (None).
-    Otherwise the weight gradient, for autograd. grad2d [tokens, out], x2d [tokens, in]."""
+    Otherwise the weight gradient, for autograd. grad2d [tokens, out], x2d [tokens, in];
+    `shared`: gemm.shared_grad(grad2d) when dgrad took it too."""
     if wanted is False:
         return None
     if wanted and fuses_into_main_grad(weight):
-        gemm.wgrad_accumulate(weight.main_grad, grad2d, x2d)
+        gemm.wgrad_accumulate(weight.main_grad, grad2d, x2d, shared)
         weight.grad_added_to_main_grad = True
         return None
-    return gemm.wgrad(grad2d, x2d)
+    return gemm.wgrad(grad2d, x2d, shared)

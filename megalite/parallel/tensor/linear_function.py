@@ -45,18 +45,19 @@ def bulk_backward(x, weight, grad, group, need_input: bool, want_weight: bool | 
     if need_weight:
         total = x.new_empty((n * x.shape[0], *x.shape[1:]))
         gathering = _start(dist.all_gather_single, total, x.contiguous(), group)
-    grad_total = gemm.dgrad(grad, weight) if need_input else None
+    grad2d = grad.reshape(-1, grad.shape[-1])
+    shared = gemm.shared_grad(grad2d) if need_input and need_weight else None
+    grad_total = gemm.dgrad(grad, weight, shared) if need_input else None
     if need_weight:
         _wait(gathering)
     grad_x = scattering = None
     if need_input:
         grad_x = grad_total.new_empty((x.shape[0], *grad_total.shape[1:]))
         scattering = _start(comm.reduce_scatter_into, grad_x, grad_total.contiguous(), group)
-    grad2d = grad.reshape(-1, grad.shape[-1])
     grad_weight = None
     if need_weight:
         grad_weight = weight_gradient(weight if param is None else param, want_weight, grad2d,
-                                      total.reshape(-1, total.shape[-1]), gemm)
+                                      total.reshape(-1, total.shape[-1]), gemm, shared)
     grad_bias = grad2d.sum(0) if need_bias else None
     _wait(scattering)
     return grad_x, grad_weight, grad_bias
@@ -100,12 +101,14 @@ class _TensorParallelLinear(torch.autograd.Function):
         if ctx.gather:
             grads = bulk_backward(x, weight, grad, ctx.group, need_input, want_weight, need_bias, ctx.gemm, ctx.param)
             return (*grads, None, None, None)
-        grad_x = ctx.gemm.dgrad(grad, weight) if need_input else None
         grad2d = grad.reshape(-1, grad.shape[-1])
+        # dy cast once for both GEMMs when this backward runs both (not a zero-bubble B or W pass)
+        shared = ctx.gemm.shared_grad(grad2d) if need_input and want_weight is not False else None
+        grad_x = ctx.gemm.dgrad(grad, weight, shared) if need_input else None
         grad_weight = None
         if want_weight is not False:
             param = weight if ctx.param is None else ctx.param
-            grad_weight = weight_gradient(param, want_weight, grad2d, x.reshape(-1, x.shape[-1]), ctx.gemm)
+            grad_weight = weight_gradient(param, want_weight, grad2d, x.reshape(-1, x.shape[-1]), ctx.gemm, shared)
         return grad_x, grad_weight, grad2d.sum(0) if need_bias else None, None, None, None
 
 

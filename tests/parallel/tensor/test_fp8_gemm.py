@@ -84,7 +84,44 @@ def test_hybrid_quantizes_gradients_to_e5m2_and_the_rest_to_e4m3(monkeypatch, fm
     grads = {d for shape, d in seen if shape == (15, 32)}
     others = {d for shape, d in seen if shape != (15, 32)}
     assert grads == {grad_dtype} and others == {E4M3}, seen
-    assert len(seen) == 5  # fprop x, W; dgrad dy (W: the cached cast); wgrad dy, x
+    # fprop x, W (with its column-major copy for dgrad); dy once for dgrad and wgrad; wgrad's x
+    assert [shape for shape, _ in seen] == [(15, 48), (32, 48), (15, 32), (15, 48)]
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
+def test_a_split_backward_casts_dy_in_the_layout_each_half_needs(monkeypatch, scaling):
+    """A full backward casts dy once in both layouts (dgrad row-major, wgrad transposed); a
+    zero-bubble B pass (input gradient only) casts it row-major, its W pass (weight gradient
+    only) transposed: each half as it needs, with the full backward's gradients and amaxes."""
+    recipe = Fp8Recipe(format="hybrid", scaling=scaling)
+    casts, real = [], Fp8Gemm._quantized
+
+    def spy(gemm, operand, tensor, record, layout="rows"):
+        casts.append((operand, layout))
+        return real(gemm, operand, tensor, record, layout)
+
+    monkeypatch.setattr(Fp8Gemm, "_quantized", spy)
+    x, w, b, dy = _operands()
+    results = {}
+    for split in (False, True):
+        scaling_state = DelayedScaling(recipe) if scaling == "delayed" else TensorwiseScaling(recipe)
+        gemm = Fp8Gemm(recipe, scaling_state, "column")
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = tensor_parallel_linear(xs, ws, b, gemm)
+        casts.clear()
+        if split:
+            (dx,) = torch.autograd.grad(y, xs, dy, retain_graph=True)
+            b_casts = list(casts)
+            (dw,) = torch.autograd.grad(y, ws, dy)
+            assert b_casts == [(GRAD, "rows")] and casts[1:] == [(GRAD, "transposed"), (INPUT, "transposed")]
+        else:
+            dx, dw = torch.autograd.grad(y, (xs, ws), dy)
+            assert casts == [(GRAD, "both"), (INPUT, "transposed")]
+        history = scaling_state.amax_history.clone() if scaling == "delayed" else None
+        results[split] = (dx, dw, history)
+    assert all(torch.equal(a, b) for a, b in zip(results[False][:2], results[True][:2]))
+    if scaling == "delayed":
+        assert torch.equal(results[False][2], results[True][2])
 
 
 def test_no_fp8_wgrad_keeps_the_weight_gradient_gemm_16_bit(monkeypatch):

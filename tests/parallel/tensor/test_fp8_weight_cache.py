@@ -39,9 +39,9 @@ def _run(recipe: Fp8Recipe, monkeypatch, cached: bool) -> dict:
         casts[0] += tensor.data_ptr() in weights
         return real_quantize(tensor, scale, dtype)
 
-    def uncached_lookup(gemm, weight, record):  # the reference: a fresh cast at every use
+    def uncached_lookup(gemm, weight, record, column_major):  # the reference: a fresh cast at every use
         gemm.drop_weight_cache()
-        return real_lookup(gemm, weight, record)
+        return real_lookup(gemm, weight, record, column_major)
 
     def counting_block_cast(tensor, dtype):  # blockwise: only weights are cast in 128x128 blocks
         casts[0] += 1
