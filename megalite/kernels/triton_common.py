@@ -194,12 +194,12 @@ class DirectLauncher:
         key = [device, *kwargs.values()]
         append = key.append
         for a in args:
-            kind = type(a)
-            if kind is int:
-                append(1 if a == 1 else (a & 15) == 0 if -2**31 <= a < 2**31 else ((a & 15) == 0, a >= 2**63))
-            elif kind in _PLAIN:
+            kind = a.__class__
+            if kind is _TENSOR or kind is _PARAMETER:
                 append(a.dtype)
                 append((a.data_ptr() & 15) == 0)
+            elif kind is int:
+                append(1 if a == 1 else (a & 15) == 0 if -2**31 <= a < 2**31 else ((a & 15) == 0, a >= 2**63))
             elif a is None:
                 append(None)
             elif kind is float:
@@ -214,7 +214,23 @@ class DirectLauncher:
                 self.compiled[key] = (compiled, tuple(kwargs[name] for name in self.names[len(args):]))
             return
         compiled, constexprs = found
-        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+        grid = (*grid, 1, 1)
+        enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+        if _hook_set(enter) or _hook_set(leave):  # a profiler's hooks want the launch metadata: Triton's runner
+            compiled[grid[:3]](*args, *constexprs)
+            return
+        # What CompiledKernel[grid](*args) does with no launch hooks, without building its runner
+        # closure and launch metadata every call.
+        compiled.run(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *constexprs)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook would do anything: not None and, for Triton 3.5+'s HookChain, not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 if INTERPRETED or not hasattr(triton, "knobs"):
@@ -224,6 +240,8 @@ if INTERPRETED or not hasattr(triton, "knobs"):
 else:
     from triton.compiler import CompiledKernel
     from triton.runtime.driver import driver as _driver
+
+    _RUNTIME = triton.knobs.runtime
 
     _LAUNCHERS: dict[int, DirectLauncher] = {}
 
