@@ -8,8 +8,8 @@ Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns (abo
 a program, 16 a thread), writing y and the per-row fp32 rstd (and mean for LayerNorm).
 Backward: a fixed number of persistent programs (as many as fit on the GPU at once) loop over
 the rows, write dx and keep fp32 partial sums of dweight/dbias in registers; a second small
-kernel sums the [programs, h] partials over the programs and writes dweight/dbias (in the
-parameters' dtypes on the eager path), instead of a torch sum and cast per parameter.
+kernel (triton_common.launch_column_sums) sums the [programs, h] partials and writes
+dweight/dbias (in the parameters' dtypes on the eager path), not a torch sum and cast each.
 """
 
 import functools
@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from megalite.kernels.dispatch import as_rows, rows_of
-from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, direct, eager_path, kernel_op,
+from megalite.kernels.triton_common import (apply, cached_column_sums_launch, cached_sm_count, cdiv,
+                                            column_sums_launch, direct, eager_path, kernel_op, launch_column_sums,
                                             op_wrap_triton, persistent_programs, reduce_sum, rows_per_program,
                                             sm_count, to_dtype, warps_for)
 
@@ -100,27 +101,6 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
         tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_ok)
 
 
-@triton.jit
-def _norm_param_grad_kernel(DW_PART, DB_PART, DW, DB, n_parts, n_cols,
-                            HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dweight (and dbias) [n_cols]: the sums of the backward's [n_parts, n_cols] fp32 partials over
-    its programs, BLOCK_P partials at a time, rounded once to DW's (DB's) dtype."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    dw = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
-    db = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        mask = (parts < n_parts)[:, None] & col_ok[None, :]
-        offsets = parts[:, None] * n_cols + cols[None, :]
-        dw += reduce_sum(tl.load(DW_PART + offsets, mask=mask, other=0.0), axis=0)
-        if HAS_BIAS:
-            db += reduce_sum(tl.load(DB_PART + offsets, mask=mask, other=0.0), axis=0)
-    tl.store(DW + cols, to_dtype(dw, DW.dtype.element_ty), mask=col_ok)
-    if HAS_BIAS:
-        tl.store(DB + cols, to_dtype(db, DB.dtype.element_ty), mask=col_ok)
-
-
 def forward_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward: whole rows, 16 fp32 values per thread."""
     block_n = triton.next_power_of_2(n_cols)
@@ -141,17 +121,8 @@ def backward_launch(n_rows: int, n_cols: int, sms: int | None) -> tuple[int, int
     return persistent_programs(n_rows, num_warps, sms), 1, block_n, num_warps
 
 
-def param_grad_launch(n_parts: int, n_cols: int) -> tuple[int, int, int, int]:
-    """(column blocks, BLOCK_P, BLOCK_N, num_warps) of the dweight/dbias sum: tiles of about 4096
-    partials, 128 columns wide, 16 fp32 values per thread (both sums: 32)."""
-    block_n = min(128, triton.next_power_of_2(n_cols))
-    block_p = max(1, min(triton.next_power_of_2(n_parts), 4096 // block_n))
-    return cdiv(n_cols, block_n), block_p, block_n, warps_for(block_p * block_n, 16)
-
-
 _cached_forward_tiles = functools.lru_cache(maxsize=256)(forward_tiles)
 _cached_backward_launch = functools.lru_cache(maxsize=256)(backward_launch)
-_cached_param_grad_launch = functools.lru_cache(maxsize=256)(param_grad_launch)
 
 
 def _launch_forward(x, weight, bias, y, mean, rstd, eps, is_rms, rows, tiles, wrap_triton):
@@ -170,16 +141,6 @@ def _launch_backward(dy, x, weight, dx, mean, rstd, dw_part, db_part, is_rms, ro
     wrap_triton(_norm_bwd_kernel)[(programs,)](
         x, weight, dy, dx, mean, rstd, dw_part, db_part, n_rows, n_cols, stride_x, stride_dy, n_cols,
         IS_RMS=is_rms, HAS_BIAS=db_part is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-
-
-def _launch_param_grads(dw_part, db_part, dw, db, launch, wrap_triton):
-    """dw (db) [h] = the sums over the programs of dw_part (db_part) [programs, h]; db_part None
-    without a bias."""
-    n_parts, n_cols = dw_part.shape
-    col_blocks, block_p, block_n, num_warps = launch
-    wrap_triton(_norm_param_grad_kernel)[(col_blocks,)](
-        dw_part, db_part, dw, db, n_parts, n_cols,
-        HAS_BIAS=db_part is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps)
 
 
 def _norm_forward_fake(x2d, weight, bias, eps, is_rms):
@@ -222,8 +183,8 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, h
                      is_rms, (n_rows, n_cols, x2d.stride(0)), dy2d.stride(0), launch, op_wrap_triton)
     dw = torch.empty(n_cols, dtype=torch.float32, device=x2d.device)
     db = torch.empty(n_cols if has_bias else 0, dtype=torch.float32, device=x2d.device)
-    _launch_param_grads(dw_part, db_part if has_bias else None, dw, db if has_bias else None,
-                        param_grad_launch(launch[0], n_cols), op_wrap_triton)
+    launch_column_sums(dw_part, db_part if has_bias else None, dw, db if has_bias else None,
+                       column_sums_launch(launch[0], n_cols), op_wrap_triton)
     return dx, dw, db
 
 
@@ -284,7 +245,7 @@ class NormFunction(torch.autograd.Function):
                          stride_dy, launch, direct)
         dw = x.new_empty(n_cols, dtype=weight.dtype)
         db = None if bias_dtype is None else x.new_empty(n_cols, dtype=bias_dtype)
-        _launch_param_grads(dw_part, db_part, dw, db, _cached_param_grad_launch(launch[0], n_cols), direct)
+        launch_column_sums(dw_part, db_part, dw, db, cached_column_sums_launch(launch[0], n_cols), direct)
         needs = ctx.needs_input_grad
         return dx, dw if needs[1] else None, db if needs[2] else None, None, None
 

@@ -121,6 +121,49 @@ def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
+@triton.jit
+def _column_sums_kernel(A_PART, B_PART, A, B, n_parts, n_cols,
+                        HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (and B) [n_cols]: the column sums of the fp32 partials A_PART (B_PART) [n_parts, n_cols]
+    (contiguous), BLOCK_P rows at a time, rounded once to A's (B's) dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    a = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    b = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_ok[None, :]
+        offsets = parts[:, None].to(tl.int64) * n_cols + cols[None, :]
+        a += reduce_sum(tl.load(A_PART + offsets, mask=mask, other=0.0), axis=0)
+        if HAS_B:
+            b += reduce_sum(tl.load(B_PART + offsets, mask=mask, other=0.0), axis=0)
+    tl.store(A + cols, to_dtype(a, A.dtype.element_ty), mask=col_ok)
+    if HAS_B:
+        tl.store(B + cols, to_dtype(b, B.dtype.element_ty), mask=col_ok)
+
+
+def column_sums_launch(n_parts: int, n_cols: int) -> tuple[int, int, int, int]:
+    """(column blocks, BLOCK_P, BLOCK_N, num_warps) of _column_sums_kernel: tiles of about 4096
+    partials, at most 128 columns wide, 16 values of each sum's tile per thread."""
+    block_n = min(128, triton.next_power_of_2(n_cols))
+    block_p = max(1, min(triton.next_power_of_2(n_parts), 4096 // block_n))
+    return cdiv(n_cols, block_n), block_p, block_n, warps_for(block_p * block_n, 16)
+
+
+cached_column_sums_launch = functools.lru_cache(maxsize=256)(column_sums_launch)
+
+
+def launch_column_sums(a_part, b_part, a, b, launch, wrap_triton) -> None:
+    """a (b) [h] = the sums over rows of the fp32 partials a_part (b_part) [parts, h], in a's (b's)
+    dtype: the parameter gradients of the kernels that leave per-program partial sums, in one
+    launch instead of a torch sum and cast each. b_part and b None for one sum."""
+    n_parts, n_cols = a_part.shape
+    col_blocks, block_p, block_n, num_warps = launch
+    wrap_triton(_column_sums_kernel)[(col_blocks,)](
+        a_part, b_part, a, b, n_parts, n_cols, HAS_B=b_part is not None, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=num_warps)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints (and SymInts): triton.cdiv's arithmetic without its per-call overhead."""
     return -(-a // b)
