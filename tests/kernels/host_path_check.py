@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "benchmarks"))
 
@@ -75,6 +76,30 @@ for _ in range(2):
     before = len(launches)
     torch.autograd.grad(kernels.layer_norm(x, w, b, impl="triton"), [x, w, b], dy)
     layer_norm_calls.append(len(launches) - before)
-json.dump({"calls": calls, "layer_norm_launches": layer_norm_calls, "torch_reductions": torch_reductions,
+# A profiler's launch hook (Triton's launch_enter_hook) needs the launch metadata that Triton's
+# runner (CompiledKernel[grid]) builds: with one set, launches go through the runner; without, not.
+from triton.compiler import CompiledKernel  # noqa: E402
+
+runner_calls = []
+original_getitem = CompiledKernel.__getitem__
+CompiledKernel.__getitem__ = lambda self, grid: runner_calls.append(grid) or original_getitem(self, grid)
+hook_runner_calls = []
+chain = triton.knobs.runtime.launch_enter_hook  # a HookChain from Triton 3.5 on, else None or a function
+for hooked in (False, True):
+    hook = lambda metadata: None  # noqa: E731
+    if hooked:
+        if hasattr(chain, "add"):
+            chain.add(hook)
+        else:
+            triton.knobs.runtime.launch_enter_hook = hook
+    before = len(runner_calls)
+    kernels.rms_norm(x.detach(), w.detach(), impl="triton")
+    hook_runner_calls.append(len(runner_calls) - before)
+    if hooked:
+        if hasattr(chain, "add"):
+            chain.remove(hook)
+        else:
+            triton.knobs.runtime.launch_enter_hook = chain
+json.dump({"calls": calls, "hook_runner_calls": hook_runner_calls, "layer_norm_launches": layer_norm_calls, "torch_reductions": torch_reductions,
            "misaligned_runs": misaligned_runs, "specialisations": specialisations, "launcher": type(launcher).__name__},
           sys.stdout)
