@@ -95,10 +95,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: in
     if use and target.dtype == torch.int64 and (group is None or dist.get_world_size(group) == 1):
         from megalite.kernels import cross_entropy_triton
 
-        loss = cross_entropy_triton.unsharded_loss(logits2d, target.contiguous().view(-1), int(vocab_start),
-                                                   valid_vocab, float(label_smoothing), bool(inplace_backward))
+        flat = target if target.dim() == 1 and target.is_contiguous() else target.contiguous().view(-1)
+        loss = cross_entropy_triton.unsharded_loss(logits2d, flat, int(vocab_start), valid_vocab,
+                                                   float(label_smoothing), bool(inplace_backward))
         if loss is not None:  # the eager path; under torch.compile or a dispatch mode, the operators below
-            return loss.view(target.shape)
+            return loss if flat is target else loss.view(target.shape)
     local_target = target.reshape(-1).long() - int(vocab_start)
     local_target = torch.where((local_target >= 0) & (local_target < valid_vocab), local_target, -1)
     statistics = _global_statistics(logits2d.detach(), local_target, valid_vocab, group, float(label_smoothing), use)
