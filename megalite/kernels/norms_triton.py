@@ -19,10 +19,9 @@ import triton
 import triton.language as tl
 
 from megalite.kernels.dispatch import as_rows, rows_of
-from megalite.kernels.triton_common import (apply, cached_column_sums_launch, cached_sm_count, cdiv,
-                                            column_sums_launch, direct, eager_path, kernel_op, launch_column_sums,
-                                            op_wrap_triton, persistent_programs, reduce_sum, rows_per_program,
-                                            sm_count, to_dtype, warps_for)
+from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, column_sums_launch, direct, eager_path,
+                                            kernel_op, launch_column_sums, op_wrap_triton, persistent_programs,
+                                            reduce_sum, rows_per_program, sm_count, to_dtype, warps_for)
 
 
 @triton.jit
@@ -122,7 +121,15 @@ def backward_launch(n_rows: int, n_cols: int, sms: int | None) -> tuple[int, int
 
 
 _cached_forward_tiles = functools.lru_cache(maxsize=256)(forward_tiles)
-_cached_backward_launch = functools.lru_cache(maxsize=256)(backward_launch)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(n_rows: int, n_cols: int, device_index: int) -> tuple[tuple, tuple]:
+    """(backward_launch, column_sums_launch) of the eager backward on CUDA device `device_index`
+    (-1: the CPU, under the interpreter), looked up once per shape."""
+    device = torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu")
+    launch = backward_launch(n_rows, n_cols, cached_sm_count(device))
+    return launch, column_sums_launch(launch[0], n_cols)
 
 
 def _launch_forward(x, weight, bias, y, mean, rstd, eps, is_rms, rows, tiles, wrap_triton):
@@ -237,7 +244,7 @@ class NormFunction(torch.autograd.Function):
         is_rms, bias_dtype, n_rows, stride_x, shape = ctx.meta
         dy, _, stride_dy = rows_of(dy)
         n_cols = x.shape[-1]
-        launch = _cached_backward_launch(n_rows, n_cols, cached_sm_count(x.device))
+        launch, sums_launch = _backward_plan(n_rows, n_cols, x.get_device())
         dx = torch.empty_like(x) if x.shape == shape else x.new_empty(shape)  # contiguous either way
         dw_part = x.new_empty((launch[0], n_cols), dtype=torch.float32)
         db_part = None if bias_dtype is None else x.new_empty((launch[0], n_cols), dtype=torch.float32)
@@ -245,7 +252,7 @@ class NormFunction(torch.autograd.Function):
                          stride_dy, launch, direct)
         dw = x.new_empty(n_cols, dtype=weight.dtype)
         db = None if bias_dtype is None else x.new_empty(n_cols, dtype=bias_dtype)
-        launch_column_sums(dw_part, db_part, dw, db, cached_column_sums_launch(launch[0], n_cols), direct)
+        launch_column_sums(dw_part, db_part, dw, db, sums_launch, direct)
         needs = ctx.needs_input_grad
         return dx, dw if needs[1] else None, db if needs[2] else None, None, None
 
