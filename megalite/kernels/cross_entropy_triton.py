@@ -29,11 +29,10 @@ def _local_target(TARGET, row, target_offset, n_valid):
 
 
 @triton.jit
-def _ce_stats_kernel(LOGITS, TARGET, OUT, n_rows, stride_row, n_valid, target_offset, smooth,
-                     NEED_SUM: tl.constexpr, MAX_MINUS_TARGET: tl.constexpr, WRITE_SMOOTH: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+def _ce_stats_kernel(LOGITS, TARGET, OUT, n_rows, stride_row, n_valid, target_offset,
+                     NEED_SUM: tl.constexpr, MAX_MINUS_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
     """OUT: [max | sum exp(z - max) | z_target (max - z_target with MAX_MINUS_TARGET) | (sum z)],
-    n_rows each, then with WRITE_SMOOTH `smooth` in one more element."""
+    n_rows each."""
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -63,16 +62,13 @@ def _ce_stats_kernel(LOGITS, TARGET, OUT, n_rows, stride_row, n_valid, target_of
     if MAX_MINUS_TARGET:
         z_t = m - z_t  # the loss's (max - z_target), as loss_from_statistics computes it
     tl.store(OUT + 2 * n_rows + row, z_t)
-    if WRITE_SMOOTH:
-        if NEED_SUM:
-            tl.store(OUT + 4 * n_rows, smooth, mask=row == 0)
-        else:
-            tl.store(OUT + 3 * n_rows, smooth, mask=row == 0)
 
 
 @triton.jit
 def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, stride_row, stride_grad, n_cols,
-                    n_valid, target_offset, target_weight, BLOCK_V: tl.constexpr):
+                    n_valid, target_offset, target_weight, smooth_value, BLOCK_V: tl.constexpr):
+    """SMOOTH: a 1-element tensor holding label_smoothing / V (the sharded statistics' V is a
+    device value), or None for the float smooth_value."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < n_cols
@@ -82,7 +78,10 @@ def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, s
     log_sum = tl.load(LOG_SUM + row)
     g = tl.load(GRAD_LOSS + row)
     target = _local_target(TARGET, row, target_offset, n_valid)
-    smooth_weight = tl.load(SMOOTH)
+    if SMOOTH is None:
+        smooth_weight = smooth_value
+    else:
+        smooth_weight = tl.load(SMOOTH)
     # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V on the real vocabulary, 0 on padding.
     # softmax as exp((z - max) - log sum): exact where max + log sum would round at large logits.
     grad = tl.exp((z - row_max) - log_sum) - smooth_weight - tl.where(cols == target, target_weight, 0.0)
@@ -96,19 +95,18 @@ def _block_v(n: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-def _launch_stats(logits2d, target, out, n_valid, target_offset, need_sum, max_minus_target, smooth, wrap_triton):
-    """out: contiguous fp32 [3 or 4, rows], or [4 or 5, rows] with smooth (a float) written at the last row's start."""
+def _launch_stats(logits2d, target, out, n_valid, target_offset, need_sum, max_minus_target, wrap_triton):
+    """out: contiguous fp32 [3 or 4, rows]."""
     n_rows = logits2d.shape[0]
     block_v, num_warps = _block_v(n_valid)
     wrap_triton(_ce_stats_kernel)[(n_rows,)](
-        logits2d, target, out, n_rows, logits2d.stride(0), n_valid, target_offset, 0.0 if smooth is None else smooth,
-        NEED_SUM=need_sum, MAX_MINUS_TARGET=max_minus_target, WRITE_SMOOTH=smooth is not None, BLOCK_V=block_v,
-        num_warps=num_warps)
+        logits2d, target, out, n_rows, logits2d.stride(0), n_valid, target_offset,
+        NEED_SUM=need_sum, MAX_MINUS_TARGET=max_minus_target, BLOCK_V=block_v, num_warps=num_warps)
 
 
 def _local_stats(logits2d, local_target, n_valid, need_sum, wrap_triton):
     out = torch.empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32, device=logits2d.device)
-    _launch_stats(logits2d, local_target, out, n_valid, 0, need_sum, False, None, wrap_triton)
+    _launch_stats(logits2d, local_target, out, n_valid, 0, need_sum, False, wrap_triton)
     return out
 
 
@@ -123,12 +121,14 @@ def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int
 
 def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth,
                  wrap_triton, target_offset=0):
-    """local_target: targets less target_offset are this shard's columns (the rest are masked in the kernel)."""
+    """local_target: targets less target_offset are this shard's columns (the rest are masked in the
+    kernel); smooth: a 1-element tensor, or a float, holding label_smoothing / V."""
     n_rows, n_cols = logits2d.shape
     block_v, num_warps = _block_v(n_cols)
     wrap_triton(_ce_grad_kernel)[(n_rows, cdiv(n_cols, block_v))](
-        logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols,
-        n_valid, target_offset, 1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
+        logits2d, grad, local_target, row_max, log_sum, grad_loss, None if smooth.__class__ is float else smooth,
+        logits2d.stride(0), grad.stride(0), n_cols, n_valid, target_offset, 1.0 - label_smoothing,
+        smooth if smooth.__class__ is float else 0.0, BLOCK_V=block_v, num_warps=num_warps)
 
 
 @kernel_op("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
@@ -204,24 +204,21 @@ def loss(*args) -> torch.Tensor:
 
 
 def _unsharded_forward(logits2d, target, vocab_start, valid_vocab, label_smoothing):
-    """(loss, row max, log sum exp(z - max), smooth) of an unsharded vocabulary from one launch: the
-    statistics kernel masks the global targets itself, writes label_smoothing / V for the gradient
-    and, without smoothing, max - z_target, so that the loss is a log and an add on the host.
-    The same numbers as the operator path (cross_entropy._global_statistics, loss_from_statistics)."""
+    """(loss, statistics [3 or 4, N] whose first row is the row max, log sum exp(z - max)) of an
+    unsharded vocabulary from one launch: the statistics kernel masks the global targets itself
+    and, without smoothing, writes max - z_target, so that the loss is a log and an add on the
+    host. The same numbers as the operator path (cross_entropy._global_statistics, loss_from_statistics)."""
     n_rows = logits2d.shape[0]
     need_sum = label_smoothing > 0
-    # [max, sum exp, third, (sum z,) smooth]: smooth is the first element of its row
-    out = torch.empty(((5 if need_sum else 4), n_rows), dtype=torch.float32, device=logits2d.device)
-    smooth = label_smoothing / valid_vocab
-    _launch_stats(logits2d, target, out, valid_vocab, vocab_start, need_sum, not need_sum, smooth, direct)
-    row_max, sum_exp, third, *rest = out.unbind(0)
-    log_sum_exp = torch.log(sum_exp)
+    out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
+    _launch_stats(logits2d, target, out, valid_vocab, vocab_start, need_sum, not need_sum, direct)
+    log_sum_exp = torch.log(out[1])
     if need_sum:
-        loss = _loss_from_statistics(logits2d, None, row_max, log_sum_exp, third, rest[0] / valid_vocab, rest[1],
+        loss = _loss_from_statistics(logits2d, None, out[0], log_sum_exp, out[2], out[3] / valid_vocab, None,
                                      valid_vocab, label_smoothing, False)
     else:
-        loss = log_sum_exp + third  # third: max - z_target
-    return loss, row_max, log_sum_exp, rest[-1]
+        loss = log_sum_exp + out[2]  # out[2]: max - z_target
+    return loss, out, log_sum_exp
 
 
 class UnshardedLoss(torch.autograd.Function):
@@ -230,20 +227,21 @@ class UnshardedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits2d, target, vocab_start, valid_vocab, label_smoothing, inplace_backward):
-        loss, row_max, log_sum_exp, smooth = _unsharded_forward(logits2d, target, vocab_start, valid_vocab,
-                                                                label_smoothing)
-        ctx.save_for_backward(logits2d, target, row_max, log_sum_exp, smooth)
+        loss, stats, log_sum_exp = _unsharded_forward(logits2d, target, vocab_start, valid_vocab, label_smoothing)
+        ctx.save_for_backward(logits2d, target, stats, log_sum_exp)
         ctx.meta = (vocab_start, valid_vocab, label_smoothing, inplace_backward)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits2d, target, row_max, log_sum_exp, smooth = ctx.saved_tensors
+        logits2d, target, stats, log_sum_exp = ctx.saved_tensors
         vocab_start, valid_vocab, label_smoothing, inplace_backward = ctx.meta
         grad = logits2d if inplace_backward else torch.empty(logits2d.shape, dtype=logits2d.dtype,
                                                              device=logits2d.device)
-        _launch_grad(logits2d, grad, target, row_max, log_sum_exp, grad_loss.float().contiguous(), valid_vocab,
-                     label_smoothing, smooth, direct, vocab_start)
+        # stats as the row max (its first row); label_smoothing / V as a float, rounded to fp32 at the
+        # launch as the operator path's 1-element tensor rounds it
+        _launch_grad(logits2d, grad, target, stats, log_sum_exp, grad_loss.float().contiguous(), valid_vocab,
+                     label_smoothing, label_smoothing / valid_vocab, direct, vocab_start)
         return grad, None, None, None, None, None
 
 
