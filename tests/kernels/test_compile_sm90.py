@@ -30,7 +30,8 @@ OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_column_s
               "bias_gelu_backward": ["_bias_gelu_bwd_kernel", "_column_sums_kernel"],
               "rotary": ["_rotary_kernel"], "ce_local_stats": ["_ce_stats_kernel"],
               "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
-              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"],
+              "bias_dropout_add_forward": ["_bda_fwd_kernel"],
+              "bias_dropout_add_backward": ["_bda_bwd_kernel", "_column_sums_kernel"],
               "fp8_cast": ["_fp8_cast_kernel"], "fp8_amax": ["_fp8_cast_kernel"],
               "fp8_cast_transposed": ["_fp8_cast_t_kernel"]}
 
