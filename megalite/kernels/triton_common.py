@@ -212,8 +212,10 @@ class DirectLauncher:
     """`kernel[grid](*args, **constexprs)` for the eager path, with less host time than
     JITFunction.run: its first launch at each specialisation goes through JITFunction.run (which
     compiles, launches and returns the CompiledKernel); later launches with the same
-    specialisation launch that CompiledKernel directly (CompiledKernel[grid]), skipping run()'s
-    option parsing, argument binding and cache-key building.
+    specialisation launch that CompiledKernel directly, skipping run()'s option parsing, argument
+    binding and cache-key building: through its launcher (CompiledKernel.run, as CompiledKernel[grid]
+    calls it, without building that runner closure and the launch metadata each call) when no
+    Triton launch hook is set, through CompiledKernel[grid] when a profiler has set one.
 
     The key holds all that Triton specialises a launch on, or more: the current device (whose
     kernel cache run() uses), the constexpr and option keywords, each tensor's dtype and whether
