@@ -5,7 +5,8 @@ input instead of saving the output), and launched directly by SwigluFunction / B
 on the eager path.
 
 Bias-GeLU's backward also reduces dbias: each program writes its tile's fp32 column sums (one
-row per row block, at most 1/8 of dx's bytes) and a torch sum over row blocks finishes it.
+row per row block, at most 1/8 of dx's bytes) and a second small kernel
+(triton_common.launch_column_sums) sums them over row blocks into dbias.
 """
 
 import functools
@@ -15,8 +16,9 @@ import triton
 import triton.language as tl
 
 from megalite.kernels.dispatch import as_rows, rows_of
-from megalite.kernels.triton_common import (apply, cdiv, direct, eager_path, kernel_op, op_wrap_triton, reduce_sum,
-                                            rows_per_program, sigmoid, to_dtype, warps_for)
+from megalite.kernels.triton_common import (apply, cached_column_sums_launch, cdiv, direct, eager_path, kernel_op,
+                                            launch_column_sums, op_wrap_triton, reduce_sum, rows_per_program, sigmoid,
+                                            to_dtype, warps_for)
 
 
 @triton.jit
@@ -161,8 +163,9 @@ def _bias_gelu_forward(x, n_rows, stride_x, bias, approximate_tanh, y, tiles, wr
     return y
 
 
-def _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, launch, wrap_triton):
-    """dbias fp32 [f] (None without a bias); dx (contiguous, x's last dim) is written."""
+def _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, dbias, launch, wrap_triton):
+    """Writes dx (contiguous, x's last dim) and dbias [f] (None without a bias; fp32 on the operator
+    path, the bias's dtype on the eager path), the sum of the programs' partials in a second launch."""
     f = x.shape[-1]
     row_blocks, col_blocks, block_m, block_n, num_warps = launch
     db_part = None if bias is None else x.new_empty((row_blocks, f), dtype=torch.float32)
@@ -170,7 +173,8 @@ def _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_ta
         x, bias, dy, dx, db_part, n_rows, f, stride_x, stride_dy, f,
         HAS_BIAS=bias is not None, APPROX_TANH=approximate_tanh, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps)
-    return None if bias is None else db_part.sum(0)
+    if bias is not None:
+        launch_column_sums(db_part, None, dbias, None, cached_column_sums_launch(row_blocks, f), wrap_triton)
 
 
 @kernel_op("swiglu_forward", lambda x2d: _like_rows(x2d, x2d.shape[1] // 2))
@@ -207,9 +211,10 @@ def bias_gelu_backward(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor
     n_rows, f = x2d.shape
     launch = bias_gelu_backward_launch(n_rows, f, bias is not None)
     dx = _like_rows(x2d, f)
-    dbias = _bias_gelu_backward(dy2d, dy2d.stride(0), x2d, n_rows, x2d.stride(0), bias, approximate_tanh, dx, launch,
-                                op_wrap_triton)
-    return dx, x2d.new_empty(0, dtype=torch.float32) if dbias is None else dbias
+    dbias = x2d.new_empty(0 if bias is None else f, dtype=torch.float32)
+    _bias_gelu_backward(dy2d, dy2d.stride(0), x2d, n_rows, x2d.stride(0), bias, approximate_tanh, dx,
+                        None if bias is None else dbias, launch, op_wrap_triton)
+    return dx, dbias
 
 
 def _setup_swiglu(ctx, inputs, output):
@@ -295,8 +300,9 @@ class BiasGeluFunction(torch.autograd.Function):
         dy, _, stride_dy = rows_of(dy)
         launch = _cached_bias_gelu_backward_launch(n_rows, x.shape[-1], bias is not None)
         dx = _grad_like(x, shape)
-        dbias = _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, launch, direct)
-        return dx, dbias.to(bias.dtype) if dbias is not None and ctx.needs_input_grad[1] else None, None
+        dbias = None if bias is None else bias.new_empty(x.shape[-1])
+        _bias_gelu_backward(dy, stride_dy, x, n_rows, stride_x, bias, approximate_tanh, dx, dbias, launch, direct)
+        return dx, dbias if ctx.needs_input_grad[1] else None, None
 
 
 _apply_swiglu = super(torch.autograd.Function, SwigluFunction).apply

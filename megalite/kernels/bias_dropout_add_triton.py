@@ -20,7 +20,7 @@ fp32 scale 1 / (1 - p) rounded (as CUDA's dropout kernel), then the residual add
 p = 0 the result is residual + (x + bias) bit for bit.
 Backward: d residual = d out (the same tensor); dx = d out * keep * scale, rounded; dbias the
 column sums of dx in fp32, each program looping over ROWS_PER_PROGRAM rows and writing one row of
-partial sums (1/16 of dx's bytes), summed by torch after.
+partial sums (1/16 of dx's bytes), summed by triton_common.launch_column_sums after.
 """
 
 import functools
@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from megalite.kernels.dispatch import as_rows, rows_of
-from megalite.kernels.triton_common import (apply, cdiv, direct, eager_path, kernel_op, op_wrap_triton, reduce_sum,
-                                            to_dtype)
+from megalite.kernels.triton_common import (apply, cached_column_sums_launch, cdiv, direct, eager_path, kernel_op,
+                                            launch_column_sums, op_wrap_triton, reduce_sum, to_dtype)
 
 ROWS_PER_PROGRAM = 32  # backward: rows whose dbias partial sums one program writes as one row
 
@@ -178,8 +178,10 @@ def _launch_forward(x, bias, residual, out, seed, p, rows, launch, wrap_triton):
     return out
 
 
-def _launch_backward(dy, stride_dy, dx, seed, p, has_bias, launch, wrap_triton):
-    """dx (contiguous) is written; returns dbias fp32 [h] (None without a bias)."""
+def _launch_backward(dy, stride_dy, dx, seed, p, dbias, launch, wrap_triton):
+    """dx (contiguous) and dbias [h] (None without a bias; fp32 on the operator path, the bias's
+    dtype on the eager path) are written, dbias from the programs' fp32 partials by a second launch."""
+    has_bias = dbias is not None
     n_cols = dy.shape[-1]
     n_rows = dy.numel() // n_cols
     block_m, chunk, col_blocks, num_warps = launch
@@ -188,7 +190,8 @@ def _launch_backward(dy, stride_dy, dx, seed, p, has_bias, launch, wrap_triton):
     wrap_triton(_bda_bwd_kernel)[(programs, col_blocks)](
         dy, dx, seed, db_part, n_rows, n_cols, col_blocks, stride_dy, p, 1.0 / (1.0 - p),
         HAS_BIAS=has_bias, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, BLOCK_M=block_m, CHUNK=chunk, num_warps=num_warps)
-    return db_part.sum(0) if has_bias else None
+    if has_bias:
+        launch_column_sums(db_part, None, dbias, None, cached_column_sums_launch(programs, n_cols), wrap_triton)
 
 
 def _forward_fake(x2d, bias, residual2d, seed, p):
@@ -217,8 +220,10 @@ def bias_dropout_add_backward(dy2d: torch.Tensor, seed: torch.Tensor, p: float,
     """(dx [N, h] in dy's dtype, dbias fp32 [h] (empty without a bias)) of a forward with p > 0."""
     n_rows, n_cols = dy2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=dy2d.dtype, device=dy2d.device)
-    dbias = _launch_backward(dy2d, dy2d.stride(0), dx, seed, p, has_bias, tiles(n_rows, n_cols), op_wrap_triton)
-    return dx, dx.new_empty(0, dtype=torch.float32) if dbias is None else dbias
+    dbias = dx.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
+    _launch_backward(dy2d, dy2d.stride(0), dx, seed, p, dbias if has_bias else None, tiles(n_rows, n_cols),
+                     op_wrap_triton)
+    return dx, dbias
 
 
 def _column_sums(dy: torch.Tensor) -> torch.Tensor:
@@ -272,11 +277,12 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         if p > 0:
             dy_rows, n_rows, stride_dy = rows_of(dy)
             dx = dy.new_empty(dy.shape)
-            dbias = _launch_backward(dy_rows, stride_dy, dx, seed, p, has_bias,
-                                     _cached_tiles(n_rows, dy.shape[-1]), direct)
+            dbias = dy.new_empty(dy.shape[-1], dtype=bias_dtype) if has_bias else None
+            _launch_backward(dy_rows, stride_dy, dx, seed, p, dbias, _cached_tiles(n_rows, dy.shape[-1]), direct)
         else:
-            dx, dbias = dy, _column_sums(dy) if has_bias else None
-        dbias = dbias.to(bias_dtype) if has_bias and ctx.needs_input_grad[1] else None
+            needed = has_bias and ctx.needs_input_grad[1]
+            dx, dbias = dy, _column_sums(dy).to(bias_dtype) if needed else None
+        dbias = dbias if ctx.needs_input_grad[1] else None
         return dx, dbias, dy, None, None
 
 

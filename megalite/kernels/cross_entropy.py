@@ -78,7 +78,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: in
     if logits.dim() < 1 or not logits.is_floating_point():
         raise ValueError(f"cross_entropy: logits must be a floating-point [..., V] tensor, got {logits.dtype} "
                          f"{tuple(logits.shape)}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]) or target.is_floating_point():
+    if target.shape != logits.shape[:-1] or target.is_floating_point():
         raise ValueError(f"cross_entropy: target must be integer ids of shape {tuple(logits.shape[:-1])}, got "
                          f"{target.dtype} {tuple(target.shape)}")
     local_vocab = logits.shape[-1]
@@ -92,6 +92,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: in
     if use:
         check_triton_device("cross_entropy", logits, target)
     logits2d = as_rows(logits)
+    if use and target.dtype == torch.int64 and (group is None or dist.get_world_size(group) == 1):
+        from megalite.kernels import cross_entropy_triton
+
+        flat = target if target.dim() == 1 and target.is_contiguous() else target.contiguous().view(-1)
+        loss = cross_entropy_triton.unsharded_loss(logits2d, flat, int(vocab_start), valid_vocab,
+                                                   float(label_smoothing), bool(inplace_backward))
+        if loss is not None:  # the eager path; under torch.compile or a dispatch mode, the operators below
+            return loss if flat is target else loss.view(target.shape)
     local_target = target.reshape(-1).long() - int(vocab_start)
     local_target = torch.where((local_target >= 0) & (local_target < valid_vocab), local_target, -1)
     statistics = _global_statistics(logits2d.detach(), local_target, valid_vocab, group, float(label_smoothing), use)

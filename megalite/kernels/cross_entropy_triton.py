@@ -22,8 +22,17 @@ from megalite.kernels.triton_common import (apply, cdiv, direct, eager_path, ker
 
 
 @triton.jit
-def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_valid,
-                     NEED_SUM: tl.constexpr, BLOCK_V: tl.constexpr):
+def _local_target(TARGET, row, target_offset, n_valid):
+    """The row's target as a column of this shard's valid vocabulary, -1 where it is not one."""
+    target = tl.load(TARGET + row) - target_offset
+    return tl.where((target >= 0) & (target < n_valid), target, -1)
+
+
+@triton.jit
+def _ce_stats_kernel(LOGITS, TARGET, OUT, n_rows, stride_row, n_valid, target_offset,
+                     NEED_SUM: tl.constexpr, MAX_MINUS_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
+    """OUT: [max | sum exp(z - max) | z_target (max - z_target with MAX_MINUS_TARGET) | (sum z)],
+    n_rows each."""
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -43,19 +52,23 @@ def _ce_stats_kernel(LOGITS, TARGET, MAX, SUMEXP, ZTARGET, ZSUM, stride_row, n_v
         if NEED_SUM:
             zsum_lane += tl.where(ok, z, 0.0)
     m = reduce_max(m_lane, axis=0)
-    tl.store(MAX + row, m)
-    tl.store(SUMEXP + row, reduce_sum(s_lane * tl.exp(m_lane - m), axis=0))
+    tl.store(OUT + row, m)
+    tl.store(OUT + n_rows + row, reduce_sum(s_lane * tl.exp(m_lane - m), axis=0))
     if NEED_SUM:
-        tl.store(ZSUM + row, reduce_sum(zsum_lane, axis=0))
-    target = tl.load(TARGET + row)
+        tl.store(OUT + 3 * n_rows + row, reduce_sum(zsum_lane, axis=0))
+    target = _local_target(TARGET, row, target_offset, n_valid)
     z_t = tl.load(base + tl.maximum(target, 0), mask=target >= 0, other=0.0).to(tl.float32)
-    tl.store(ZTARGET + row, tl.where(target >= 0, z_t, 0.0))
+    z_t = tl.where(target >= 0, z_t, 0.0)
+    if MAX_MINUS_TARGET:
+        z_t = m - z_t  # the loss's (max - z_target), as loss_from_statistics computes it
+    tl.store(OUT + 2 * n_rows + row, z_t)
 
 
 @triton.jit
 def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, stride_row, stride_grad, n_cols,
-                    n_valid,
-                    target_weight, BLOCK_V: tl.constexpr):
+                    n_valid, target_offset, target_weight, smooth_value, BLOCK_V: tl.constexpr):
+    """SMOOTH: a 1-element tensor holding label_smoothing / V (the sharded statistics' V is a
+    device value), or None for the float smooth_value."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < n_cols
@@ -64,8 +77,11 @@ def _ce_grad_kernel(LOGITS, GRAD, TARGET, ROW_MAX, LOG_SUM, GRAD_LOSS, SMOOTH, s
     row_max = tl.load(ROW_MAX + row)
     log_sum = tl.load(LOG_SUM + row)
     g = tl.load(GRAD_LOSS + row)
-    target = tl.load(TARGET + row)
-    smooth_weight = tl.load(SMOOTH)
+    target = _local_target(TARGET, row, target_offset, n_valid)
+    if SMOOTH is None:
+        smooth_weight = smooth_value
+    else:
+        smooth_weight = tl.load(SMOOTH)
     # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V on the real vocabulary, 0 on padding.
     # softmax as exp((z - max) - log sum): exact where max + log sum would round at large logits.
     grad = tl.exp((z - row_max) - log_sum) - smooth_weight - tl.where(cols == target, target_weight, 0.0)
@@ -79,13 +95,18 @@ def _block_v(n: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-def _local_stats(logits2d, local_target, n_valid, need_sum, wrap_triton):
+def _launch_stats(logits2d, target, out, n_valid, target_offset, need_sum, max_minus_target, wrap_triton):
+    """out: contiguous fp32 [3 or 4, rows]."""
     n_rows = logits2d.shape[0]
-    out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
     block_v, num_warps = _block_v(n_valid)
     wrap_triton(_ce_stats_kernel)[(n_rows,)](
-        logits2d, local_target, out[0], out[1], out[2], out[3] if need_sum else None, logits2d.stride(0), n_valid,
-        NEED_SUM=need_sum, BLOCK_V=block_v, num_warps=num_warps)
+        logits2d, target, out, n_rows, logits2d.stride(0), n_valid, target_offset,
+        NEED_SUM=need_sum, MAX_MINUS_TARGET=max_minus_target, BLOCK_V=block_v, num_warps=num_warps)
+
+
+def _local_stats(logits2d, local_target, n_valid, need_sum, wrap_triton):
+    out = torch.empty((4 if need_sum else 3, logits2d.shape[0]), dtype=torch.float32, device=logits2d.device)
+    _launch_stats(logits2d, local_target, out, n_valid, 0, need_sum, False, wrap_triton)
     return out
 
 
@@ -99,12 +120,15 @@ def local_stats(logits2d: torch.Tensor, local_target: torch.Tensor, n_valid: int
 
 
 def _launch_grad(logits2d, grad, local_target, row_max, log_sum, grad_loss, n_valid, label_smoothing, smooth,
-                 wrap_triton):
+                 wrap_triton, target_offset=0):
+    """local_target: targets less target_offset are this shard's columns (the rest are masked in the
+    kernel); smooth: a 1-element tensor, or a float, holding label_smoothing / V."""
     n_rows, n_cols = logits2d.shape
     block_v, num_warps = _block_v(n_cols)
     wrap_triton(_ce_grad_kernel)[(n_rows, cdiv(n_cols, block_v))](
-        logits2d, grad, local_target, row_max, log_sum, grad_loss, smooth, logits2d.stride(0), grad.stride(0), n_cols,
-        n_valid, 1.0 - label_smoothing, BLOCK_V=block_v, num_warps=num_warps)
+        logits2d, grad, local_target, row_max, log_sum, grad_loss, None if smooth.__class__ is float else smooth,
+        logits2d.stride(0), grad.stride(0), n_cols, n_valid, target_offset, 1.0 - label_smoothing,
+        smooth if smooth.__class__ is float else 0.0, BLOCK_V=block_v, num_warps=num_warps)
 
 
 @kernel_op("ce_grad_logits", lambda logits2d, *args: torch.empty_like(logits2d, memory_format=torch.contiguous_format))
@@ -177,3 +201,61 @@ def loss(*args) -> torch.Tensor:
     if eager_path(*args[:7]) is None:
         return loss_from_statistics(*args)
     return apply(TritonLoss, _apply_loss, *args)
+
+
+def _unsharded_forward(logits2d, target, vocab_start, valid_vocab, label_smoothing):
+    """(loss, statistics [3 or 4, N] whose first row is the row max, log sum exp(z - max)) of an
+    unsharded vocabulary from one launch: the statistics kernel masks the global targets itself
+    and, without smoothing, writes max - z_target, so that the loss is a log and an add on the
+    host. The same numbers as the operator path (cross_entropy._global_statistics, loss_from_statistics)."""
+    n_rows = logits2d.shape[0]
+    need_sum = label_smoothing > 0
+    out = torch.empty((4 if need_sum else 3, n_rows), dtype=torch.float32, device=logits2d.device)
+    _launch_stats(logits2d, target, out, valid_vocab, vocab_start, need_sum, not need_sum, direct)
+    log_sum_exp = torch.log(out[1])
+    if need_sum:
+        loss = _loss_from_statistics(logits2d, None, out[0], log_sum_exp, out[2], out[3] / valid_vocab, None,
+                                     valid_vocab, label_smoothing, False)
+    else:
+        loss = log_sum_exp + out[2]  # out[2]: max - z_target
+    return loss, out, log_sum_exp
+
+
+class UnshardedLoss(torch.autograd.Function):
+    """The eager path of an unsharded cross-entropy (targets global ids, masked in the kernels):
+    one statistics launch and two torch ops forward (_unsharded_forward), one gradient launch back."""
+
+    @staticmethod
+    def forward(ctx, logits2d, target, vocab_start, valid_vocab, label_smoothing, inplace_backward):
+        loss, stats, log_sum_exp = _unsharded_forward(logits2d, target, vocab_start, valid_vocab, label_smoothing)
+        ctx.save_for_backward(logits2d, target, stats, log_sum_exp)
+        ctx.meta = (vocab_start, valid_vocab, label_smoothing, inplace_backward)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits2d, target, stats, log_sum_exp = ctx.saved_tensors
+        vocab_start, valid_vocab, label_smoothing, inplace_backward = ctx.meta
+        grad = logits2d if inplace_backward else torch.empty(logits2d.shape, dtype=logits2d.dtype,
+                                                             device=logits2d.device)
+        # stats as the row max (its first row); label_smoothing / V as a float, rounded to fp32 at the
+        # launch as the operator path's 1-element tensor rounds it
+        _launch_grad(logits2d, grad, target, stats, log_sum_exp, grad_loss.float().contiguous(), valid_vocab,
+                     label_smoothing, label_smoothing / valid_vocab, direct, vocab_start)
+        return grad, None, None, None, None, None
+
+
+_apply_unsharded = super(torch.autograd.Function, UnshardedLoss).apply
+
+
+def unsharded_loss(logits2d: torch.Tensor, target: torch.Tensor, vocab_start: int, valid_vocab: int,
+                   label_smoothing: float, inplace_backward: bool) -> torch.Tensor | None:
+    """The per-token loss of an unsharded vocabulary (target: contiguous global ids [N]) on the eager
+    path; None where triton_common.eager_path says the operators must run."""
+    grad = eager_path(logits2d, target)
+    if grad is None:
+        return None
+    if grad:
+        return apply(UnshardedLoss, _apply_unsharded, logits2d, target, vocab_start, valid_vocab, label_smoothing,
+                     inplace_backward)
+    return _unsharded_forward(logits2d, target, vocab_start, valid_vocab, label_smoothing)[0]

@@ -82,7 +82,9 @@ def check_triton_device(op: str, *tensors: torch.Tensor | None) -> None:
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """t as [rows, last dim] with unit stride along the last dim (a view when possible)."""
+    """t as [rows, last dim] with unit stride along the last dim (t itself or a view when possible)."""
+    if t.dim() == 2 and t.stride(-1) == 1:
+        return t  # the common case, without creating a view
     t2d = t.reshape(-1, t.shape[-1])
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 

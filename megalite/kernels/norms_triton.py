@@ -7,8 +7,9 @@ and strides divisible by 16), reduced across the program's warps, and written on
 Forward: a program normalises BLOCK_M rows of h = n_cols <= BLOCK_N columns (about 4096 values
 a program, 16 a thread), writing y and the per-row fp32 rstd (and mean for LayerNorm).
 Backward: a fixed number of persistent programs (as many as fit on the GPU at once) loop over
-the rows, write dx and keep fp32 partial sums of dweight/dbias in registers; the
-[programs, h] partials are reduced by one small torch sum afterwards.
+the rows, write dx and keep fp32 partial sums of dweight/dbias in registers; a second small
+kernel (triton_common.launch_column_sums) sums the [programs, h] partials and writes
+dweight/dbias (in the parameters' dtypes on the eager path), not a torch sum and cast each.
 """
 
 import functools
@@ -18,9 +19,9 @@ import triton
 import triton.language as tl
 
 from megalite.kernels.dispatch import as_rows, rows_of
-from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, direct, eager_path, kernel_op,
-                                            op_wrap_triton, persistent_programs, reduce_sum, rows_per_program,
-                                            sm_count, to_dtype, warps_for)
+from megalite.kernels.triton_common import (apply, cached_sm_count, cdiv, column_sums_launch, direct, eager_path,
+                                            kernel_op, launch_column_sums, op_wrap_triton, persistent_programs,
+                                            reduce_sum, rows_per_program, sm_count, to_dtype, warps_for)
 
 
 @triton.jit
@@ -120,7 +121,15 @@ def backward_launch(n_rows: int, n_cols: int, sms: int | None) -> tuple[int, int
 
 
 _cached_forward_tiles = functools.lru_cache(maxsize=256)(forward_tiles)
-_cached_backward_launch = functools.lru_cache(maxsize=256)(backward_launch)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(n_rows: int, n_cols: int, device_index: int) -> tuple[tuple, tuple]:
+    """(backward_launch, column_sums_launch) of the eager backward on CUDA device `device_index`
+    (-1: the CPU, under the interpreter), looked up once per shape."""
+    device = torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu")
+    launch = backward_launch(n_rows, n_cols, cached_sm_count(device))
+    return launch, column_sums_launch(launch[0], n_cols)
 
 
 def _launch_forward(x, weight, bias, y, mean, rstd, eps, is_rms, rows, tiles, wrap_triton):
@@ -179,7 +188,11 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, h
     db_part = torch.empty((launch[0] if has_bias else 0, n_cols), dtype=torch.float32, device=x2d.device)
     _launch_backward(dy2d, x2d, weight, dx, None if is_rms else mean, rstd, dw_part, db_part if has_bias else None,
                      is_rms, (n_rows, n_cols, x2d.stride(0)), dy2d.stride(0), launch, op_wrap_triton)
-    return dx, dw_part.sum(0), db_part.sum(0)
+    dw = torch.empty(n_cols, dtype=torch.float32, device=x2d.device)
+    db = torch.empty(n_cols if has_bias else 0, dtype=torch.float32, device=x2d.device)
+    launch_column_sums(dw_part, db_part if has_bias else None, dw, db if has_bias else None,
+                       column_sums_launch(launch[0], n_cols), op_wrap_triton)
+    return dx, dw, db
 
 
 def _setup_norm(ctx, inputs, output):
@@ -231,16 +244,17 @@ class NormFunction(torch.autograd.Function):
         is_rms, bias_dtype, n_rows, stride_x, shape = ctx.meta
         dy, _, stride_dy = rows_of(dy)
         n_cols = x.shape[-1]
-        launch = _cached_backward_launch(n_rows, n_cols, cached_sm_count(x.device))
+        launch, sums_launch = _backward_plan(n_rows, n_cols, x.get_device())
         dx = torch.empty_like(x) if x.shape == shape else x.new_empty(shape)  # contiguous either way
         dw_part = x.new_empty((launch[0], n_cols), dtype=torch.float32)
         db_part = None if bias_dtype is None else x.new_empty((launch[0], n_cols), dtype=torch.float32)
         _launch_backward(dy, x, weight, dx, mean, rstd, dw_part, db_part, is_rms, (n_rows, n_cols, stride_x),
                          stride_dy, launch, direct)
+        dw = x.new_empty(n_cols, dtype=weight.dtype)
+        db = None if bias_dtype is None else x.new_empty(n_cols, dtype=bias_dtype)
+        launch_column_sums(dw_part, db_part, dw, db, sums_launch, direct)
         needs = ctx.needs_input_grad
-        dw = dw_part.sum(0).to(weight.dtype) if needs[1] else None
-        db = db_part.sum(0).to(bias_dtype) if db_part is not None and needs[2] else None
-        return dx, dw, db, None, None
+        return dx, dw if needs[1] else None, db if needs[2] else None, None, None
 
 
 _apply_norm = super(torch.autograd.Function, NormFunction).apply

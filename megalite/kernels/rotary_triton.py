@@ -70,14 +70,15 @@ _cached_blocks = functools.lru_cache(maxsize=256)(_blocks)
 def _rotary(x, cos, sin, backward, blocks, wrap_triton):
     n_seq, n_batch, n_heads, head_dim = x.shape
     half = cos.shape[-1] // 2
-    y = torch.empty((n_seq, n_batch, n_heads, head_dim), dtype=x.dtype, device=x.device)
+    y = torch.empty((n_seq, n_batch, n_heads, head_dim), dtype=x.dtype, device=x.device)  # contiguous
     block_h, block_r, block_p, num_warps = blocks
-    stride_cb = cos.stride(1) if cos.shape[1] == n_batch and n_batch > 1 else 0
+    stride_xs, stride_xb, stride_xh, _ = x.stride()
+    stride_cs, stride_cb, _ = cos.stride()
     grid = (n_seq * n_batch, cdiv(n_heads, block_h))
     wrap_triton(_rotary_kernel)[grid](
         x, cos, sin, y, n_batch, n_heads, half, head_dim,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        cos.stride(0), stride_cb,
+        stride_xs, stride_xb, stride_xh, n_batch * n_heads * head_dim, n_heads * head_dim, head_dim,
+        stride_cs, stride_cb if cos.shape[1] == n_batch and n_batch > 1 else 0,
         BACKWARD=backward, HAS_PASS=head_dim > 2 * half,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps)
     return y

@@ -121,6 +121,49 @@ def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
+@triton.jit
+def _column_sums_kernel(A_PART, B_PART, A, B, n_parts, n_cols,
+                        HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (and B) [n_cols]: the column sums of the fp32 partials A_PART (B_PART) [n_parts, n_cols]
+    (contiguous), BLOCK_P rows at a time, rounded once to A's (B's) dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    a = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    b = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_ok[None, :]
+        offsets = parts[:, None].to(tl.int64) * n_cols + cols[None, :]
+        a += reduce_sum(tl.load(A_PART + offsets, mask=mask, other=0.0), axis=0)
+        if HAS_B:
+            b += reduce_sum(tl.load(B_PART + offsets, mask=mask, other=0.0), axis=0)
+    tl.store(A + cols, to_dtype(a, A.dtype.element_ty), mask=col_ok)
+    if HAS_B:
+        tl.store(B + cols, to_dtype(b, B.dtype.element_ty), mask=col_ok)
+
+
+def column_sums_launch(n_parts: int, n_cols: int) -> tuple[int, int, int, int]:
+    """(column blocks, BLOCK_P, BLOCK_N, num_warps) of _column_sums_kernel: tiles of about 4096
+    partials, at most 128 columns wide, 16 values of each sum's tile per thread."""
+    block_n = min(128, triton.next_power_of_2(n_cols))
+    block_p = max(1, min(triton.next_power_of_2(n_parts), 4096 // block_n))
+    return cdiv(n_cols, block_n), block_p, block_n, warps_for(block_p * block_n, 16)
+
+
+cached_column_sums_launch = functools.lru_cache(maxsize=256)(column_sums_launch)
+
+
+def launch_column_sums(a_part, b_part, a, b, launch, wrap_triton) -> None:
+    """a (b) [h] = the sums over rows of the fp32 partials a_part (b_part) [parts, h], in a's (b's)
+    dtype: the parameter gradients of the kernels that leave per-program partial sums, in one
+    launch instead of a torch sum and cast each. b_part and b None for one sum."""
+    n_parts, n_cols = a_part.shape
+    col_blocks, block_p, block_n, num_warps = launch
+    wrap_triton(_column_sums_kernel)[(col_blocks,)](
+        a_part, b_part, a, b, n_parts, n_cols, HAS_B=b_part is not None, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=num_warps)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints (and SymInts): triton.cdiv's arithmetic without its per-call overhead."""
     return -(-a // b)
@@ -169,8 +212,10 @@ class DirectLauncher:
     """`kernel[grid](*args, **constexprs)` for the eager path, with less host time than
     JITFunction.run: its first launch at each specialisation goes through JITFunction.run (which
     compiles, launches and returns the CompiledKernel); later launches with the same
-    specialisation launch that CompiledKernel directly (CompiledKernel[grid]), skipping run()'s
-    option parsing, argument binding and cache-key building.
+    specialisation launch that CompiledKernel directly, skipping run()'s option parsing, argument
+    binding and cache-key building: through its launcher (CompiledKernel.run, as CompiledKernel[grid]
+    calls it, without building that runner closure and the launch metadata each call) when no
+    Triton launch hook is set, through CompiledKernel[grid] when a profiler has set one.
 
     The key holds all that Triton specialises a launch on, or more: the current device (whose
     kernel cache run() uses), the constexpr and option keywords, each tensor's dtype and whether
@@ -194,12 +239,12 @@ class DirectLauncher:
         key = [device, *kwargs.values()]
         append = key.append
         for a in args:
-            kind = type(a)
-            if kind is int:
-                append(1 if a == 1 else (a & 15) == 0 if -2**31 <= a < 2**31 else ((a & 15) == 0, a >= 2**63))
-            elif kind in _PLAIN:
+            kind = a.__class__
+            if kind is _TENSOR or kind is _PARAMETER:
                 append(a.dtype)
                 append((a.data_ptr() & 15) == 0)
+            elif kind is int:
+                append(1 if a == 1 else (a & 15) == 0 if -2**31 <= a < 2**31 else ((a & 15) == 0, a >= 2**63))
             elif a is None:
                 append(None)
             elif kind is float:
@@ -214,7 +259,23 @@ class DirectLauncher:
                 self.compiled[key] = (compiled, tuple(kwargs[name] for name in self.names[len(args):]))
             return
         compiled, constexprs = found
-        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+        grid = (*grid, 1, 1)
+        enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+        if _hook_set(enter) or _hook_set(leave):  # a profiler's hooks want the launch metadata: Triton's runner
+            compiled[grid[:3]](*args, *constexprs)
+            return
+        # What CompiledKernel[grid](*args) does with no launch hooks, without building its runner
+        # closure and launch metadata every call.
+        compiled.run(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *constexprs)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook would do anything: not None and, for Triton 3.5+'s HookChain, not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 if INTERPRETED or not hasattr(triton, "knobs"):
@@ -224,6 +285,8 @@ if INTERPRETED or not hasattr(triton, "knobs"):
 else:
     from triton.compiler import CompiledKernel
     from triton.runtime.driver import driver as _driver
+
+    _RUNTIME = triton.knobs.runtime
 
     _LAUNCHERS: dict[int, DirectLauncher] = {}
 

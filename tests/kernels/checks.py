@@ -69,8 +69,8 @@ FP32_UNIT_ROUNDOFF = 2.0 ** -24
 def summation_depth(block_m: int, n_blocks: int, programs: int) -> int:
     """The most additions one row's term goes through in a backward kernel's sum over rows: a tree
     over the BLOCK_M rows of a block (ceil(log2 BLOCK_M) levels), the program's running sum over
-    its row blocks (one per block), then torch's sum over the programs' partials, whose order is
-    torch's (at most programs - 1 additions, the longest any order can take)."""
+    its row blocks (one per block), then the sum over the programs' partials
+    (triton_common.launch_column_sums: at most programs - 1 additions, the longest any order can take)."""
     return math.ceil(math.log2(block_m)) + triton.cdiv(n_blocks, programs) + programs - 1
 
 

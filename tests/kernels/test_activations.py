@@ -60,8 +60,8 @@ def test_bias_gelu(shape, dtype, with_bias, approximate, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("f", [100, 1100], ids=["one_column_block", "several_column_blocks"])
 def test_bias_gelu_backward_sums_row_blocks(f, dtype, device):
-    """The backward's programs each take one tile and write its dbias column sums; torch sums
-    them over row blocks, the last block partial (per column block when f spans several). In
+    """The backward's programs each take one tile and write its dbias column sums; a second kernel
+    sums them over row blocks, the last block partial (per column block when f spans several). In
     fp32 dbias, a sum over hundreds of rows of the kernel's own dx values, is held to the bound on
     summing in another order (checks.assert_row_sum_close)."""
     _, _, block_m, _, _ = bias_gelu_backward_launch(1024, f, True)

@@ -39,9 +39,10 @@ def test_launches_sharing_a_specialisation_compile_once(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     per_test = json.loads(out.read_text())
     same, aligned = per_test["test_made_up.py::test_same_tiles"], per_test["test_made_up.py::test_aligned_rows"]
-    assert [k.split()[0] for k in same] == ["_norm_bwd_kernel", "_norm_fwd_kernel"]  # one forward, one backward
-    assert len(aligned) == 2 and not set(aligned) & set(same)
-    assert summary(per_test) == {"distinct": 4, "files": {"test_made_up.py": (2, 4, 4)}}
+    # one forward, one backward, one sum of the dweight partials
+    assert [k.split()[0] for k in same] == ["_column_sums_kernel", "_norm_bwd_kernel", "_norm_fwd_kernel"]
+    assert len(aligned) == 3 and not set(aligned) & set(same)
+    assert summary(per_test) == {"distinct": 6, "files": {"test_made_up.py": (2, 6, 6)}}
 
 
 def test_summary_counts_what_each_file_alone_needs():

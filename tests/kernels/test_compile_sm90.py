@@ -21,15 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
            "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_rotary_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
-           "_bda_fwd_kernel", "_bda_bwd_kernel", "_fp8_cast_kernel",
+           "_bda_fwd_kernel", "_bda_bwd_kernel", "_fp8_cast_kernel", "_column_sums_kernel",
            "_fp8_cast_t_kernel"}
 PERSISTENT = {"_norm_bwd_kernel"}  # grids sized by triton_common.persistent_programs
-OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_norm_bwd_kernel"],
+OP_KERNELS = {"norm_forward": ["_norm_fwd_kernel"], "norm_backward": ["_column_sums_kernel", "_norm_bwd_kernel"],
               "swiglu_forward": ["_swiglu_fwd_kernel"], "swiglu_backward": ["_swiglu_bwd_kernel"],
-              "bias_gelu_forward": ["_bias_gelu_fwd_kernel"], "bias_gelu_backward": ["_bias_gelu_bwd_kernel"],
+              "bias_gelu_forward": ["_bias_gelu_fwd_kernel"],
+              "bias_gelu_backward": ["_bias_gelu_bwd_kernel", "_column_sums_kernel"],
               "rotary": ["_rotary_kernel"], "ce_local_stats": ["_ce_stats_kernel"],
               "ce_grad_logits": ["_ce_grad_kernel"], "ce_grad_logits_": ["_ce_grad_kernel"], "cross_entropy_loss": [],
-              "bias_dropout_add_forward": ["_bda_fwd_kernel"], "bias_dropout_add_backward": ["_bda_bwd_kernel"],
+              "bias_dropout_add_forward": ["_bda_fwd_kernel"],
+              "bias_dropout_add_backward": ["_bda_bwd_kernel", "_column_sums_kernel"],
               "fp8_cast": ["_fp8_cast_kernel"], "fp8_amax": ["_fp8_cast_kernel"],
               "fp8_cast_transposed": ["_fp8_cast_t_kernel"], "fp8_cast_transpose": ["_fp8_cast_t_kernel"]}
 
@@ -61,7 +63,8 @@ def compiled():
 def test_every_kernel_compiles_for_sm90(compiled):
     _, entries, _ = compiled
     defined = set()
-    for path in (ROOT / "megalite" / "kernels").glob("*_triton.py"):
+    kernels = ROOT / "megalite" / "kernels"
+    for path in [*kernels.glob("*_triton.py"), kernels / "triton_common.py"]:
         defined |= set(re.findall(r"@triton\.jit\ndef (_\w+_kernel)\(", path.read_text()))
     assert {e["kernel"] for e in entries} == KERNELS == defined
 

@@ -112,7 +112,7 @@ def test_backward_programs_loop_over_row_blocks(op, h, dtype, device):
     blocks_per_program = triton.cdiv(triton.cdiv(rows, block_m), programs)
     for (label, (t, roundings)), grad in zip(terms.items(), got[1:]):
         depth = summation_depth(block_m, triton.cdiv(rows, block_m), programs)
-        # ... held to the bound over their own rows, then the result after torch's sum over them.
+        # ... held to the bound over their own rows, then the result after the column-sum kernel's sum over them.
         assert_partial_sums_close(parts[label], t, block_m, math.ceil(math.log2(block_m)) + blocks_per_program
                                   + roundings, f"{name} {label} partial sums")
         assert_row_sum_close(grad, want[1 if label == "dweight" else 2], t.to(grad.device), depth + roundings,
