@@ -17,9 +17,9 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
   (cast_transpose_bytes: the fused cast writes one byte more, 4 or 6; the torch ops copy the
   FP8 result transposed, 33 + 2), and wgrad's x transposed (the fused cast writes it
   transposed; the torch ops cast, then copy: 33 + 2); with --no-fp8-wgrad only dgrad's dy,
-  row-major. The weight is cast once per optimizer step (fp8_gemm.py's WeightCache) with its
-  column-major copy for dgrad from the same pass (cast_transpose_bytes per element), spread
-  over the step's micro-batches (charged to forward). With --fp8-param-gather under FSDP2 the
+  row-major. The weight is cast once per optimizer step (fp8_gemm.py's WeightCache) and its
+  column-major copy for dgrad copied from that cast by the first dgrad (2 bytes more an
+  element), spread over the step's micro-batches (charged to forward). With --fp8-param-gather under FSDP2 the
   gathered weight is not cached: each rank casts its fp32 shard (W / (DP x CP) elements)
   before each all-gather, forward and dgrad, per micro-batch: 4 + 1 bytes an element with the
   fused cast (plus, tensorwise, the amax pass once per step: 4), QUANTIZE_BYTES with torch ops;
@@ -28,9 +28,8 @@ Time, per FP8 linear and micro-batch (x [T, k] W^T with W [n, k] on this rank):
   x of a row-parallel one in forward and in wgrad), at the latency of the group.
 
 Memory: per delayed-scaling FP8 linear its fp32 amax history [len, 3] and scales [3]; per FP8
-linear its cached FP8 weight and its column-major copy (2 bytes per element of W, held through
-the step; blockwise: 1, its column-major copy is made in backward as activations are freed
-and is not counted); and the quantization working set of the rank's largest FP8 linear, taken
+linear its cached FP8 weight (1 byte per element of W, held through the step; its column-major
+copy is made by the first dgrad, as activations are freed, and is not counted); and the quantization working set of the rank's largest FP8 linear, taken
 as held on top of the activation peak (backward runs it while the activations are held): with
 the torch ops the largest of forward's 5X (x's fp32 copy and FP8 copy) or X + 5W, dgrad's 5G
 (dy's fp32 and FP8 copies; then its FP8 copy in both layouts), wgrad's G + 5X or G + 2X + 4W
@@ -155,8 +154,8 @@ def fp8_layer_seconds(cluster, workload: Workload, layout: Layout, layer: int,
             cast_b += shard_cast * shard / bw
             if fused and recipe.scaling == "tensorwise":  # the shard's amax pass, once per step
                 cast_f += SHARD_BYTES * shard * per_step / bw
-        else:  # once per step, with its column-major copy for dgrad
-            cast_f += both * w * per_step / bw
+        else:  # cast once per step; the first dgrad copies the cast column-major
+            cast_f += (quantize + TRANSPOSE_BYTES) * w * per_step / bw
         if recipe.scaling == "tensorwise" and tp_group is not None and len(tp_group) > 1:
             reduce = cluster.collective_time("all_reduce", 4, tp_group)
             # forward: W once per step (its cached cast; its FSDP2 scales: one reduction for all
@@ -176,8 +175,7 @@ def fp8_memory_bytes(workload: Workload, layout: Layout, layers: list[int]) -> f
     state = delayed_state_bytes(workload.fp8.amax_history_len) * len(linears) \
         if workload.fp8.scaling == "delayed" else 0
     recipe = workload.fp8
-    copies = 1 if recipe.scaling == "blockwise" else 2  # the FP8 weight and its column-major copy
-    cached = 0.0 if recipe.param_gather and layout.fsdp2 else copies * sum(k * n for _, k, n, _ in linears)
+    cached = 0.0 if recipe.param_gather and layout.fsdp2 else sum(k * n for _, k, n, _ in linears)
     working, fused = 0.0, fused_cast(workload)
     for tokens, k, n, _ in linears:
         x, g, w = tokens * k, tokens * n, k * n

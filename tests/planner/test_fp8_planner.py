@@ -93,14 +93,15 @@ def test_fp8_gemms_at_the_fp8_rate_and_the_casts_at_the_memory_bandwidth(base, e
     saved = gemm * (1 - cluster.peak_flops / cluster.fp8_peak_flops)  # the FP8 peak is twice bf16's: half
     # forward's x; dy once for dgrad and wgrad in both layouts (the fused cast writes one byte more,
     # the torch ops copy the result transposed); wgrad's x transposed (written so by the fused
-    # cast, copied after the torch ops); the weight once per step (one micro-batch here) with
-    # its column-major copy for dgrad from the same cast; --no-fp8-wgrad: dgrad's dy alone
+    # cast, copied after the torch ops); the weight once per step (one micro-batch here), its
+    # column-major copy for dgrad copied from that cast; --no-fp8-wgrad: dgrad's dy alone
     fused = cast_bytes != QUANTIZE_BYTES
     both = cast_bytes + (1 if fused else TRANSPOSE_BYTES)
     transposed = cast_bytes + (0 if fused else TRANSPOSE_BYTES)
-    casts = 4 * sum(cast_bytes * tokens * k + both * (tokens * n + k * n) + transposed * tokens * k
+    weight = cast_bytes + TRANSPOSE_BYTES
+    casts = 4 * sum(cast_bytes * tokens * k + both * tokens * n + weight * k * n + transposed * tokens * k
                     for k, n in shapes) / cluster.memory_bandwidth
-    casts_no_wgrad = 4 * sum(cast_bytes * (tokens * k + tokens * n) + both * k * n
+    casts_no_wgrad = 4 * sum(cast_bytes * (tokens * k + tokens * n) + weight * k * n
                              for k, n in shapes) / cluster.memory_bandwidth
     assert fp8.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved, rel=1e-9)
     assert no_wgrad.breakdown["matmul"] == pytest.approx(bf16.breakdown["matmul"] - saved * 2 / 3, rel=1e-9)
@@ -123,11 +124,11 @@ def test_fp8_param_gather_charges_each_ranks_shard_cast(fused, shard_cast):
     cluster, layout = preset("h100", 2), Layout(1, 1, 2, micro_batch_size=2, fsdp2=True)
     per_step = 1 / layout.num_microbatches(8)
     weights = sum(k * n for k, n in [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)])
-    both = quantize_bytes(work) + (1 if fused else TRANSPOSE_BYTES)
+    weight_cast = quantize_bytes(work) + TRANSPOSE_BYTES  # the cached cast, copied column-major by dgrad
     cast_f, cast_b = fp8_layer_seconds(cluster, work, layout, 1)[2:]
     gathered_f, gathered_b = fp8_layer_seconds(cluster, gathered, layout, 1)[2:]
     bw = cluster.memory_bandwidth
-    assert gathered_f - cast_f == pytest.approx((shard_cast * weights / 2 - both * weights * per_step) / bw, rel=1e-9)
+    assert gathered_f - cast_f == pytest.approx((shard_cast * weights / 2 - weight_cast * weights * per_step) / bw, rel=1e-9)
     assert gathered_b - cast_b == pytest.approx(shard_cast * weights / 2 / bw, rel=1e-9)
 
 

@@ -127,10 +127,12 @@ class Fp8Gemm(Gemm):
 
     def _cached_weight(self, weight, record: bool, column_major: bool) -> WeightCache:
         """The weight's cache, filled anew when stale: with its column-major copy from the same
-        pass when `column_major` (dgrad asks) or `record` (a training forward: dgrad will ask)."""
+        pass when `column_major` (dgrad asks). A forward's fill leaves the copy to the first dgrad:
+        made then, it is not held through a pipeline's warm-up forwards, where a stage's peak is
+        (1 byte per weight element; the pass would save only about as much traffic per step)."""
         cache = self.weight_cache
         if cache is None or not cache.holds(weight) or cache.scales_version != self._scales_version():
-            data, data_column_major, scale = self._cast_weight(weight, record, column_major or record)
+            data, data_column_major, scale = self._cast_weight(weight, record, column_major)
             cache = WeightCache(weakref.ref(weight), weight._version, self._scales_version(), data, scale,
                                 recorded=record or not isinstance(self.scaling, DelayedScaling),
                                 column_major=data_column_major)

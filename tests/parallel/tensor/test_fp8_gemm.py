@@ -84,7 +84,7 @@ def test_hybrid_quantizes_gradients_to_e5m2_and_the_rest_to_e4m3(monkeypatch, fm
     grads = {d for shape, d in seen if shape == (15, 32)}
     others = {d for shape, d in seen if shape != (15, 32)}
     assert grads == {grad_dtype} and others == {E4M3}, seen
-    # fprop x, W (with its column-major copy for dgrad); dy once for dgrad and wgrad; wgrad's x
+    # fprop x, W; dy once for dgrad and wgrad; wgrad's x
     assert [shape for shape, _ in seen] == [(15, 48), (32, 48), (15, 32), (15, 48)]
 
 
