@@ -1,10 +1,14 @@
 """The default dry run measures one rank of every distinct pipeline stage, prints a row per
 stage and a verdict naming the highest peak's stage and whether it fits the GPU's memory.
 
-The toy layout is built so that a middle stage peaks highest: pipeline ranks 0 and 5 hold one
-layer per chunk (--decoder-first/last-pipeline-num-layers 2), the middle ranks two, and under
-interleaved 1F1B ranks 1 and 2 keep every chunk-micro-batch in flight (warm-up capped at m*v),
-rank 3 and 4 fewer."""
+The toy layout is built so that a middle stage peaks highest: the embedding and the loss each
+count as a layer (--account-for-embedding/loss-in-pipeline-split), so of the 12 virtual stages
+rank 0's first chunk holds the embedding alone and rank 5's second the loss alone, every other chunk
+one layer: ranks 0 and 5 hold one layer, the middle ranks two; under interleaved 1F1B ranks 1 and 2
+keep every chunk-micro-batch in flight (warm-up capped at m*v), ranks 3 and 4 fewer. (Ten layers,
+not the 20 that --decoder-first/last-pipeline-num-layers 2 would need for the same shape: the dry
+run's time is its ops, ~1 ms each through FakeTensor and MemTracker, and ops scale with the layers;
+the first/last flags' distinct stages: test_llama3_405b_has_ten_distinct_stages.)"""
 
 import json
 import re
@@ -21,9 +25,9 @@ from tests.dryrun.test_fake_cuda import REPO, fake_cuda_env
 
 TOY = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 211 --hidden-size 64 --num-attention-heads 4 "
        "--seq-length 32 --micro-batch-size 1 --lr 1e-3 --train-iters 1 --bf16 --dry-run").split()
-MIDDLE_HIGHEST = TOY + ("--num-layers 20 --global-batch-size 6 --pipeline-model-parallel-size 6 "
-                        "--num-virtual-stages-per-pipeline-rank 2 --decoder-first-pipeline-num-layers 2 "
-                        "--decoder-last-pipeline-num-layers 2 --dry-run-world-size 6").split()
+MIDDLE_HIGHEST = TOY + ("--num-layers 10 --global-batch-size 6 --pipeline-model-parallel-size 6 "
+                        "--num-virtual-stages-per-pipeline-rank 2 --account-for-embedding-in-pipeline-split "
+                        "--account-for-loss-in-pipeline-split --dry-run-world-size 6").split()
 LLAMA3_405B = ("--dry-run --dry-run-world-size 1024 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 "
                "--num-virtual-stages-per-pipeline-rank 2 --decoder-first-pipeline-num-layers 6 "
                "--decoder-last-pipeline-num-layers 8 --sequence-parallel --use-distributed-optimizer --bf16 --mock-data "
@@ -94,13 +98,13 @@ def test_verdict_lists_every_stage_over_the_limit_and_none_without_pipelining():
 
 
 def test_dry_run_reports_every_distinct_stage_and_the_highest_that_does_not_fit():
-    # 0.004 GiB = 4.1 MiB: under the middle stages' peak (about 5.2 MiB), over the first's (about 3)
-    out = _dry_run(MIDDLE_HIGHEST + ["--dry-run-gpu-memory-gib", "0.004"])
+    # 0.002 GiB = 2.05 MiB: under the middle stages' peaks (2.4-2.6 MiB), over the first's and last's (1.7)
+    out = _dry_run(MIDDLE_HIGHEST + ["--dry-run-gpu-memory-gib", "0.002"])
     assert out.returncode == 0, out.stderr[-3000:]  # measured: 0 even when the layout does not fit
     rows = {m[0]: (int(m[1]), m[2], [float(x) for x in m[3].split()], m[4]) for m in ROW.findall(out.stdout)}
     assert list(rows) == ["0", "1-2", "3", "4", "5"], out.stdout  # every stage, ranks 1 and 2 once
     assert [r[0] for r in rows.values()] == [0, 1, 3, 4, 5] and all(r[3] == "yes" for r in rows.values())
-    assert [r[1] for r in rows.values()] == ["1+1", "2+2", "2+2", "2+2", "1+1"]
+    assert [r[1] for r in rows.values()] == ["0+1", "1+1", "1+1", "1+1", "1+0"]
     totals = {stage: r[2][5] for stage, r in rows.items()}
     assert all(abs(sum(r[2][:5]) - r[2][5]) < 0.01 for r in rows.values())
     highest = max(totals, key=totals.get)
@@ -108,7 +112,7 @@ def test_dry_run_reports_every_distinct_stage_and_the_highest_that_does_not_fit(
     assert totals["3"] > totals["4"]  # same layers, fewer micro-batches in flight
     last = out.stdout.strip().splitlines()[-1]
     assert re.match(rf"verdict: highest peak [\d.]+ GiB \({totals['1-2']:,.0f} MiB\) on pipeline stages 1-2 "
-                    r"\(rank 1 measured\): DOES NOT FIT a GPU of 0.004 GiB \(--dry-run-gpu-memory-gib\): [\d.]+ GiB "
+                    r"\(rank 1 measured\): DOES NOT FIT a GPU of 0.002 GiB \(--dry-run-gpu-memory-gib\): [\d.]+ GiB "
                     r"over, on stages 1-4 \(4 of 6\)$", last), last
     assert "measuring 5 of 6 pipeline stages" in out.stderr
 
@@ -131,11 +135,14 @@ def test_members_of_a_distinct_stage_measure_the_same():
     assert len({json.dumps(m, sort_keys=True) for m in measured}) == 5  # the other stages differ
 
 
+@pytest.mark.slow
 def test_dry_run_splits_layers_as_the_pipeline_split_accounting_flags_say():
     """Megatron's --account-for-embedding/loss-in-pipeline-split with virtual stages (6 layers
     over PP=4 x VP=2, the embedding and the loss each counted as a layer: Megatron-LM's
     layers_per_virtual_stage gives the first and last virtual stage no transformer layer). The
-    dry run builds and reports the layout the run would train, stage by stage."""
+    dry run builds and reports the layout the run would train, stage by stage. Slow: the default
+    suite's test_dry_run_reports_every_distinct_stage_... dry-runs the same flags (PP=6 x VP=2) and
+    checks the same 0+1 ... 1+0 rows, in the same dry run it needs anyway."""
     argv = TOY + ("--num-layers 6 --global-batch-size 4 --pipeline-model-parallel-size 4 "
                   "--num-virtual-stages-per-pipeline-rank 2 --account-for-embedding-in-pipeline-split "
                   "--account-for-loss-in-pipeline-split --dry-run-world-size 4").split()

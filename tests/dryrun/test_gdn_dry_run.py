@@ -13,14 +13,16 @@ GDN = ("--experimental-attention-variant gdn --linear-attention-freq 2 --linear-
 
 
 def _one_stage(argv):
-    """SMALL without its pipeline: TP2 x CP2 x DP2."""
+    """SMALL without its pipeline: TP2 x CP2 x DP2, on two layers (one linear, one full) and one
+    micro-batch per DP rank (global batch 4): what the assertions need, at half the dry run's ops."""
     out, skip = [], {"--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-                     "--dry-run-world-size"}
+                     "--dry-run-world-size", "--num-layers", "--global-batch-size"}
     for i, word in enumerate(argv):
         if word in skip or (i and argv[i - 1] in skip):
             continue
         out.append(word)
-    return out + ["--dry-run-world-size", "8", "--context-parallel-size", "2"]
+    return out + ["--dry-run-world-size", "8", "--context-parallel-size", "2", "--num-layers", "2",
+                  "--global-batch-size", "4"]
 
 
 def test_gdn_hybrid_dry_run_holds_the_formula_bytes():

@@ -278,8 +278,9 @@ if wants model; then
     step bench-model "$(( LIMIT + 20 ))" "$PY" tools/benchmarks/bench_model.py --quick --skip-kernels \
       --time-limit "$LIMIT" --output "$LOGS/bench-model.md"
   else
+    # one step, no warm-up: the plumbing only (the row's Triton kernels run interpreted, ~6 s a step)
     step bench-model "$(budget 300)" "$PY" tools/benchmarks/bench_model.py --cpu-smoke --skip-kernels \
-      --models gpt2-tiny --rows kernels --output "$LOGS/bench-model.md"
+      --models gpt2-tiny --rows kernels --warmup 0 --steps 1 --output "$LOGS/bench-model.md"
   fi
 fi
 "$PY" tools/benchmarks/gpu_check_report.py table --logs "$LOGS" --out "$OUT_FILE" --command "$COMMAND" \
