@@ -35,6 +35,17 @@ def fused_cast_applies(x: torch.Tensor, impl: str) -> bool:
     return True
 
 
+def _kernel_casts(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, impl: str) -> bool:
+    """Whether a cast of `x` runs the kernel: it applies, and the scale and amax are on x's device."""
+    return fused_cast_applies(x, impl) and (amax is None or amax.device == x.device) and scale.device == x.device
+
+
+def _check_2d(name: str, x2d: torch.Tensor, dtype: torch.dtype) -> None:
+    _check(x2d, dtype)
+    if x2d.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D [rows, cols], got {tuple(x2d.shape)}")
+
+
 def fp8_cast_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                        amax: torch.Tensor | None = None) -> torch.Tensor:
     if amax is not None:
@@ -53,7 +64,7 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, amax: 
     a one-element fp32 tensor; with `amax` (one-element fp32, on x's device for the kernel), also
     amax := max(amax, max |x|) from the same read of x."""
     _check(x, dtype)
-    if fused_cast_applies(x, impl) and (amax is None or amax.device == x.device) and scale.device == x.device:
+    if _kernel_casts(x, scale, amax, impl):
         from megalite.kernels import fp8_cast_triton
 
         return fp8_cast_triton.fp8_cast(x, scale, dtype, amax)
@@ -63,10 +74,8 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, amax: 
 def fp8_cast_transposed(x2d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
                         amax: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """fp8_cast(x2d, ...) transposed: [cols, rows], contiguous (x2d [rows, cols])."""
-    _check(x2d, dtype)
-    if x2d.dim() != 2:
-        raise ValueError(f"fp8_cast_transposed: x must be 2-D [rows, cols], got {tuple(x2d.shape)}")
-    if fused_cast_applies(x2d, impl) and (amax is None or amax.device == x2d.device) and scale.device == x2d.device:
+    _check_2d("fp8_cast_transposed", x2d, dtype)
+    if _kernel_casts(x2d, scale, amax, impl):
         from megalite.kernels import fp8_cast_triton
 
         return fp8_cast_triton.fp8_cast_transposed(x2d, scale, dtype, amax)
@@ -77,10 +86,8 @@ def fp8_cast_transpose(x2d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
                        amax: torch.Tensor | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8_cast(x2d, ...), the same bytes transposed [cols, rows]), both contiguous: on the
     kernel one pass reads x2d once and writes both (Transformer Engine's cast_transpose)."""
-    _check(x2d, dtype)
-    if x2d.dim() != 2:
-        raise ValueError(f"fp8_cast_transpose: x must be 2-D [rows, cols], got {tuple(x2d.shape)}")
-    if fused_cast_applies(x2d, impl) and (amax is None or amax.device == x2d.device) and scale.device == x2d.device:
+    _check_2d("fp8_cast_transpose", x2d, dtype)
+    if _kernel_casts(x2d, scale, amax, impl):
         from megalite.kernels import fp8_cast_triton
 
         return fp8_cast_triton.fp8_cast_transpose(x2d, scale, dtype, amax)

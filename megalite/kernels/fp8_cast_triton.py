@@ -145,17 +145,18 @@ def fp8_cast_transposed_op(x2d: torch.Tensor, scale: torch.Tensor, amax: torch.T
     return yt
 
 
-def _cast_both_fake(x2d, scale, amax, out_dtype, record_amax):
+def _empty_both(x2d, scale, amax, out_dtype, record_amax):
+    """The outputs of fp8_cast_transpose_op: x2d's shape, then its transpose (also its fake)."""
     return (torch.empty(x2d.shape, dtype=out_dtype, device=x2d.device),
             torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device))
 
 
-@kernel_op("fp8_cast_transpose", _cast_both_fake, mutates_args=("amax",))
+@kernel_op("fp8_cast_transpose", _empty_both, mutates_args=("amax",))
 def fp8_cast_transpose_op(x2d: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype,
                           record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8(clamp(x2d * scale)) [rows, cols], the same transposed [cols, rows]), both contiguous,
     from one read of x2d; record_amax as fp8_cast_op."""
-    y, yt = _cast_both_fake(x2d, scale, amax, out_dtype, record_amax)
+    y, yt = _empty_both(x2d, scale, amax, out_dtype, record_amax)
     _launch_transposed(x2d, scale, yt, y, amax, record_amax, sm_count(x2d.device), op_wrap_triton)
     return y, yt
 
@@ -191,25 +192,23 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     return amax
 
 
+def _tiled_cast(op, x2d, scale, out_dtype, amax, store_rows: bool):
+    """The tiled cast's eager path (direct launch) where triton_common.eager_path allows, else
+    `op`: the transposed copy, and with `store_rows` (the row-major copy, the transposed one)."""
+    if eager_path(x2d, scale, amax) is None:
+        return op(x2d, scale, scale.new_zeros(()) if amax is None else amax, out_dtype, amax is not None)
+    y = torch.empty(x2d.shape, dtype=out_dtype, device=x2d.device) if store_rows else None
+    yt = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device)
+    _launch_transposed(x2d, scale, yt, y, scale if amax is None else amax, amax is not None,
+                       cached_sm_count(x2d.device), direct)
+    return (y, yt) if store_rows else yt
+
+
 def fp8_cast_transposed(x2d: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                         amax: torch.Tensor | None) -> torch.Tensor:
-    if eager_path(x2d, scale, amax) is None:
-        if amax is None:
-            return fp8_cast_transposed_op(x2d, scale, scale.new_zeros(()), out_dtype, False)
-        return fp8_cast_transposed_op(x2d, scale, amax, out_dtype, True)
-    yt = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=out_dtype, device=x2d.device)
-    _launch_transposed(x2d, scale, yt, None, scale if amax is None else amax, amax is not None,
-                       cached_sm_count(x2d.device), direct)
-    return yt
+    return _tiled_cast(fp8_cast_transposed_op, x2d, scale, out_dtype, amax, store_rows=False)
 
 
 def fp8_cast_transpose(x2d: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                        amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if eager_path(x2d, scale, amax) is None:
-        if amax is None:
-            return fp8_cast_transpose_op(x2d, scale, scale.new_zeros(()), out_dtype, False)
-        return fp8_cast_transpose_op(x2d, scale, amax, out_dtype, True)
-    y, yt = _cast_both_fake(x2d, scale, amax, out_dtype, False)
-    _launch_transposed(x2d, scale, yt, y, scale if amax is None else amax, amax is not None,
-                       cached_sm_count(x2d.device), direct)
-    return y, yt
+    return _tiled_cast(fp8_cast_transpose_op, x2d, scale, out_dtype, amax, store_rows=True)

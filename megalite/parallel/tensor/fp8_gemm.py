@@ -19,9 +19,9 @@ layout they need.
 
 The weight is the exception (Transformer Engine's is_first_microbatch cache): its FP8 copy, and
 the column-major copy dgrad needs, are cast once and reused by every later micro-batch, the
-backward and a recomputed forward, until the weight changes; a training forward writes both
-copies in the one pass that reads the weight (an evaluation forward only the first: dgrad then
-copies it). WeightCache says when: the same
+backward and a recomputed forward, until the weight changes; a cache filled by dgrad writes both
+copies in the one pass that reads the weight, one filled by a forward only the first (the first
+dgrad then copies it: _cached_weight says why). WeightCache says when: the same
 weight (or a detached alias of it) at the same version counter (an optimizer step or a
 checkpoint load writes it in place) and, with delayed scaling, the same scales version (their
 update after each step and a checkpoint load write them in place); Fp8StepUpdate
@@ -76,7 +76,7 @@ class SharedGrad:
 @dataclass
 class WeightCache:
     """A weight's FP8 cast (`data` = fp8(weight * scale)) and its column-major copy (written by the
-    same cast when a training forward or dgrad filled the cache, else copied once dgrad asks);
+    same cast when dgrad filled the cache, else copied once dgrad asks);
     valid while the weight is `weight` (or an alias of it) at `version` and the scales at
     `scales_version`. `recorded`: whether the weight's amax went into the delayed history (not
     when the cast was made by an evaluation forward)."""
