@@ -29,12 +29,15 @@ def _saved_bytes(gdn: GDNConfig, b: int, s: int) -> int:
     layer = GatedDeltaNet(config)
     x = torch.randn(s, b, H, dtype=torch.bfloat16, requires_grad=True)
     own = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
-    saved = {}
+    saved, held = {}, []
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in own:
             saved[storage.data_ptr()] = storage.nbytes()
+            # held to the end: a saved storage freed mid-forward (its node dropped) would let a
+            # later one reuse its address and replace its entry (seen once in a full-suite run)
+            held.append(storage)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
